@@ -1,0 +1,159 @@
+"""Config: every engine knob in one validated dataclass."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
+          "float": torch.float32}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid; the message names the field and what to do."""
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+@dataclass
+class Config:
+    """Engine configuration. ``LLM(model, **kwargs)`` takes these fields as keyword arguments."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None
+    kv_cache_memory_gib: float | None = None
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+
+    # Filled in by __post_init__ (not user knobs).
+    hf_config: Any = field(default=None, repr=False)
+    model_path: Path | None = field(default=None, repr=False)
+    torch_dtype: torch.dtype | None = field(default=None, repr=False)
+    eos_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        from llmcli.models.hub import load_generation_eos, load_hf_config, resolve_model_path
+
+        self._check_simple_fields()
+        self.device = self._resolve_device()
+        self.attention_backend = self._resolve_backend()
+        self._check_block_size()
+        self._check_tensor_parallel()
+        self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
+        self.hf_config = load_hf_config(self.model_path)
+        self.eos_token_ids = load_generation_eos(self.model_path, self.hf_config)
+        self.torch_dtype = self._resolve_dtype()
+        self._check_model_len()
+
+    # -- validation ---------------------------------------------------------
+    def _fail(self, name: str, why: str) -> ConfigError:
+        return ConfigError(f"Config.{name}={getattr(self, name)!r}: {why}")
+
+    def _check_simple_fields(self) -> None:
+        positive = ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "kvcache_block_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise self._fail(name, "must be a positive integer")
+        for name in ("max_model_len", "num_kvcache_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise self._fail(name, "must be a positive integer or None (derived automatically)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise self._fail("gpu_memory_utilization", "must be in (0, 1], the share of device memory llmcli may use")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise self._fail("kv_cache_memory_gib", "must be a positive number of GiB")
+        if self.device not in DEVICES:
+            raise self._fail("device", f"must be one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise self._fail("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
+        if not isinstance(self.seed, int):
+            raise self._fail("seed", "must be an integer")
+
+    def _resolve_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise self._fail("device", "no CUDA device is visible to PyTorch; use device='cpu' or 'auto'")
+        return self.device
+
+    def _resolve_backend(self) -> str:
+        backend = self.attention_backend
+        if backend == "auto":
+            if self.device == "cpu":
+                return "torch"
+            return "flash-attn" if flash_attn_available() else "triton"
+        if backend == "flash-attn":
+            if self.device != "cuda":
+                raise self._fail("attention_backend", "flash-attn runs on CUDA only; use 'torch' on CPU")
+            if not flash_attn_available():
+                raise self._fail("attention_backend", "flash_attn is not installed; pip install 'llmcli[flash]' or use 'triton'")
+        if backend == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise self._fail("attention_backend", "triton kernels need a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        return backend
+
+    def _check_block_size(self) -> None:
+        bs = self.kvcache_block_size
+        if self.attention_backend == "flash-attn" and bs % 256:
+            raise self._fail("kvcache_block_size", "the flash-attn backend needs a multiple of 256")
+        if self.attention_backend == "triton" and (bs & (bs - 1) or not 16 <= bs <= 256):
+            raise self._fail("kvcache_block_size", "the triton backend needs a power of two from 16 to 256")
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        available = torch.cuda.device_count() if self.device == "cuda" else (os.cpu_count() or 1)
+        if tp > available:
+            where = "CUDA devices" if self.device == "cuda" else "CPU cores"
+            raise self._fail("tensor_parallel_size", f"only {available} {where} are present")
+
+    def _resolve_dtype(self) -> torch.dtype:
+        chosen = DTYPES[self.dtype]
+        if chosen is not None:
+            if self.device == "cpu" and chosen is torch.float16:
+                raise self._fail("dtype", "float16 is not supported on CPU; use float32 or bfloat16")
+            return chosen
+        if self.device == "cpu":
+            return torch.float32
+        native = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
+        if isinstance(native, str):
+            native = DTYPES.get(native)
+        return native if native in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def _check_model_len(self) -> None:
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            self.max_model_len = min(limit or 4096, 40960)
+        elif limit is not None and self.max_model_len > limit:
+            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_embeddings)")
+
+    @classmethod
+    def knob_names(cls) -> list[str]:
+        """The user-facing field names (what ``LLM(**kwargs)`` accepts)."""
+        derived = {"hf_config", "model_path", "torch_dtype", "eos_token_ids"}
+        return [f.name for f in fields(cls) if f.name not in derived and f.name != "model"]

@@ -1,0 +1,143 @@
+"""LLMEngine: requests in, one scheduler step at a time, finished outputs out."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+from llmcli.config import Config
+from llmcli.engine.model_runner import ModelRunner
+from llmcli.engine.outputs import EngineStats, RequestOutput
+from llmcli.engine.scheduler import Scheduler
+from llmcli.engine.sequence import RequestRejected, Sequence
+from llmcli.engine.stopping import StopChecker
+from llmcli.sampling_params import SamplingParams
+
+log = logging.getLogger("llmcli")
+
+
+def load_tokenizer(config: Config) -> Any:
+    """The model's tokenizer, or None when the folder has none (dummy-weight configs)."""
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer or str(config.model_path)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as exc:
+        if config.tokenizer:
+            raise ValueError(f"Config.tokenizer={config.tokenizer!r} could not be loaded: {exc}") from None
+        log.info("no tokenizer in %s (%s); prompts must be token ids", source, type(exc).__name__)
+        return None
+
+
+class LLMEngine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.eos_token_ids = list(config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
+                and self.tokenizer.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        self.model_runner = self._start_runner(config)
+        self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks)
+        self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats)
+        self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
+        self._rng = random.Random(config.seed)
+
+    def _start_runner(self, config: Config) -> Any:
+        if config.tensor_parallel_size > 1:
+            from llmcli.distributed.tp_runner import start_tensor_parallel
+
+            return start_tensor_parallel(config)
+        return ModelRunner(config)
+
+    # -- requests ---------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(f"model {self.config.model} has no tokenizer: give prompts as token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> Sequence:
+        token_ids = self.encode(prompt)
+        self._check_fits(token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id, seed)
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(token_ids)
+        return seq
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        n, limit = len(token_ids), self.config.max_model_len
+        if n == 0:
+            raise RequestRejected("the prompt is empty: at least one token is needed")
+        if n >= limit:
+            raise RequestRejected(f"the prompt has {n} tokens but max_model_len is {limit}, which leaves no room "
+                                  "to generate; shorten the prompt or raise max_model_len")
+        vocab = self.config.hf_config.vocab_size
+        if max(token_ids) >= vocab or min(token_ids) < 0:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for this model")
+        longest = min(n + (params.max_tokens or limit), limit)
+        bs, pool = self.config.kvcache_block_size, self.model_runner.num_blocks
+        if (longest + bs - 1) // bs > pool:
+            raise RequestRejected(f"the request may grow to {longest} tokens, which needs "
+                                  f"{(longest + bs - 1) // bs} KV blocks, but the whole pool has {pool}; "
+                                  "lower max_tokens or give the cache more memory")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        token_ids = self.model_runner.run(batch.seqs, batch.is_prefill)
+        now = time.perf_counter()
+        sampled = iter(token_ids)
+        finished = []
+        if batch.is_prefill:
+            self.stats.prefill_tokens_computed += batch.num_tokens
+        for seq in batch.seqs:
+            samples = seq.samples_this_step
+            self.scheduler.step_done(seq)
+            if not samples:
+                continue
+            seq.append_token(next(sampled))
+            self.stats.generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self.stopper.check(seq):
+                seq.finish_time = now
+                self.scheduler.finish(seq)
+                finished.append(self._output(seq))
+        self.stats.num_steps += 1
+        self.stats.num_finished += len(finished)
+        self._refresh_queue_stats()
+        return finished
+
+    def _refresh_queue_stats(self) -> None:
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.completion_token_ids,
+            text=self.stopper.final_text(seq),
+            finish_reason=seq.finish_reason or "length",
+            num_cached_prompt_tokens=seq.num_cached_tokens,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            stop_reason=seq.stop_reason,
+        )
+
+    def shutdown(self) -> None:
+        close = getattr(self.model_runner, "shutdown", None)
+        if close is not None:
+            close()

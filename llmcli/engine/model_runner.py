@@ -1,0 +1,156 @@
+"""ModelRunner: builds the model on its device, sizes the KV pool, and runs one step at a time."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from llmcli.config import Config
+from llmcli.distributed import tp_rank, tp_size
+from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
+from llmcli.engine.sequence import Sequence
+from llmcli.engine.step_inputs import StepInputs, prepare_decode, prepare_prefill, prepare_sampling
+from llmcli.kernels import make_backend
+from llmcli.kernels.backend import AttentionMetadata
+from llmcli.layers.sampler import Sampler
+from llmcli.models import build_model
+from llmcli.models.loader import load_dummy, load_safetensors
+from llmcli.models.qwen3 import head_dim_of
+
+log = logging.getLogger("llmcli")
+CPU_WARMUP_TOKENS = 256
+
+
+class ModelRunner:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.rank, self.world = tp_rank(), tp_size()
+        hf = config.hf_config
+        self.device = torch.device("cuda", self.rank) if config.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.head_dim = head_dim_of(hf)
+        self.num_kv_heads = max(1, hf.num_key_value_heads // self.world)
+        self.backend = make_backend(config.attention_backend, hf.num_attention_heads // self.world,
+                                    self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                    config.kvcache_block_size)
+        self.model = self._build_model()
+        self.sampler = Sampler()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        activation_peak = self._warmup()
+        per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
+        self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
+        self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
+        if self.num_blocks == 0:
+            raise KVCacheTooSmall("; ".join(self.memory_report.notes))
+        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
+                                          self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from llmcli.engine.cuda_graphs import DecodeGraphs
+
+            start = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, self.backend, config, self.device)
+            self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
+            log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
+                     time.perf_counter() - start)
+
+    def _agree_on_blocks(self, num_blocks: int) -> int:
+        """Every tensor-parallel rank must use the same pool: take the smallest."""
+        if self.world == 1:
+            return num_blocks
+        import torch.distributed as dist
+
+        t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        self.memory_report.num_blocks = int(t.item())
+        self.memory_report.cache_tokens = self.memory_report.num_blocks * self.config.kvcache_block_size
+        return self.memory_report.num_blocks
+
+    @torch.inference_mode()
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(cfg.torch_dtype)
+        try:
+            with torch.device(self.device):
+                model = build_model(cfg.hf_config, self.backend)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if cfg.load_format == "dummy":
+            load_dummy(model, cfg.seed)
+        else:
+            load_safetensors(model, cfg.model_path)
+        return model.eval()
+
+    @torch.inference_mode()
+    def _warmup(self) -> int:
+        """Run the largest prefill the scheduler may send (no cache yet) and return its activation peak."""
+        cfg = self.config
+        tokens = cfg.max_num_batched_tokens if self.device.type == "cuda" else min(cfg.max_num_batched_tokens,
+                                                                                  CPU_WARMUP_TOKENS)
+        seq_len = min(cfg.max_model_len, tokens)
+        lens = [seq_len] * min(tokens // seq_len, cfg.max_num_seqs)
+        if not lens:
+            return 0
+        n = sum(lens)
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device), block_tables=None,
+            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.backend.prepare(meta)
+        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(length, device=self.device) for length in lens])
+        hidden = self.model(input_ids, positions)
+        # the sampler at the largest decode batch is part of the peak too
+        rows = torch.arange(min(cfg.max_num_seqs, n), device=self.device) % hidden.shape[0]
+        logits = self.model.compute_logits(hidden[rows])
+        if logits is not None:
+            b = logits.shape[0]
+            ones = torch.ones(b, device=self.device)
+            self.sampler(logits, ones, torch.full((b,), 50, device=self.device), ones * 0.9, ones * 0.05,
+                         torch.zeros(b, dtype=torch.int64, device=self.device),
+                         torch.zeros(b, dtype=torch.int64, device=self.device))
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden, logits
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """Compute one step; return the sampled token of each sequence that samples (rank 0 only)."""
+        inputs = prepare_prefill(seqs, self.device) if is_prefill else prepare_decode(seqs, self.device)
+        logits = self._forward(inputs)
+        if logits is None or not inputs.sampled_seqs:
+            return [] if self.rank == 0 else None
+        sampling = prepare_sampling(inputs.sampled_seqs, self.device)
+        if sampling.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
+                                     sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+        return token_ids.tolist()
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        meta = inputs.metadata
+        if self.graphs is not None and not meta.is_prefill and self.graphs.fits(meta.batch_size):
+            hidden = self.graphs.replay(inputs)
+        else:
+            self.backend.prepare(meta)
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.sampled_seqs:
+            return None
+        if inputs.sample_rows is not None:
+            hidden = hidden[inputs.sample_rows]
+        return self.model.compute_logits(hidden)

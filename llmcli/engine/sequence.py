@@ -1,0 +1,99 @@
+"""Sequence: the one holder of a request's state as it moves through the engine."""
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+from typing import Any
+
+from llmcli.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the model or for the KV pool)."""
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids, KV bookkeeping and sampling settings of one request.
+
+    ``num_computed_tokens`` tokens have their K/V in the cache (the first
+    ``num_cached_tokens`` of them came from the prefix cache); a step computes
+    ``num_scheduled_tokens`` more. When every known token is computed the step
+    samples the next one.
+    """
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int,
+                 request_id: Any = None, seed: int = 0) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else self.seq_id
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.seed = seed  # per-request sampling seed (the user's, or one drawn by the engine)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
+        self.last_block_hash = 0  # chained hash of those blocks
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text: str | None = None  # set when a stop string cut the text
+        self.stop_scan_pos = 0  # where the next stop-string search starts in the decoded completion
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time = 0.0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token lacks its K/V: the prompt (or a recompute after preemption) is not done."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def samples_this_step(self) -> bool:
+        """The scheduled chunk reaches the last known token, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,53 @@
+"""When a sequence is done, and what its text is: EOS, stop tokens, stop strings, length limits."""
+from __future__ import annotations
+
+from typing import Any
+
+from llmcli.engine.sequence import Sequence
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def check(self, seq: Sequence) -> bool:
+        """After a token was appended: set ``finish_reason`` (and ``stop_reason``) if the sequence is done."""
+        token, params = seq.last_token, seq.params
+        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq):
+            seq.finish_reason = "stop"
+        elif params.max_tokens is not None and seq.num_completion_tokens >= params.max_tokens:
+            seq.finish_reason = "length"
+        elif seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.decode(seq.completion_token_ids, seq)
+        # Only text near the end can hold a stop string that was not there a token ago; the small margin
+        # covers characters that change when a multi-byte character is completed.
+        start = max(0, seq.stop_scan_pos - 4)
+        found = [(pos, s) for s in seq.params.stop if (pos := text.find(s, start)) >= 0]
+        if not found:
+            seq.stop_scan_pos = max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)
+            return False
+        pos, stop = min(found)
+        seq.text = text[: pos + len(stop)] if seq.params.include_stop_str_in_output else text[:pos]
+        seq.stop_reason = stop
+        return True
+
+    def decode(self, token_ids: list[int], seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def final_text(self, seq: Sequence) -> str:
+        if seq.text is not None:  # cut at a stop string already
+            return seq.text
+        ids = seq.completion_token_ids
+        if isinstance(seq.stop_reason, int):  # the EOS / stop token is not part of the text
+            ids = ids[:-1]
+        return self.decode(ids, seq)

@@ -1,0 +1,102 @@
+"""The attention backend interface: per-step metadata prepared once, forward per layer.
+
+The model runner builds one ``AttentionMetadata`` per step and hands it to the
+backend with ``prepare``; every attention layer then calls ``forward`` with its
+own q/k/v and its own KV-cache views. Backends never look anything up in a
+global: all they need for a step arrives through ``prepare``.
+
+KV-cache layout (shared by every backend): per layer one key and one value
+tensor of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; token
+``t`` of a sequence lives in block ``block_table[t // block_size]`` at row
+``t % block_size``; its flat slot is ``block * block_size + row``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """What a step looks like to attention. All tensors live on the model's device.
+
+    Prefill steps carry a batch of chunks: chunk ``i`` has queries
+    ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`` and attends causally over
+    ``context_lens[i] = cu_seqlens_k[i+1] - cu_seqlens_k[i]`` keys, the last
+    ``q_len`` of which are the chunk itself and the rest its cached prefix.
+    Decode steps carry exactly one query token per sequence.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token (-1: don't store)
+    context_lens: torch.Tensor  # [batch] int32, keys each sequence attends over (prefix + new)
+    block_tables: torch.Tensor | None  # [batch, max_blocks] int32, -1 padded; None in a prefill with no prefix
+    cu_seqlens_q: torch.Tensor | None = None  # [batch+1] int32 (prefill only)
+    cu_seqlens_k: torch.Tensor | None = None  # [batch+1] int32 (prefill only)
+    max_seqlen_q: int = 1
+    max_seqlen_k: int = 0
+    has_prefix: bool = False  # prefill: some chunk attends over keys already in the cache
+
+    @property
+    def batch_size(self) -> int:
+        return self.context_lens.numel()
+
+
+class AttentionBackend(ABC):
+    """One implementation of paged attention. One instance serves every layer of a model."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+        self.metadata: AttentionMetadata | None = None
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Called once per step before the forward pass."""
+        self.metadata = metadata
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, head_dim]; None before the pool exists
+        v_cache: torch.Tensor | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store the new k/v in the cache, then attend. Runs once per layer."""
+
+    # -- CUDA-graph support (decode only) -------------------------------------
+    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        """Allocate static metadata buffers that captured graphs read from."""
+        self._graph_slots = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self._graph_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self._graph_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+
+    def prepare_for_capture(self, batch_size: int) -> None:
+        """Point the metadata at the static buffers for a graph of ``batch_size`` sequences."""
+        self.prepare(AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self._graph_slots[:batch_size],
+            context_lens=self._graph_lens[:batch_size],
+            block_tables=self._graph_tables[:batch_size],
+            max_seqlen_k=self._graph_tables.shape[1] * self.block_size,
+        ))
+
+    def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
+        """Copy a real decode step's metadata into the static buffers (padding rows get slot -1, length 0)."""
+        n = metadata.batch_size
+        self._graph_slots[:batch_size].fill_(-1)
+        self._graph_lens[:batch_size].zero_()
+        self._graph_slots[:n].copy_(metadata.slot_mapping, non_blocking=True)
+        self._graph_lens[:n].copy_(metadata.context_lens, non_blocking=True)
+        assert metadata.block_tables is not None
+        width = metadata.block_tables.shape[1]
+        self._graph_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
+        self.prepare_for_capture(batch_size)

@@ -1,0 +1,1 @@
+"""Model building blocks, tensor-parallel ready: linear, embedding, norm, rotary, attention, sampler."""

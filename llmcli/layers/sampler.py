@@ -1,0 +1,67 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Randomness comes from a counter-based hash of (request seed, generation step,
+token id), turned into exponential noise: ``argmax(p / E)`` with
+``E ~ Exp(1)`` draws from ``p``. Each request's draws therefore depend only on
+its own seed and step, never on what it is batched with.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer bijection with good avalanche, in int64 arithmetic that cannot overflow."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] floats in (0, 1), a pure function of (seed, step, token id)."""
+    row = _mix32(_mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32)) ^ (steps & _M32))
+    ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(row[:, None] ^ ids[None, :]) >> 8  # keep 24 bits: exact in float32
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    k = torch.where(top_ks > 0, top_ks, logits.shape[-1])
+    drop = ranks[None, :] >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_ps[:, None]  # keeps the smallest prefix whose mass reaches top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+class Sampler(nn.Module):
+    def forward(
+        self,
+        logits: torch.Tensor,  # [B, V]
+        temperatures: torch.Tensor,  # [B] float; 0 = greedy
+        top_ks: torch.Tensor,  # [B] int64; -1 = off
+        top_ps: torch.Tensor,  # [B] float; 1 = off
+        min_ps: torch.Tensor,  # [B] float; 0 = off
+        seeds: torch.Tensor,  # [B] int64
+        steps: torch.Tensor,  # [B] int64, index of the token being generated
+        use_filters: bool = True,  # False when no row uses top-k/top-p (skips the sort)
+    ) -> torch.Tensor:
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        greedy = temperatures <= 0
+        scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
+        if use_filters:
+            scaled = filter_logits(scaled, top_ks, top_ps)
+        probs = scaled.softmax(dim=-1)
+        probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
+        sampled = (probs / exp_noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_ids, sampled)

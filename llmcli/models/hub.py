@@ -1,0 +1,63 @@
+"""Finding a model: local folder or hub id, its config.json and its EOS ids."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model argument names neither a usable local folder nor a reachable hub repository."""
+
+
+def resolve_model_path(model: str, need_weights: bool = True) -> Path:
+    """A local folder is used as is; anything else is taken as a hub id and downloaded."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model folder {path} has no config.json")
+        if need_weights and not any(path.glob("*.safetensors")):
+            raise ModelNotFoundError(
+                f"model folder {path} has no *.safetensors weights; use load_format='dummy' for random weights"
+            )
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path {model} is not a folder")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.txt", "*.model", "*.jinja"] + (["*.safetensors"] if need_weights else [])
+    try:
+        return Path(snapshot_download(model, allow_patterns=patterns))
+    except Exception as exc:  # network errors come in many classes
+        raise ModelNotFoundError(
+            f"model {model!r} is not a local folder, and downloading it from the Hugging Face hub failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}). "
+            "Without network access, pass the path of a folder holding config.json, *.safetensors and the tokenizer files."
+        ) from None
+
+
+def load_hf_config(model_path: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_path))
+    except Exception as exc:
+        raise ModelNotFoundError(f"{model_path}/config.json could not be read: {exc}") from None
+
+
+def load_generation_eos(model_path: Path, hf_config: Any) -> list[int]:
+    """EOS ids from generation_config.json (which may list several) and config.json."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int) and item not in ids:
+                ids.append(item)
+
+    gen = model_path / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    return ids

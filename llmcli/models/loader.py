@@ -1,0 +1,98 @@
+"""Filling a model's parameters: safetensors checkpoints (single or sharded) or random dummy weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model (missing or unexpected tensors, wrong shapes)."""
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that are absent: {', '.join(missing)}")
+        return [model_path / n for n in names]
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_path}")
+    return files
+
+
+def _target(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    for fragment, (fused, shard) in mapping.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard
+    return name, None
+
+
+def _expected_checkpoint_names(model: nn.Module) -> set[str]:
+    mapping = getattr(model, "packed_modules_mapping", {})
+    expected = set()
+    for name, _ in model.named_parameters():
+        fused = [frag for frag, (target, _) in mapping.items() if f".{target}." in name]
+        if fused:
+            expected.update(name.replace(f".{mapping[frag][0]}.", f".{frag}.") for frag in fused)
+        else:
+            expected.add(name)
+    return expected
+
+
+def load_safetensors(model: nn.Module, model_path: Path) -> None:
+    """Load every tensor through its parameter's weight_loader; fail listing what does not match."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    tied = getattr(model, "tie_word_embeddings", False)
+    seen, unexpected = set(), []
+    for file in checkpoint_files(model_path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                target, shard = _target(name, mapping)
+                param = params.get(target)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                loader = getattr(param, "weight_loader", None)
+                try:
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    elif shard is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard)
+                except RuntimeError as exc:
+                    raise CheckpointError(f"{file.name}: tensor {name} {tuple(tensor.shape)} does not fit "
+                                          f"parameter {target} {tuple(param.shape)}: {exc}") from None
+                seen.add(name)
+    missing = sorted(_expected_checkpoint_names(model) - seen)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {', '.join(missing[:20])}{' …' if len(missing) > 20 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {', '.join(sorted(unexpected)[:20])}{' …' if len(unexpected) > 20 else ''}")
+        raise CheckpointError(f"checkpoint in {model_path} does not match the model: " + "; ".join(parts))
+
+
+@torch.no_grad()
+def load_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Random weights from config.json alone: norms at 1, everything else small Gaussians."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
