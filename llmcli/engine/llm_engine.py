@@ -9,8 +9,9 @@ from typing import Any
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.outputs import EngineStats, RequestOutput
-from llmcli.engine.scheduler import Scheduler
+from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import RequestRejected, Sequence
+from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
 from llmcli.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)
+        self.step_timer: StepTimer = getattr(self.model_runner, "timer", None) or StepTimer()
 
     def _start_runner(self, config: Config) -> Any:
         if config.tensor_parallel_size > 1:
@@ -91,10 +93,20 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        timer = self.step_timer
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        timer.kind = "prefill" if batch.is_prefill else "decode"
+        timer.seconds[(timer.kind, "schedule")] += time.perf_counter() - start
+        timer.steps[timer.kind] += 1
+        timer.tokens[timer.kind] += batch.num_tokens
         token_ids = self.model_runner.run(batch.seqs, batch.is_prefill)
+        with timer.phase("postprocess"):
+            return self._postprocess(batch, token_ids)
+
+    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[RequestOutput]:
         now = time.perf_counter()
         sampled = iter(token_ids)
         finished = []

@@ -10,6 +10,7 @@ from llmcli.config import Config
 from llmcli.distributed import tp_rank, tp_size
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
+from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.step_inputs import StepInputs, prepare_decode, prepare_prefill, prepare_sampling
 from llmcli.kernels import make_backend
 from llmcli.kernels.backend import AttentionMetadata
@@ -46,8 +47,9 @@ class ModelRunner:
             raise KVCacheTooSmall("; ".join(self.memory_report.notes))
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
                                           self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+        self.timer = StepTimer()
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from llmcli.engine.cuda_graphs import DecodeGraphs
 
             start = time.perf_counter()
@@ -130,17 +132,19 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Compute one step; return the sampled token of each sequence that samples (rank 0 only)."""
-        inputs = prepare_prefill(seqs, self.device) if is_prefill else prepare_decode(seqs, self.device)
-        logits = self._forward(inputs)
-        if logits is None or not inputs.sampled_seqs:
-            return [] if self.rank == 0 else None
-        sampling = prepare_sampling(inputs.sampled_seqs, self.device)
-        if sampling.all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
-                                     sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
-        return token_ids.tolist()
+        with self.timer.phase("prepare"):
+            inputs = prepare_prefill(seqs, self.device) if is_prefill else prepare_decode(seqs, self.device)
+            sampling = prepare_sampling(inputs.sampled_seqs, self.device) if inputs.sampled_seqs else None
+        with self.timer.phase("forward"):
+            logits = self._forward(inputs)
+            if logits is None or sampling is None:
+                return [] if self.rank == 0 else None
+            if sampling.all_greedy:
+                token_ids = logits.argmax(dim=-1)
+            else:
+                token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
+                                         sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+            return token_ids.tolist()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         meta = inputs.metadata

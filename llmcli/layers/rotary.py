@@ -4,10 +4,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmcli.layers.compile import compile_on_cuda
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
+
+
+@compile_on_cuda
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor):
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -24,6 +34,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [N, H, D], k [N, KH, D] rotated by their token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return apply_rotary(positions, q, k, self.cos, self.sin)

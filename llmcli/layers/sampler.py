@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmcli.layers.compile import compile_on_cuda
+
 _M32 = 0xFFFFFFFF
 
 
@@ -42,6 +44,21 @@ def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+@compile_on_cuda
+def sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters: bool):
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)
+    greedy = temperatures <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
+    if use_filters:
+        scaled = filter_logits(scaled, top_ks, top_ps)
+    probs = scaled.softmax(dim=-1)
+    probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
+    sampled = (probs / exp_noise).argmax(dim=-1)
+    return torch.where(greedy, greedy_ids, sampled)
+
+
 class Sampler(nn.Module):
     def forward(
         self,
@@ -54,14 +71,4 @@ class Sampler(nn.Module):
         steps: torch.Tensor,  # [B] int64, index of the token being generated
         use_filters: bool = True,  # False when no row uses top-k/top-p (skips the sort)
     ) -> torch.Tensor:
-        logits = logits.float()
-        greedy_ids = logits.argmax(dim=-1)
-        greedy = temperatures <= 0
-        scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
-        if use_filters:
-            scaled = filter_logits(scaled, top_ks, top_ps)
-        probs = scaled.softmax(dim=-1)
-        probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-        exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
-        sampled = (probs / exp_noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_ids, sampled)
+        return sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters)

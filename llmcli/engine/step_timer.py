@@ -1,0 +1,39 @@
+"""Where a step's wall time goes: cumulative seconds per phase, split by prefill and decode."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+HOST_PHASES = ("schedule", "prepare", "postprocess")
+
+
+class StepTimer:
+    """Phases: schedule, prepare (inputs to tensors), forward (launch + wait for the device), postprocess."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)
+        self.kind = "decode"
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[(self.kind, name)] += time.perf_counter() - start
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per step kind: total steps and tokens, and mean milliseconds per step of each phase."""
+        out: dict[str, dict[str, float]] = {}
+        for kind, steps in self.steps.items():
+            row: dict[str, float] = {"steps": steps, "tokens": self.tokens[kind]}
+            for (k, name), secs in self.seconds.items():
+                if k == kind:
+                    row[f"{name}_ms"] = 1000 * secs / steps
+            row["host_ms"] = sum(row.get(f"{p}_ms", 0.0) for p in HOST_PHASES)
+            out[kind] = row
+        return out

@@ -1,0 +1,26 @@
+"""Fusing small elementwise functions with torch.compile on CUDA; plain eager code on CPU."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def compile_on_cuda(fn: F) -> F:
+    """Run ``fn`` compiled when its first argument lives on a CUDA device (set LLMCLI_EAGER=1 to opt out)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal compiled
+        if args[0].is_cuda and os.environ.get("LLMCLI_EAGER") != "1":
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True)
+            return compiled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
