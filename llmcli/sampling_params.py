@@ -1,7 +1,7 @@
 """Per-request sampling settings, validated when they are made."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class SamplingParamsError(ValueError):

@@ -18,6 +18,10 @@ CPU_DEFAULT_KV_GIB = 4.0
 class KVCacheTooSmall(RuntimeError):
     """The memory left after weights and activations holds no KV block at all."""
 
+    def __init__(self, message: str, report: MemoryReport) -> None:
+        super().__init__(message)
+        self.report = report
+
 
 def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize

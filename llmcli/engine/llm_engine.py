@@ -10,6 +10,7 @@ from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
+from llmcli.engine.admission import check_request_fits
 from llmcli.engine.sequence import RequestRejected, Sequence
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
@@ -33,9 +34,9 @@ def load_tokenizer(config: Config) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tokenizer: Any = None) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
         self.eos_token_ids = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:
@@ -64,29 +65,17 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> Sequence:
         token_ids = self.encode(prompt)
-        self._check_fits(token_ids, params)
+        self.check_fits(token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id, seed)
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(token_ids)
         return seq
 
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        n, limit = len(token_ids), self.config.max_model_len
-        if n == 0:
-            raise RequestRejected("the prompt is empty: at least one token is needed")
-        if n >= limit:
-            raise RequestRejected(f"the prompt has {n} tokens but max_model_len is {limit}, which leaves no room "
-                                  "to generate; shorten the prompt or raise max_model_len")
-        vocab = self.config.hf_config.vocab_size
-        if max(token_ids) >= vocab or min(token_ids) < 0:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for this model")
-        longest = min(n + (params.max_tokens or limit), limit)
-        bs, pool = self.config.kvcache_block_size, self.model_runner.num_blocks
-        if (longest + bs - 1) // bs > pool:
-            raise RequestRejected(f"the request may grow to {longest} tokens, which needs "
-                                  f"{(longest + bs - 1) // bs} KV blocks, but the whole pool has {pool}; "
-                                  "lower max_tokens or give the cache more memory")
+    def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected if this request can never run on this engine."""
+        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks)
+
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

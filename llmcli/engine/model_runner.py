@@ -11,7 +11,7 @@ from llmcli.distributed import tp_rank, tp_size
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_timer import StepTimer
-from llmcli.engine.step_inputs import StepInputs, prepare_decode, prepare_prefill, prepare_sampling
+from llmcli.engine.step_inputs import StepInputs, Uploader, all_greedy, prepare_decode, prepare_prefill, prepare_sampling
 from llmcli.kernels import make_backend
 from llmcli.kernels.backend import AttentionMetadata
 from llmcli.layers.sampler import Sampler
@@ -38,13 +38,14 @@ class ModelRunner:
                                     config.kvcache_block_size)
         self.model = self._build_model()
         self.sampler = Sampler()
+        self.uploader = Uploader(self.device)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation_peak = self._warmup()
         per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
         self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
         self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
         if self.num_blocks == 0:
-            raise KVCacheTooSmall("; ".join(self.memory_report.notes))
+            raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
                                           self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
         self.timer = StepTimer()
@@ -133,18 +134,32 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Compute one step; return the sampled token of each sequence that samples (rank 0 only)."""
         with self.timer.phase("prepare"):
-            inputs = prepare_prefill(seqs, self.device) if is_prefill else prepare_decode(seqs, self.device)
-            sampling = prepare_sampling(inputs.sampled_seqs, self.device) if inputs.sampled_seqs else None
+            inputs = prepare_prefill(seqs, self.uploader) if is_prefill else prepare_decode(seqs, self.uploader)
+            greedy = self.rank != 0 or all_greedy(inputs.sampled_seqs)
+            sampling = None if greedy else prepare_sampling(inputs.sampled_seqs, self.uploader)
         with self.timer.phase("forward"):
             logits = self._forward(inputs)
-            if logits is None or sampling is None:
+            if logits is None:
                 return [] if self.rank == 0 else None
-            if sampling.all_greedy:
+            if sampling is None:
                 token_ids = logits.argmax(dim=-1)
             else:
                 token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
                                          sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
             return token_ids.tolist()
+
+    def shutdown(self) -> None:
+        """Give the device memory back now, even if something still holds a reference to this runner."""
+        for module in self.model.modules():
+            if hasattr(module, "k_cache"):
+                module.k_cache = module.v_cache = None
+        self.graphs = None
+        self.kv_cache = None
+        for param in self.model.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         meta = inputs.metadata

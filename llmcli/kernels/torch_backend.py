@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
+from llmcli.kernels.backend import AttentionBackend
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

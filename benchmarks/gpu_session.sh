@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device-machine call: install carried wheels, then the stages named on the command line.
+#   smoke   start-up + a small batch (fails fast if the GPU path is broken)
+#   e2e     tests/test_gpu_e2e.py (bf16 greedy agreement with transformers) and the triton kernel tests
+#   bench   benchmarks/bench_vs_hf.py, extra args in BENCH_ARGS
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    smoke) timeout 240 python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1 ;;
+    e2e) timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e.log" ;;
+    kernels) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -5 ;;
+    bench) timeout 560 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"

@@ -1,0 +1,141 @@
+"""Options every command shares: --model, the engine knobs, and --config TOML defaults."""
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENGINE_PANEL = "Engine"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One Config field exposed as a flag."""
+
+    name: str  # the Config field
+    type: Any
+    help: str
+    flag: str = ""  # defaults to --name-with-dashes
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def param(self) -> str:
+        # Prefixed so a knob never collides with a command's own parameter (bench has its own --seed).
+        return "knob_" + self.name
+
+
+ENGINE_KNOBS = (
+    Knob("max_num_batched_tokens", int, "Most tokens computed in one engine step (prefill chunks plus decodes)."),
+    Knob("max_num_seqs", int, "Most sequences running at once."),
+    Knob("max_model_len", int, "Longest sequence, prompt plus output "
+                               "\\[default: the model's max_position_embeddings, at most 40960]."),
+    Knob("gpu_memory_utilization", float, "Share of GPU memory llmcli may use for weights, activations and KV cache."),
+    Knob("tensor_parallel_size", int, "GPUs to shard the model over."),
+    Knob("enforce_eager", bool, "Run without CUDA graphs."),
+    Knob("kvcache_block_size", int, "Tokens per KV-cache block."),
+    Knob("num_kvcache_blocks", int, "Use exactly this many KV blocks instead of sizing the pool from free memory."),
+    Knob("kv_cache_memory_gib", float, "Give the KV cache exactly this many GiB instead of sizing it from "
+                                       "free memory."),
+    Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens."),
+    Knob("device", str, "auto, cuda or cpu."),
+    Knob("dtype", str, "auto, float32, bfloat16 or float16 \\[default: the checkpoint's on GPU, float32 on CPU]."),
+    Knob("attention_backend", str, "auto, torch, triton or flash-attn."),
+    Knob("load_format", str, "auto, safetensors, or dummy (random weights from config.json alone, for benchmarks)."),
+    Knob("seed", int, "Engine seed; requests without their own --seed draw from it.", flag="--engine-seed"),
+    Knob("tokenizer", str, "Tokenizer folder or hub id, when it is not the model's."),
+)
+
+
+def _knob_parameter(knob: Knob) -> inspect.Parameter:
+    decls = f"{knob.option}/--no-{knob.option[2:]}" if knob.type is bool else knob.option
+    option = typer.Option(decls, help=knob.help, rich_help_panel=ENGINE_PANEL, show_default=False)
+    return inspect.Parameter(knob.param, inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation=Annotated[Optional[knob.type], option])
+
+
+# -- --config FILE.toml ----------------------------------------------------------
+def _flag_to_param(ctx: typer.Context) -> dict[str, str]:
+    """TOML keys are flag names without dashes in front: 'max-num-seqs' or 'max_num_seqs'."""
+    table = {}
+    for param in ctx.command.params:
+        for opt in list(param.opts) + list(getattr(param, "secondary_opts", [])):
+            if opt.startswith("--") and not opt.startswith("--no-"):
+                table[opt[2:].replace("-", "_")] = param.name
+        if param.param_type_name == "argument":
+            table[param.name] = param.name
+    return table
+
+
+def load_toml_defaults(ctx: typer.Context, value: Optional[Path]) -> Optional[Path]:
+    """Eager callback: top-level keys and the command's own [table] become defaults that flags override."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    try:
+        data = tomllib.loads(Path(value).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise typer.BadParameter(f"cannot read {value}: {exc}") from None
+    command = ctx.info_name or ""
+    flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    section = data.get(command, {})
+    flat.update(section if isinstance(section, dict) else {})
+    known = _flag_to_param(ctx)
+    defaults, unknown = {}, []
+    for key, item in flat.items():
+        name = known.get(key.replace("-", "_"))
+        if name is None or name == "config":
+            unknown.append(key)
+        else:
+            defaults[name] = item
+    if unknown:
+        raise typer.BadParameter(f"{value}: unknown key(s) for `llmcli {command}`: {', '.join(sorted(unknown))}")
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+ConfigOption = Annotated[Optional[Path], typer.Option(
+    "--config", help="TOML file of defaults (keys are flag names; a \\[generate], \\[bench] or \\[probe-memory] table "
+                     "applies to that command only). Flags given on the command line win.",
+    is_eager=True, callback=load_toml_defaults, exists=True, dir_okay=False, rich_help_panel=ENGINE_PANEL)]
+
+ModelOption = Annotated[str, typer.Option(
+    "--model", "-m", help="Model folder (config.json, *.safetensors, tokenizer) or Hugging Face hub id.",
+    rich_help_panel=ENGINE_PANEL, show_default=False)]
+
+
+def with_engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds --config, --model and every engine knob to a command; it receives them as ``engine``.
+
+    ``engine`` is the keyword arguments for ``Config``: the model plus only the
+    knobs that were set, so Config's own defaults stay the single source.
+    """
+    sig = inspect.signature(func, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "engine"]
+    added = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOption),
+        inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, default=..., annotation=ModelOption),
+    ] + [_knob_parameter(k) for k in ENGINE_KNOBS]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("config", None)
+        engine = {"model": kwargs.pop("model")}
+        for knob in ENGINE_KNOBS:
+            value = kwargs.pop(knob.param)
+            if value is not None:
+                engine[knob.name] = value
+        return func(*args, engine=engine, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=own + added)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
+    return wrapper

@@ -1,0 +1,100 @@
+"""The compact form in which a scheduled step crosses from rank 0 to the other tensor-parallel ranks.
+
+A worker never sees a whole ``Sequence``: it gets just enough to build the
+same step tensors as rank 0 (``prepare_prefill`` / ``prepare_decode``), and
+nothing about sampling, because only rank 0 samples.
+
+* prefill: ``(num_computed_tokens, num_scheduled_tokens, num_tokens, block_table, chunk)``
+  where ``chunk`` holds only the token ids computed this step;
+* decode: ``(num_tokens, last_token, block_table)``: one token, not the history.
+
+``RemoteSequence`` rebuilds from such a tuple an object with the attributes
+those two functions read; its ``token_ids`` is a window that knows only the
+tokens that were sent and refuses any other slice. It also carries inert
+sampling placeholders (greedy ``params``, ``seed`` 0) in case the runner
+prepares sampling tensors on every rank.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+from llmcli.sampling_params import SamplingParams
+
+# Workers never sample, but ModelRunner.run may build sampling tensors on every rank before the
+# forward; these placeholders keep that harmless (greedy, no filters).
+_NO_SAMPLING = SamplingParams(temperature=0.0)
+
+
+class TokenWindow:
+    """The token ids at positions ``[start, start + len(tokens))`` of a sequence, indexed by absolute position."""
+
+    __slots__ = ("start", "tokens")
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def __len__(self) -> int:  # absolute length: the window ends at the last known token
+        return self.start + len(self.tokens)
+
+    def __getitem__(self, key: int | slice) -> Any:
+        end = self.start + len(self.tokens)
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(end)
+            if step != 1 or lo < self.start:
+                raise IndexError(f"token positions {key.start}:{key.stop} are outside what rank 0 sent "
+                                 f"({self.start}:{end})")
+            return self.tokens[lo - self.start:hi - self.start]
+        index = key + end if key < 0 else key
+        if not self.start <= index < end:
+            raise IndexError(f"token position {key} is outside what rank 0 sent ({self.start}:{end})")
+        return self.tokens[index - self.start]
+
+
+class RemoteSequence:
+    """What a tensor-parallel worker knows of one scheduled sequence for one step."""
+
+    __slots__ = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "block_table", "block_size",
+                 "token_ids")
+
+    def __init__(self, num_computed: int, num_scheduled: int, num_tokens: int, block_table: list[int],
+                 block_size: int, tokens: list[int]) -> None:
+        self.num_computed_tokens = num_computed
+        self.num_scheduled_tokens = num_scheduled
+        self.num_tokens = num_tokens
+        self.block_table = block_table
+        self.block_size = block_size
+        self.token_ids = TokenWindow(num_computed, tokens)
+
+    params = _NO_SAMPLING  # class-level placeholders, see _NO_SAMPLING
+    seed = 0
+    num_completion_tokens = 0
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def samples_this_step(self) -> bool:
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+
+def pack_step(seqs: Seq[Any], is_prefill: bool) -> list[tuple]:
+    """Rank 0: the scheduled sequences in compact form (see the module docstring).
+
+    Block tables are referenced, not copied: the result must be serialized before the engine moves on.
+    """
+    if is_prefill:
+        out = []
+        for s in seqs:
+            start, n = s.num_computed_tokens, s.num_scheduled_tokens
+            out.append((start, n, s.num_tokens, s.block_table, s.token_ids[start:start + n]))
+        return out
+    return [(s.num_tokens, s.last_token, s.block_table) for s in seqs]
+
+
+def unpack_step(packed: list[tuple], is_prefill: bool, block_size: int) -> list[RemoteSequence]:
+    """A worker: ``RemoteSequence`` objects in the order rank 0 scheduled them."""
+    if is_prefill:
+        return [RemoteSequence(start, n, total, table, block_size, chunk)
+                for start, n, total, table, chunk in packed]
+    return [RemoteSequence(total - 1, 1, total, table, block_size, [last]) for total, last, table in packed]

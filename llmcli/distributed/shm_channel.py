@@ -1,0 +1,165 @@
+"""The tensor-parallel control plane: one shared-memory segment plus two events per worker.
+
+Rank 0 writes each call (a command number, a method name and its arguments,
+pickled) into the payload area of the segment and sets every worker's
+``command`` event. A worker waits on its ``command`` event, copies the payload
+out, and sets its ``ack`` event; rank 0 writes the next payload only when
+every worker has acknowledged the previous one, so a payload is never
+overwritten while someone still reads it.
+
+Layout of the segment::
+
+    [0, 64)                       header: command number (u64), payload length (u64)
+    [64, 64 + world * 64 KiB)     one error slot per rank: length (u32) + UTF-8 text
+    [..., + payload_bytes)        the payload
+
+A worker that fails writes its traceback into its error slot before exiting,
+so rank 0 can say why it died. The segment's name carries the owner's pid and
+a random token (``llmcli_tp_<pid>_<hex>``), so engines never share one.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import struct
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Callable
+
+SHM_PREFIX = "llmcli_tp_"
+HEADER_BYTES = 64
+ERROR_SLOT_BYTES = 64 * 1024
+DEFAULT_PAYLOAD_MIB = 32
+_HEADER = struct.Struct("<QQ")
+_ERR_LEN = struct.Struct("<I")
+
+
+class PayloadTooLarge(RuntimeError):
+    """A step's compact form does not fit the shared-memory payload area."""
+
+
+def payload_bytes_from_env() -> int:
+    """Payload area size: ``LLMCLI_TP_SHM_MIB`` MiB (default 32)."""
+    raw = os.environ.get("LLMCLI_TP_SHM_MIB", "")
+    try:
+        mib = int(raw) if raw else DEFAULT_PAYLOAD_MIB
+    except ValueError:
+        raise ValueError(f"LLMCLI_TP_SHM_MIB={raw!r} must be a whole number of MiB") from None
+    if mib < 1:
+        raise ValueError(f"LLMCLI_TP_SHM_MIB={raw!r} must be at least 1")
+    return mib << 20
+
+
+@dataclass
+class ChannelSpec:
+    """What a worker needs to attach (picklable into a spawned process)."""
+
+    name: str
+    world_size: int
+    payload_bytes: int
+    commands: list[Any]  # multiprocessing.Event per worker, index rank - 1
+    acks: list[Any]
+
+
+class ControlChannel:
+    def __init__(self, shm: SharedMemory, spec: ChannelSpec, owner: bool) -> None:
+        self.shm, self.spec, self.owner = shm, spec, owner
+        self.payload_offset = HEADER_BYTES + spec.world_size * ERROR_SLOT_BYTES
+        self.command_number = 0
+        self._closed = False
+
+    # -- life cycle -------------------------------------------------------------
+    @classmethod
+    def create(cls, ctx: Any, world_size: int, payload_bytes: int | None = None) -> "ControlChannel":
+        payload_bytes = payload_bytes or payload_bytes_from_env()
+        size = HEADER_BYTES + world_size * ERROR_SLOT_BYTES + payload_bytes
+        name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        shm = SharedMemory(name=name, create=True, size=size)
+        shm.buf[:HEADER_BYTES + world_size * ERROR_SLOT_BYTES] = bytes(HEADER_BYTES + world_size * ERROR_SLOT_BYTES)
+        workers = range(world_size - 1)
+        spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Event() for _ in workers],
+                           [ctx.Event() for _ in workers])
+        for ack in spec.acks:
+            ack.set()  # nothing outstanding yet
+        return cls(shm, spec, owner=True)
+
+    @classmethod
+    def attach(cls, spec: ChannelSpec) -> "ControlChannel":
+        return cls(SharedMemory(name=spec.name), spec, owner=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.shm.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+                pass
+
+    def unlink(self) -> None:
+        """Remove the segment's name (idempotent; any process may call it)."""
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+
+    # -- rank 0 -------------------------------------------------------------------
+    def wait_acks(self, check: Callable[[], None], poll_s: float = 0.05) -> None:
+        """Block until every worker has copied out the previous payload; ``check`` raises if one died."""
+        for ack in self.spec.acks:
+            while not ack.wait(poll_s):
+                check()
+
+    def post(self, method: str, args: tuple, check: Callable[[], None]) -> int:
+        """Broadcast ``method(*args)`` to every worker; returns the command number."""
+        data = pickle.dumps((self.command_number + 1, method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > self.spec.payload_bytes:
+            raise PayloadTooLarge(
+                f"the tensor-parallel control message for {method!r} is {len(data) / 2**20:.1f} MiB, more than "
+                f"the {self.spec.payload_bytes / 2**20:.0f} MiB shared-memory area; set LLMCLI_TP_SHM_MIB higher "
+                "or lower max_num_seqs / max_num_batched_tokens")
+        self.wait_acks(check)
+        self.command_number += 1
+        for ack in self.spec.acks:
+            ack.clear()
+        off = self.payload_offset
+        self.shm.buf[off:off + len(data)] = data
+        _HEADER.pack_into(self.shm.buf, 0, self.command_number, len(data))
+        for command in self.spec.commands:
+            command.set()
+        return self.command_number
+
+    def read_error(self, rank: int) -> str:
+        off = HEADER_BYTES + rank * ERROR_SLOT_BYTES
+        (n,) = _ERR_LEN.unpack_from(self.shm.buf, off)
+        n = min(n, ERROR_SLOT_BYTES - _ERR_LEN.size)
+        return bytes(self.shm.buf[off + _ERR_LEN.size:off + _ERR_LEN.size + n]).decode("utf-8", "replace")
+
+    # -- workers ------------------------------------------------------------------
+    def wait_command(self, rank: int, timeout: float) -> bool:
+        return self.spec.commands[rank - 1].wait(timeout)
+
+    def take_command(self, rank: int) -> tuple[int, str, tuple]:
+        """Copy the current payload out, acknowledge it, and return ``(number, method, args)``."""
+        self.spec.commands[rank - 1].clear()
+        number, n = _HEADER.unpack_from(self.shm.buf, 0)
+        off = self.payload_offset
+        data = bytes(self.shm.buf[off:off + n])
+        self.spec.acks[rank - 1].set()
+        got_number, method, args = pickle.loads(data)
+        if got_number != number:
+            raise RuntimeError(f"control-plane payload is torn (header says command {number}, payload {got_number})")
+        return number, method, args
+
+    def write_error(self, rank: int, text: str) -> None:
+        raw = text.encode("utf-8", "replace")
+        room = ERROR_SLOT_BYTES - _ERR_LEN.size
+        if len(raw) > room:  # keep the end of a traceback: that is where the error is
+            raw = b"...\n" + raw[-(room - 4):]
+        off = HEADER_BYTES + rank * ERROR_SLOT_BYTES
+        self.shm.buf[off + _ERR_LEN.size:off + _ERR_LEN.size + len(raw)] = raw
+        _ERR_LEN.pack_into(self.shm.buf, off, len(raw))

@@ -1,0 +1,58 @@
+"""OpenAI batch output lines: completion / chat.completion bodies and per-request errors."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from llmcli.engine.outputs import RequestOutput
+from llmcli.io.records import InputRecord
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = len(outputs[0].prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": outputs[0].num_cached_prompt_tokens},
+    }
+
+
+def _choice(index: int, out: RequestOutput, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": None, "finish_reason": out.finish_reason}
+    return {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+
+
+def _line(rec: InputRecord, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": rec.openai.custom_id,
+        "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
+        "error": None,
+    }
+
+
+def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str) -> dict[str, Any]:
+    """The batch output line answering ``rec`` with its n completions."""
+    chat = rec.openai.chat
+    body = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [_choice(i, out, chat) for i, out in enumerate(outputs)],
+        "usage": _usage(outputs),
+    }
+    return _line(rec, 200, body)
+
+
+def openai_error(rec: InputRecord) -> dict[str, Any]:
+    """A rejected request: HTTP-style 400 with an OpenAI error body (plus where in the input)."""
+    err = rec.error
+    body = {"error": {"message": err.message, "type": "invalid_request_error", "param": err.field,
+                      "code": None, "line": err.line}}
+    return _line(rec, 400, body)

@@ -1,0 +1,285 @@
+"""Input records: parse and type-check one JSONL line into a request (plain or OpenAI batch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import orjson
+
+from llmcli.io.source import RawLine
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+class FieldProblem(ValueError):
+    """A record field is missing or wrong; carries the dotted field name."""
+
+    def __init__(self, field_name: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+        self.message = message
+
+
+@dataclass
+class OpenAIRequest:
+    """What an OpenAI batch line adds to a plain request: its name and endpoint."""
+
+    custom_id: str
+    url: str  # one of OPENAI_ENDPOINTS
+
+    @property
+    def chat(self) -> bool:
+        return self.url == "/v1/chat/completions"
+
+
+@dataclass
+class RecordError:
+    """Why a line cannot be run; ``field`` is dotted (``body.temperature``) or None for the whole line."""
+
+    line: int
+    field: str | None
+    message: str
+
+    def describe(self, source: str) -> str:
+        where = f"{source}:{self.line}"
+        return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+
+
+@dataclass
+class InputRecord:
+    """One input line, parsed. Exactly one of ``prompt`` (by ``kind``) or ``error`` is meaningful."""
+
+    line: int  # 1-based line number
+    out_id: Any  # what the output line's "id" says: the record's id, else the 0-based line index
+    key: str  # resume key: which output line answers this input
+    kind: str = ""  # "prompt" | "messages" | "prompt_token_ids"
+    prompt: Any = None  # str | list[dict] | list[int], by kind
+    sampling: dict[str, Any] = field(default_factory=dict)  # per-record overrides, type-checked
+    openai: OpenAIRequest | None = None
+    error: RecordError | None = None
+
+    def fail(self, field_name: str | None, message: str) -> None:
+        self.error = RecordError(self.line, field_name, message)
+
+    def prompt_field(self) -> str:
+        """The field that holds the prompt, as the user wrote it."""
+        if self.openai is not None:
+            return "body.messages" if self.kind == "messages" else "body.prompt"
+        return self.kind or "prompt"
+
+    def field_name(self, name: str) -> str:
+        """The name of a field as the user wrote it (OpenAI fields live under ``body``)."""
+        return f"body.{name}" if self.openai is not None else name
+
+
+def record_key(value: Any, openai: bool) -> str:
+    """Resume key of an input (or output) naming ``value`` as its id or custom_id."""
+    return ("custom_id:" if openai else "id:") + orjson.dumps(value).decode()
+
+
+def output_key(obj: dict[str, Any]) -> str | None:
+    """Resume key of an output line, or None if it names no input."""
+    if "custom_id" in obj and "response" in obj:
+        return record_key(obj["custom_id"], openai=True)
+    if "id" in obj:
+        return record_key(obj["id"], openai=False)
+    return None
+
+
+# -- type checks ----------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_stop(v: Any) -> bool:
+    return v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+_SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "top_k": (_is_int, "an integer"),
+    "min_p": (_is_number, "a number"),
+    "max_tokens": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "stop": (_is_stop, "a string or a list of strings"),
+    "stop_token_ids": (_is_int_list, "a list of integers"),
+    "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "n": (_is_int, "an integer"),
+}
+SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _take_sampling(src: dict[str, Any], prefix: str) -> dict[str, Any]:
+    found = {}
+    for name, (check, wanted) in _SAMPLING_CHECKS.items():
+        if name in src:
+            value = src[name]
+            if not check(value):
+                raise FieldProblem(prefix + name, f"must be {wanted}, got {_type_name(value)} {_short(value)}")
+            found[name] = value
+    return found
+
+
+def _short(value: Any) -> str:
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- prompts --------------------------------------------------------------------
+def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise FieldProblem(name, "must be a non-empty array of {role, content} objects")
+    checked = []
+    for i, msg in enumerate(messages):
+        where = f"{name}[{i}]"
+        if not isinstance(msg, dict):
+            raise FieldProblem(where, f"must be an object, got {_type_name(msg)}")
+        if not isinstance(msg.get("role"), str):
+            raise FieldProblem(f"{where}.role", "must be a string")
+        content = msg.get("content")
+        if isinstance(content, list):
+            # OpenAI content parts: only text can be fed to a text-only model.
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise FieldProblem(f"{where}.content[{j}]",
+                                       'only {"type": "text", "text": ...} parts are supported')
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(content)}")
+        checked.append({**msg, "content": content})
+    return checked
+
+
+def _check_token_ids(ids: Any, name: str) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise FieldProblem(name, "must be a non-empty array of token ids")
+    for i, t in enumerate(ids):
+        if not _is_int(t) or t < 0:
+            raise FieldProblem(name, f"item {i} must be a non-negative integer, got {_short(t)}")
+    return ids
+
+
+def _check_text(text: Any, name: str) -> str:
+    if not isinstance(text, str):
+        raise FieldProblem(name, f"must be a string, got {_type_name(text)}")
+    if not text:
+        raise FieldProblem(name, "is empty")
+    return text
+
+
+def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
+    present = [f for f in PROMPT_FIELDS if f in obj]
+    if not present:
+        raise FieldProblem("prompt", "missing: give one of prompt, messages, prompt_token_ids")
+    if len(present) > 1:
+        raise FieldProblem(present[1], f"conflicts with {present[0]}: give only one prompt field")
+    rec.kind = present[0]
+    value = obj[rec.kind]
+    if rec.kind == "prompt":
+        # A list of ints under "prompt" is the OpenAI convention for token ids.
+        if isinstance(value, list) and value and all(_is_int(t) for t in value):
+            rec.kind, rec.prompt = "prompt_token_ids", _check_token_ids(value, "prompt")
+        else:
+            rec.prompt = _check_text(value, "prompt")
+    elif rec.kind == "messages":
+        rec.prompt = _check_messages(value, "messages")
+    else:
+        rec.prompt = _check_token_ids(value, "prompt_token_ids")
+    rec.sampling = _take_sampling(obj, "")
+
+
+def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise FieldProblem("method", f'must be "POST", got {_short(method)}')
+    url = obj.get("url")
+    if url not in OPENAI_ENDPOINTS:
+        raise FieldProblem("url", f"must be one of {', '.join(OPENAI_ENDPOINTS)}, got {_short(url)}")
+    rec.openai.url = url
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise FieldProblem("body", f"must be an object, got {_type_name(body)}")
+    if rec.openai.chat:
+        rec.kind, rec.prompt = "messages", _check_messages(body.get("messages"), "body.messages")
+    else:
+        rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
+    sampling = _take_sampling(body, "body.")
+    if "max_completion_tokens" in body and "max_tokens" not in sampling:
+        value = body["max_completion_tokens"]
+        if not (value is None or _is_int(value)):
+            raise FieldProblem("body.max_completion_tokens", f"must be an integer or null, got {_type_name(value)}")
+        sampling["max_tokens"] = value
+    rec.sampling = sampling
+
+
+def _openai_prompt(prompt: Any) -> tuple[str, Any]:
+    name = "body.prompt"
+    if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+        # OpenAI allows a batch of prompts in one request; one line is one request here.
+        if len(prompt) != 1:
+            raise FieldProblem(name, "holds several prompts; put one prompt per line")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return "prompt_token_ids", _check_token_ids(prompt, name)
+    return "prompt", _check_text(prompt, name)
+
+
+def parse_line(raw: RawLine) -> InputRecord:
+    """Parse one input line. Problems are recorded in ``.error``, never raised."""
+    index = raw.number - 1
+    rec = InputRecord(line=raw.number, out_id=index, key=record_key(index, openai=False))
+    try:
+        obj = orjson.loads(raw.data)
+    except orjson.JSONDecodeError as exc:
+        rec.fail(None, f"not valid JSON ({exc})")
+        return rec
+    if not isinstance(obj, dict):
+        rec.fail(None, f"must be a JSON object, got {_type_name(obj)}")
+        return rec
+    try:
+        if "custom_id" in obj or "body" in obj:
+            custom_id = obj.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id:
+                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
+            rec.openai = OpenAIRequest(custom_id=custom_id, url="")
+            rec.out_id, rec.key = custom_id, record_key(custom_id, openai=True)
+            _parse_openai(rec, obj)
+        else:
+            if "id" in obj:
+                if not (isinstance(obj["id"], str) or _is_int(obj["id"])):
+                    raise FieldProblem("id", f"must be a string or an integer, got {_type_name(obj['id'])}")
+                rec.out_id, rec.key = obj["id"], record_key(obj["id"], openai=False)
+            _parse_plain(rec, obj)
+    except FieldProblem as problem:
+        rec.prompt = None
+        rec.fail(problem.field, problem.message)
+    return rec
+
+
+def mark_duplicates(records: list[InputRecord]) -> None:
+    """Two inputs with one id could not be told apart in the output (nor by --resume)."""
+    first_line: dict[str, int] = {}
+    for rec in records:
+        if rec.key in first_line:
+            name = "custom_id" if rec.openai is not None else "id"
+            rec.prompt = None
+            rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on line {first_line[rec.key]})")
+        else:
+            first_line[rec.key] = rec.line

@@ -1,0 +1,93 @@
+"""The ``triton`` attention backend: llmcli's own Triton kernels behind the AttentionBackend interface.
+
+Per layer: store the new K/V into the paged cache, then either prefill
+(paged, when some chunk has a cached prefix; plain varlen otherwise) or
+split-KV paged decode. The per-step work that does not depend on the layer
+(the decode split count and its scratch space) happens once in ``prepare``.
+Scratch buffers only ever grow and are preallocated for the largest graph
+batch in ``init_graph_buffers``, so captured graphs keep pointing at live memory.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
+from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel
+from llmcli.kernels.triton_prefill import prefill_paged, prefill_varlen
+from llmcli.kernels.triton_store import store_kv
+
+_DEFAULT_SMS = 132  # H200; used when the device cannot be asked (CPU interpreter)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_splits = 1
+        self.force_num_splits: int | None = None  # tests and benchmarks pin the split count with this
+        self._num_sms: int | None = None
+        self._part_out: torch.Tensor | None = None
+        self._part_lse: torch.Tensor | None = None
+
+    # -- per-step ----------------------------------------------------------------
+    def _sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            if device.type == "cuda":
+                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._num_sms = _DEFAULT_SMS
+        return self._num_sms
+
+    def _splits_for(self, batch: int, max_seqlen_k: int, device: torch.device) -> int:
+        if self.force_num_splits is not None:
+            return self.force_num_splits
+        return choose_num_splits(batch, self.num_kv_heads, max_seqlen_k, self._sms(device))
+
+    def _ensure_scratch(self, batch: int, num_splits: int, device: torch.device) -> None:
+        n_out, n_lse = scratch_numel(batch, self.num_heads, self.head_dim, num_splits)
+        if self._part_out is None or self._part_out.numel() < n_out or self._part_out.device != device:
+            self._part_out = torch.empty(max(n_out, 1), dtype=torch.float32, device=device)
+        if self._part_lse is None or self._part_lse.numel() < n_lse or self._part_lse.device != device:
+            self._part_lse = torch.empty(max(n_lse, 1), dtype=torch.float32, device=device)
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        super().prepare(metadata)
+        if metadata.is_prefill:
+            return
+        batch = metadata.batch_size
+        max_seqlen_k = metadata.max_seqlen_k
+        if max_seqlen_k <= 0 and metadata.block_tables is not None:
+            # not filled in by the caller: the table width bounds every context (a host-side shape)
+            max_seqlen_k = metadata.block_tables.shape[1] * self.block_size
+        device = metadata.context_lens.device
+        self.num_splits = self._splits_for(batch, max_seqlen_k, device)
+        self._ensure_scratch(batch, self.num_splits, device)
+
+    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        super().init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
+        # Size the scratch for the hungriest graph batch now, so capture never allocates it.
+        max_len = max_blocks_per_seq * self.block_size
+        worst = max(range(1, max_batch_size + 1), key=lambda b: b * self._splits_for(b, max_len, device))
+        self._ensure_scratch(worst, self._splits_for(worst, max_len, device), device)
+
+    # -- per-layer ---------------------------------------------------------------
+    def forward(self, q, k, v, k_cache, v_cache):
+        meta = self.metadata
+        assert meta is not None, "prepare() must run before forward()"
+        if k_cache is not None and k_cache.numel():
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            assert meta.cu_seqlens_q is not None
+            if meta.has_prefix:
+                assert meta.block_tables is not None and k_cache is not None
+                return prefill_paged(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                     meta.context_lens, meta.max_seqlen_q, self.scale)
+            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale)
+        assert meta.block_tables is not None and k_cache is not None
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
+                            num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse)

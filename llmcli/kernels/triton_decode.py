@@ -1,0 +1,198 @@
+"""Paged decode attention in Triton: one query token per sequence, split-KV (flash-decoding).
+
+Grid ``(batch, num_kv_heads, num_splits)``. One program serves every query head
+of one KV head (the GQA group, padded to 16 rows so ``tl.dot`` can use the
+tensor cores), so each cached K/V byte is read once per step. A sequence's
+context is cut into ``num_splits`` partitions of whole ``BLOCK_N`` tiles; each
+program runs an online softmax over its partition and, when there is more than
+one split, writes a partial result (normalised output plus base-2 log-sum-exp)
+that a small reduce kernel combines. With one split the partition kernel writes
+the output directly.
+
+The partition size is computed inside the kernel from the row's own context
+length, so the launch depends only on the batch size and ``num_splits`` (host
+ints fixed for a captured CUDA graph), never on values read back from the GPU.
+Rows with context length 0 (graph padding) read nothing and write zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # keys per tile: 64 x 128 bf16 = 16 KiB per K (and V) tile
+MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
+MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism it adds
+MAX_SPLITS = 64
+NUM_WARPS = 4
+NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    stride_qb, stride_qh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_bt, stride_ob, stride_oh,
+    scale_log2, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    # Whole tiles per split, derived from this row's own length (balanced per row).
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    mask_g = g < GROUP
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=mask_g[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kvh * stride_kch
+    v_head = v_cache_ptr + kvh * stride_vch
+    offs = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs
+        mask_n = pos < end
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # the tile sits inside one cache block: one table lookup
+            blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+            k_rows = blk * stride_kcb + (pos % BLOCK_SIZE) * stride_kcs
+            v_rows = blk * stride_vcb + (pos % BLOCK_SIZE) * stride_vcs
+        else:
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+            k_rows = blk * stride_kcb + (pos % BLOCK_SIZE) * stride_kcs
+            v_rows = blk * stride_vcb + (pos % BLOCK_SIZE) * stride_vcs
+        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # Empty partition (or context 0): l == 0, output 0 and lse -inf, never NaN.
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        row = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=mask_g[:, None])
+    else:
+        dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    mask_s = s < num_splits
+    row = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights become 0, not NaN
+    w = tl.exp2(lse - top)
+    denom = tl.sum(w, 0)
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask_s[:, None], other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132) -> int:
+    """How many partitions to cut each context into, from host-side sizes only.
+
+    With fewer than ~3 programs per SM the GPU cannot keep enough loads in flight, so
+    split until there are about four per SM, but never give a split fewer than
+    MIN_TOKENS_PER_SPLIT keys of the longest context. (Measured on an H200 at Qwen3-0.6B
+    shapes: batch 1 x 8k keys goes from 0.16 to 2.2 TB/s with 64 splits.)
+    """
+    programs = max(1, batch * num_kv_heads)
+    if programs >= 3 * num_sms:
+        return 1
+    wanted = triton.cdiv(4 * num_sms, programs)
+    useful = max(1, max_seqlen_k // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def scratch_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) -> tuple[int, int]:
+    """Elements of the float32 (partial outputs, partial lse) scratch a split launch needs."""
+    if num_splits <= 1:
+        return 0, 0
+    rows = batch * num_heads * num_splits
+    return rows * head_dim, rows
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, num_splits: int = 1,
+    part_out: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` [batch, num_heads, head_dim] over each row's cached context.
+
+    ``part_out``/``part_lse`` are flat float32 scratch buffers of at least
+    ``scratch_numel(...)`` elements (needed when ``num_splits > 1``; pass
+    preallocated ones under CUDA graphs).
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    split = num_splits > 1
+    if split:
+        n_out, n_lse = scratch_numel(batch, num_heads, head_dim, num_splits)
+        if part_out is None or part_lse is None:
+            part_out = torch.empty(n_out, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(n_lse, dtype=torch.float32, device=q.device)
+        assert part_out.numel() >= n_out and part_lse.numel() >= n_lse, "scratch too small"
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * math.log2(math.e), num_splits,
+        GROUP=group, GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, SPLIT=split,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES if k_cache.element_size() <= 2 else 2,
+    )
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,115 @@
+"""probe-memory: the start-up memory plan as a table or JSON, and what to change when the KV pool is empty."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from llmcli.engine.outputs import MemoryReport
+from llmcli.io.writer import reserve_stdout
+from llmcli.progress import say
+
+GIB = 1 << 30
+
+
+def _gib(n: float) -> str:
+    if abs(n) >= GIB / 100:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if abs(n) >= (1 << 20) / 10 else f"{n / 1024:.1f} KiB"
+
+
+def fit_hint(r: MemoryReport, knobs: dict[str, Any]) -> str | None:
+    """None when one sequence of max_model_len fits; else which knob to change, and to what."""
+    blocks_per_seq = math.ceil(r.max_model_len / r.block_size) if r.block_size else 0
+    if r.num_blocks >= blocks_per_seq or r.kv_bytes_per_block <= 0:
+        return None
+    need = blocks_per_seq * r.kv_bytes_per_block
+    have = r.num_blocks * r.kv_bytes_per_block
+    head = ("the KV pool would be empty" if r.num_blocks == 0 else
+            f"the KV pool ({r.num_blocks} blocks, {r.cache_tokens} tokens) cannot hold one sequence of "
+            f"max_model_len={r.max_model_len}")
+    head += f": it needs {_gib(need)} ({blocks_per_seq} blocks), has {_gib(have)}."
+    fixes = []
+    if knobs.get("num_kvcache_blocks") is not None:
+        fixes.append(f"raise --num-kvcache-blocks to at least {blocks_per_seq}")
+    elif knobs.get("kv_cache_memory_gib") is not None or r.device == "cpu":
+        fixes.append(f"raise --kv-cache-memory-gib to at least {math.ceil(need / GIB * 100) / 100:.2f}")
+    else:
+        used = r.weights_bytes + r.activation_peak_bytes + r.cuda_graph_bytes + r.other_bytes
+        util = (used + need) / r.total_bytes if r.total_bytes else math.inf
+        if util <= 0.99:
+            now = knobs.get("gpu_memory_utilization", r.budget_bytes / r.total_bytes if r.total_bytes else 0)
+            fixes.append(f"raise --gpu-memory-utilization from {now:.2f} to at least {math.ceil(util * 100) / 100:.2f}")
+        fixes.append(f"lower --max-num-batched-tokens (the activation peak is {_gib(r.activation_peak_bytes)})")
+        fixes.append("raise --tensor-parallel-size to split the weights over more GPUs")
+    if have >= r.kv_bytes_per_token and r.kv_bytes_per_token > 0:
+        fixes.append(f"lower --max-model-len to at most {have // r.kv_bytes_per_token}")
+    return head + " To fix: " + "; or ".join(fixes) + "."
+
+
+def report_dict(r: MemoryReport, knobs: dict[str, Any]) -> dict[str, Any]:
+    d = r.as_dict()
+    d["hint"] = fit_hint(r, knobs)
+    return d
+
+
+def render(r: MemoryReport, hint: str | None, console: Console) -> None:
+    table = Table(title=f"llmcli probe-memory: {r.device_name} ({r.device}, {r.dtype})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("device memory", _gib(r.total_bytes)),
+        ("budget for llmcli", _gib(r.budget_bytes)),
+        ("weights", _gib(r.weights_bytes)),
+        ("activation peak (warm-up)", _gib(r.activation_peak_bytes)),
+        ("CUDA-graph pool", _gib(r.cuda_graph_bytes)),
+        ("other (context, allocator)", _gib(r.other_bytes)),
+        ("KV bytes per token", f"{r.kv_bytes_per_token:,}"),
+        ("KV bytes per block", f"{r.kv_bytes_per_block:,} ({r.block_size} tokens)"),
+        ("KV blocks", f"{r.num_blocks:,} ({_gib(r.num_blocks * r.kv_bytes_per_block)})"),
+        ("tokens the cache holds", f"{r.cache_tokens:,}"),
+        (f"sequences of max_model_len={r.max_model_len:,} at once", f"{r.max_concurrent_full_seqs:.2f}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    for note in r.notes:
+        say(console, f"note: {note}")
+    if hint:
+        console.print(f"[bold red]does not fit:[/] {hint}", highlight=False, soft_wrap=True)
+
+
+def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_json: bool) -> int:
+    """Exit code 0 when the KV pool has blocks, 1 when it would be empty (the engine could not start)."""
+    from llmcli.config import Config
+    from llmcli.engine.kv_cache import KVCacheTooSmall
+    from llmcli.engine.llm_engine import LLMEngine
+
+    stdout = reserve_stdout() if as_json else None  # the JSON object must be all that stdout carries
+    config = Config(**engine_kwargs)
+    try:
+        engine = LLMEngine(config)
+    except KVCacheTooSmall as exc:
+        # The plan is what the user came for, even (especially) when it does not fit.
+        report = getattr(exc, "report", None)
+        if report is None:
+            if stdout is not None:
+                stdout.write(orjson.dumps({"num_blocks": 0, "hint": str(exc)}) + b"\n")
+            else:
+                say(console, f"does not fit: {exc}")
+            return 1
+    else:
+        try:
+            report = engine.model_runner.memory_report
+        finally:
+            engine.shutdown()
+    d = report_dict(report, engine_kwargs)
+    if stdout is not None:
+        stdout.write(orjson.dumps(d, default=str) + b"\n")
+        stdout.flush()
+    else:
+        render(report, d["hint"], Console())
+    return 1 if report.num_blocks == 0 else 0

@@ -1,0 +1,429 @@
+"""Tensor parallelism on CPU (gloo): same greedy tokens as one rank and as transformers; failures end fast and clean.
+
+Equality: TP=2 sums the row-parallel partial products in a different order
+than TP=1, so logits differ in the last float32 bits. The tiny checkpoints have
+well-spread logits, so the tokens must be identical; the only tolerated
+difference is a near-tie of HF's two best logits (gap < ``TIE_TOL``), after
+which that prompt is not compared further (the continuations diverge).
+
+After every test no child process of this test process (other than
+multiprocessing's resource tracker) and no ``/dev/shm/llmcli_tp_<pid>_*``
+segment may remain; tests that run a separate Python process also check that
+its workers and its segment are gone once it has exited.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmcli import LLM, SamplingParams
+from llmcli.config import ConfigError
+from llmcli.distributed.compact import pack_step, unpack_step
+from llmcli.distributed.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
+from llmcli.distributed.tp_runner import TensorParallelError
+from llmcli.engine.sequence import Sequence
+from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
+
+CPU = Uploader(torch.device("cpu"))
+from tiny_qwen3 import write_tiny_qwen3
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
+
+REPO = Path(__file__).resolve().parents[1]
+TIE_TOL = 1e-4
+VOCAB_IN_TOKENIZER = 600
+BLOCK = 16
+MAX_NEW = 16
+
+
+# --------------------------------------------------------------------------
+# checkpoints and helpers
+# --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory) -> Path:
+    """Heads 4 / KV heads 2 / MLP 128 divide by 2; the odd vocabulary (641) pads rank 1's embedding shard."""
+    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_tp"), seed=11, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=641)
+
+
+@pytest.fixture(scope="module")
+def tp_model_tied(tmp_path_factory) -> Path:
+    """Tied embeddings: the lm_head shares the vocabulary-parallel embedding shard."""
+    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_tp_tied"), seed=12, tie_word_embeddings=True,
+                            num_attention_heads=4, num_key_value_heads=2)
+
+
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB_IN_TOKENIZER, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_llm(model_dir, tp: int, **overrides) -> LLM:
+    kwargs = dict(device="cpu", dtype="float32", tensor_parallel_size=tp, kvcache_block_size=BLOCK,
+                  num_kvcache_blocks=256, max_num_batched_tokens=48, max_num_seqs=16, max_model_len=512,
+                  enforce_eager=True)
+    kwargs.update(overrides)
+    return LLM(str(model_dir), **kwargs)
+
+
+def assert_same_tokens(hf_oracle, model_dir, prompts, got_all, want_all, what: str) -> None:
+    problems = []
+    for i, (prompt, got, want) in enumerate(zip(prompts, got_all, want_all)):
+        if got == want:
+            continue
+        j = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]), None)
+        if j is not None and len(got) == len(want):
+            logits = hf_oracle.next_token_logits(model_dir, list(prompt) + want[:j])
+            gap = abs(float(logits[want[j]] - logits[got[j]]))
+            if gap < TIE_TOL:
+                warnings.warn(f"{what}: prompt {i}: near-tie at new token {j} (gap {gap:.1e}); rest not compared")
+                continue
+            problems.append(f"prompt {i} (len {len(prompt)}): first difference at new token {j}: "
+                            f"{want[j]} vs {got[j]} (HF logit gap {gap:.2e})")
+        else:
+            problems.append(f"prompt {i} (len {len(prompt)}): {want} vs {got}")
+    assert not problems, f"{what}:\n" + "\n".join(problems)
+
+
+def own_children() -> list[str]:
+    """Live or unreaped children of this process, except multiprocessing's resource tracker."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == me and "resource_tracker" not in cmdline:
+            found.append(f"pid {entry} state {fields[0]}: {cmdline[:120]}")
+    return found
+
+
+def event_semaphores(runner) -> list[str]:
+    """/dev/shm names of the named POSIX semaphores behind the control channel's events ("spawn" makes them)."""
+    spec = runner._group.channel.spec
+    names = []
+    for event in spec.commands + spec.acks:
+        cond = event._cond
+        for lock in (event._flag, cond._lock, cond._sleeping_count, cond._woken_count, cond._wait_semaphore):
+            if lock._semlock.name:
+                names.append("sem." + lock._semlock.name.lstrip("/"))
+    return names
+
+
+def existing(names) -> list[str]:
+    return [n for n in names if Path("/dev/shm", n).exists()]
+
+
+def segments_of(pid: int) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"{SHM_PREFIX}{pid}_")]
+
+
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    """The pids that still exist (and are not zombies) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    deadline = time.monotonic() + 5
+    while (multiprocessing.active_children() or own_children()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children(), multiprocessing.active_children()
+    assert not own_children(), own_children()
+    assert not segments_of(os.getpid()), segments_of(os.getpid())
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "the process group outlived the engine"
+
+
+# --------------------------------------------------------------------------
+# the compact form and the channel (no processes)
+# --------------------------------------------------------------------------
+def test_compact_form_rebuilds_the_same_step_inputs():
+    prompts = random_prompts([40, 7, 33], seed=1)
+    params = greedy()
+    seqs = [Sequence(p, params, BLOCK) for p in prompts]
+    for i, s in enumerate(seqs):
+        s.block_table = [10 * i + b for b in range(s.num_blocks)]
+    # a chunk in the middle of a prompt, a whole short prompt, a prompt with a cached prefix
+    seqs[0].num_computed_tokens, seqs[0].num_scheduled_tokens = 16, 20
+    seqs[1].num_scheduled_tokens = 7
+    seqs[2].num_computed_tokens, seqs[2].num_scheduled_tokens = 32, 1
+    packed = pack_step(seqs, True)
+    assert [len(p[4]) for p in packed] == [20, 7, 1]  # only the chunk's tokens cross
+    remote = unpack_step(packed, True, BLOCK)
+    a, b = prepare_prefill(seqs, CPU), prepare_prefill(remote, CPU)
+    for name in ("input_ids", "positions", "sample_rows"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("slot_mapping", "context_lens", "block_tables", "cu_seqlens_q", "cu_seqlens_k"):
+        assert torch.equal(getattr(a.metadata, name), getattr(b.metadata, name)), name
+    assert [s.samples_this_step for s in remote] == [False, True, True]
+
+    for s in seqs:  # decode: every prompt computed, one generated token each
+        s.append_token(5)
+        s.num_computed_tokens, s.num_scheduled_tokens = s.num_tokens - 1, 1
+        s.block_table = [7 + b for b in range(s.num_blocks)]
+    packed = pack_step(seqs, False)
+    assert all(len(p) == 3 and p[1] == 5 for p in packed)  # the last token, not the history
+    a, b = prepare_decode(seqs, CPU), prepare_decode(unpack_step(packed, False, BLOCK), CPU)
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("slot_mapping", "context_lens", "block_tables"):
+        assert torch.equal(getattr(a.metadata, name), getattr(b.metadata, name)), name
+    with pytest.raises(IndexError, match="outside what rank 0 sent"):
+        unpack_step(packed, False, BLOCK)[0].token_ids[0:3]
+
+
+def test_channel_rejects_an_oversized_payload():
+    channel = ControlChannel.create(multiprocessing.get_context("spawn"), 2, payload_bytes=4096)
+    try:
+        assert channel.name.startswith(f"{SHM_PREFIX}{os.getpid()}_")
+        with pytest.raises(PayloadTooLarge, match="LLMCLI_TP_SHM_MIB"):
+            channel.post("run", (list(range(10_000)),), lambda: None)
+        channel.write_error(1, "boom\n" * 3)
+        assert channel.read_error(1) == "boom\n" * 3
+    finally:
+        channel.close()
+        channel.unlink()
+
+
+def test_head_counts_not_divisible_fail_at_start_up(tmp_path, tp_model):
+    """One KV head cannot be split over 2 ranks (replication is not supported): a clear error, no process started."""
+    model = tmp_path / "kv1"
+    shutil.copytree(tp_model, model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_key_value_heads"] = 1
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=1 is not divisible by 2.*not supported.*"
+                                          r"may be one of 1$"):
+        make_llm(model, 2, load_format="dummy")
+
+
+# --------------------------------------------------------------------------
+# TP=2 == TP=1 == transformers
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["untied_odd_vocab", "tied"])
+def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, hf_oracle):
+    model = tp_model if which == "untied_odd_vocab" else tp_model_tied
+    prefix = random_prompts([5 * BLOCK], seed=20)[0]
+    first = random_prompts([1, 9, 17, 70, 130], seed=21) + [prefix + t for t in random_prompts([3, 30], seed=22)]
+    second = [prefix + t for t in random_prompts([1, 16, 45], seed=23)] + [list(first[-1])]
+    assert max(map(len, first)) > 48  # chunked prefill: the budget is 48 tokens
+
+    results = {}
+    for tp in (1, 2) if which == "untied_odd_vocab" else (2,):  # tied: TP=1 vs HF is test_engine_vs_hf's job
+        llm = make_llm(model, tp)
+        try:
+            if tp == 2:
+                runner = llm.engine.model_runner
+                assert len(runner.worker_pids) == 1 and runner.shm_name.startswith(f"{SHM_PREFIX}{os.getpid()}_")
+                sems = event_semaphores(runner)
+                assert existing(sems) == sems and len(sems) == 10
+            stats = llm.engine.stats
+            a = [o["token_ids"] for o in llm.generate(first, greedy())]
+            hits = stats.prefix_cache_hit_tokens
+            b = [o["token_ids"] for o in llm.generate(second, greedy())]
+            assert stats.prefix_cache_hit_tokens - hits >= 5 * BLOCK * len(second), "no prefix-cache hits"
+            results[tp] = a + b
+        finally:
+            llm.shutdown()
+    assert not existing(sems), "the events' semaphores outlived the engine"
+    prompts = first + second
+    want = hf_oracle.greedy(model, prompts, MAX_NEW)
+    assert_same_tokens(hf_oracle, model, prompts, results[2], want, "TP=2 vs transformers")
+    if 1 in results:
+        assert_same_tokens(hf_oracle, model, prompts, results[1], want, "TP=1 vs transformers")
+        assert_same_tokens(hf_oracle, model, prompts, results[2], results[1], "TP=2 vs TP=1")
+
+
+# --------------------------------------------------------------------------
+# failures
+# --------------------------------------------------------------------------
+def test_worker_killed_mid_run_fails_fast(tp_model):
+    llm = make_llm(tp_model, 2)
+    try:
+        (pid,) = llm.engine.model_runner.worker_pids
+        sems = event_semaphores(llm.engine.model_runner)
+        killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+        start = time.monotonic()
+        killer.start()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+            llm.generate(random_prompts([20, 50, 90], seed=30), greedy(2000))
+        elapsed = time.monotonic() - start
+        killer.join()
+        assert elapsed < 30, f"the engine took {elapsed:.1f} s to notice the dead worker"
+        with pytest.raises(TensorParallelError, match="rank 1"):  # and it stays down
+            llm.generate([[5, 6, 7]], greedy())
+    finally:
+        llm.shutdown()
+    assert not wait_gone([pid])
+    assert not existing(sems)
+
+
+def test_worker_exception_is_reported_with_its_traceback(tp_model):
+    llm = make_llm(tp_model, 2)
+    try:
+        llm.engine.model_runner.broadcast("explode")
+        with pytest.raises(TensorParallelError, match=r"(?s)rank 1 .*exited with status 1.*"
+                                                      r"Traceback.*unknown control-plane call 'explode'"):
+            llm.generate([[5, 6, 7]], greedy())
+    finally:
+        llm.shutdown()
+
+
+def _worker_failing_at_start_up(config, args):
+    """Runs in the spawned rank 1 (imported from this module): loading its shard fails after it joined the group."""
+    import llmcli.engine.model_runner as model_runner
+    from llmcli.distributed.worker import worker_main
+
+    class BrokenRunner:
+        def __init__(self, config):
+            raise RuntimeError("simulated failure while loading rank 1's shard")
+
+    model_runner.ModelRunner = BrokenRunner
+    worker_main(config, args)
+
+
+def test_worker_failing_at_start_up_is_reported(tp_model, monkeypatch):
+    import llmcli.distributed.tp_runner as tp_runner
+
+    monkeypatch.setattr(tp_runner, "worker_main", _worker_failing_at_start_up)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"(?s)rank 1 .*exited with status 1.*simulated failure while"):
+        make_llm(tp_model, 2)
+    assert time.monotonic() - start < 60
+
+
+def _run_script(tmp_path: Path, body: str, env_extra: dict | None = None) -> subprocess.Popen:
+    script = tmp_path / "tp_script.py"
+    script.write_text(textwrap.dedent(body))
+    path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    return subprocess.Popen([sys.executable, str(script)], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _read_ready(proc: subprocess.Popen, timeout: float = 90.0) -> dict:
+    """The script prints 'READY {"pids": ..., "shm": ..., "sems": ...}' once its engine is up."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box or not box[0].startswith("READY "):
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the script did not start its engine: {box} {out} {err[-3000:]}")
+    return json.loads(box[0][len("READY "):])
+
+
+def _finish(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{what} did not end the script within {timeout:.0f} s")
+
+
+def _assert_released(ready: dict, what: str) -> None:
+    """The script's workers, segment and event semaphores are gone (allowing a few seconds for the tracker)."""
+    assert not wait_gone(ready["pids"]), f"a worker outlived {what}"
+    names = [ready["shm"]] + ready["sems"]
+    deadline = time.monotonic() + 10
+    while existing(names) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not existing(names), f"left behind in /dev/shm after {what}: {existing(names)}"
+
+
+SCRIPT_HEAD = """
+    import json, os, sys, time
+    import torch
+    torch.set_num_threads(1)
+    from llmcli import LLM, SamplingParams
+    from test_tensor_parallel import event_semaphores
+
+    if __name__ == "__main__":
+        llm = LLM({model!r}, device="cpu", dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
+                  num_kvcache_blocks=256, max_num_batched_tokens=48, enforce_eager=True)
+        runner = llm.engine.model_runner
+        info = dict(pids=runner.worker_pids, shm=runner.shm_name, sems=event_semaphores(runner))
+        print("READY", json.dumps(info), flush=True)
+"""
+
+
+def test_ctrl_c_tears_every_rank_down(tmp_path, tp_model):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does) during generate."""
+    proc = _run_script(tmp_path, SCRIPT_HEAD.format(model=str(tp_model)) + """
+        llm.generate([[5] * 40, [6] * 70], SamplingParams(temperature=0, max_tokens=5000, ignore_eos=True))
+        print("FINISHED", flush=True)
+    """)
+    ready = _read_ready(proc)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = _finish(proc, 30, "Ctrl-C")
+    assert proc.returncode != 0 and "FINISHED" not in out, (proc.returncode, out, err[-2000:])
+    assert "KeyboardInterrupt" in err, err[-2000:]
+    _assert_released(ready, "Ctrl-C")
+
+
+def test_rank0_stuck_in_a_collective_exits_the_process(tmp_path, tp_model):
+    """Where a dead peer does not make rank 0's collective fail (NCCL), the watchdog ends the process."""
+    proc = _run_script(tmp_path, SCRIPT_HEAD.format(model=str(tp_model)) + """
+        with runner._group.call("a simulated collective"):
+            os.kill(runner.worker_pids[0], 9)
+            time.sleep(120)
+        print("RETURNED", flush=True)
+    """, {"LLMCLI_TP_EXIT_GRACE_S": "2"})
+    ready = _read_ready(proc)
+    start = time.monotonic()
+    out, err = _finish(proc, 30, "the watchdog")
+    assert time.monotonic() - start < 15
+    assert proc.returncode == 1 and "RETURNED" not in out, (proc.returncode, out, err[-2000:])
+    assert "rank 1" in err and "SIGKILL" in err and "still blocked in 'a simulated collective'" in err, err[-2000:]
+    _assert_released(ready, "the watchdog's exit")
+
+
+def test_killed_main_process_leaves_no_worker_or_segment(tmp_path, tp_model):
+    """SIGKILL of rank 0's process (no Python clean-up at all): the orphaned worker leaves and removes the segment."""
+    proc = _run_script(tmp_path, SCRIPT_HEAD.format(model=str(tp_model)) + """
+        llm.generate([[5] * 40], SamplingParams(temperature=0, max_tokens=5000, ignore_eos=True))
+    """)
+    ready = _read_ready(proc)
+    time.sleep(0.5)
+    proc.kill()
+    _finish(proc, 30, "SIGKILL")
+    _assert_released(ready, "SIGKILL of the main process")

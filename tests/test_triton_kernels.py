@@ -1,0 +1,255 @@
+"""The Triton attention kernels against the torch reference backend.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1,
+set below before any kernel module is imported), in float32 and float16 only:
+the interpreter's bfloat16 dot is wrong. With CUDA they run on the GPU, in
+bfloat16 too, plus larger, GPU-only shapes. Inputs are fresh random draws each
+run, block tables are random permutations of block ids, and outputs (and the
+split-KV scratch) are poisoned with NaN so that an unwritten element fails.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+    # triton picks interpreter vs compiler when a kernel is decorated: redo it if imported earlier
+    for _name in ("triton_store", "triton_decode", "triton_prefill", "triton_backend"):
+        if f"llmcli.kernels.{_name}" in sys.modules:
+            importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
+
+from llmcli.kernels import make_backend  # noqa: E402
+from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
+from llmcli.kernels.torch_backend import TorchAttentionBackend, store_kv_torch  # noqa: E402
+from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
+from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel  # noqa: E402
+from llmcli.kernels.triton_prefill import prefill_paged, prefill_varlen  # noqa: E402
+from llmcli.kernels.triton_store import store_kv  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# float32 on the GPU goes through tf32 tensor cores; the interpreter computes it exactly
+TOL = {torch.float32: 5e-3 if ON_GPU else 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU-sized cases need CUDA")
+
+# (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1/2/4/8, Qwen3-0.6B's 16/8/128
+SHAPES = [(8, 8, 64, 16), (8, 4, 128, 64), (8, 2, 64, 256), (8, 1, 128, 16), (16, 8, 128, 256)]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def make_case(ctx_lens, q_lens, num_kv_heads, head_dim, block_size, dtype):
+    """A paged cache full of random KV, random permuted block tables (-1 padded), the new tokens' slots."""
+    per_seq = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(per_seq) + 3  # a few blocks nobody owns
+    perm = torch.randperm(num_blocks).tolist()
+    width = max(per_seq + [1]) + 1  # one spare column of -1 padding
+    tables = torch.full((len(ctx_lens), width), -1, dtype=torch.int32)
+    slots = []
+    used = 0
+    for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        tables[i, : per_seq[i]] = torch.tensor(perm[used : used + per_seq[i]], dtype=torch.int32)
+        used += per_seq[i]
+        for p in range(max(c - n, 0), c):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+        slots += [-1] * (n - min(n, c))  # decode padding rows: a token with nowhere to go
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
+    return k_cache, v_cache, tables.to(DEVICE), torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+
+
+def reference(meta, q, k, v, k_cache, v_cache, num_heads, scale):
+    ref = TorchAttentionBackend(num_heads, k.shape[1], q.shape[2], scale, k_cache.shape[1] if k_cache is not None else 16)
+    ref.prepare(meta)
+    return ref.forward(q, k, v, k_cache, v_cache)
+
+
+def nan_like(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+# -- store ------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_matches_torch(block_size, dtype):
+    num_kv_heads, head_dim, num_tokens = 2, 64, 40
+    k_cache, v_cache, _, _ = make_case([3 * block_size], [0], num_kv_heads, head_dim, block_size, dtype)
+    slots = torch.randperm(k_cache.shape[0] * block_size, device=DEVICE)[:num_tokens]
+    slots[torch.randperm(num_tokens, device=DEVICE)[:7]] = -1
+    # k/v as strided slices of a fused projection, as the model produces them
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, dtype=dtype, device=DEVICE)
+    k = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    store_kv_torch(k, v, kc_ref, vc_ref, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+
+
+# -- decode -----------------------------------------------------------------------
+def check_decode(ctx_lens, shape, dtype, num_splits):
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    batch = len(ctx_lens)
+    k_cache, v_cache, tables, slots = make_case(ctx_lens, [1] * batch, num_kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    k = torch.randn(batch, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn_like(k)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
+                             max_seqlen_k=max(ctx_lens))
+    scale = head_dim ** -0.5
+    ref = reference(meta, q, k, v, k_cache.clone(), v_cache.clone(), num_heads, scale)
+
+    store_kv(k, v, k_cache, v_cache, slots)
+    out = nan_like(q.shape, dtype)
+    n_out, n_lse = scratch_numel(batch, num_heads, head_dim, num_splits)
+    part_out, part_lse = nan_like((max(n_out, 1),), torch.float32), nan_like((max(n_lse, 1),), torch.float32)
+    paged_decode(q, k_cache, v_cache, tables, lens, scale, num_splits, part_out, part_lse, out=out)
+    assert torch.isfinite(out).all(), "unwritten or NaN output"
+    assert (out[lens == 0] == 0).all(), "padding rows must be zeros"
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_torch(shape, dtype, num_splits):
+    block_size = shape[3]
+    # one token, tile/block edges, a padding row, a context too short to reach every split
+    lens = [1, 0, block_size, block_size + 1, 64, 65, 130] + torch.randint(1, 400, (2,)).tolist()
+    check_decode(lens, shape, dtype, num_splits)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_many_splits_long_context(batch):
+    lens = torch.randint(500, 1200, (batch,)).tolist()
+    check_decode(lens, (16, 8, 128, 256), torch.float16, choose_num_splits(batch, 8, max(lens)))
+
+
+@gpu_only
+@pytest.mark.parametrize("batch", [1, 3, 64, 256])
+@pytest.mark.parametrize("max_ctx", [1024, 8192])
+@pytest.mark.parametrize("shape", [(16, 8, 128, 256), (16, 8, 128, 16), (32, 4, 128, 64), (8, 1, 64, 256)])
+def test_decode_gpu_sizes(batch, max_ctx, shape):
+    max_ctx = min(max_ctx, 2048) if batch > 64 else max_ctx  # keep the pool a few GiB at most
+    lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
+    lens[0] = max_ctx
+    check_decode(lens, shape, torch.bfloat16, choose_num_splits(batch, shape[1], max_ctx))
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(1, 8, 8192) >= 16  # small batch, long context: spread over the SMs
+    assert choose_num_splits(256, 8, 8192) == 1  # enough programs already
+    assert choose_num_splits(1, 8, 100) == 1  # too short to split
+    assert choose_num_splits(1, 1, 10**6) <= 64
+
+
+# -- prefill ----------------------------------------------------------------------
+def check_prefill(prefix_lens, q_lens, shape, dtype, paged):
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    ctx_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    k_cache, v_cache, tables, slots = make_case(ctx_lens, q_lens, num_kv_heads, head_dim, block_size, dtype)
+    total = sum(q_lens)
+    q = torch.randn(total, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    k = torch.randn(total, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn_like(k)
+    cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(ctx_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens,
+                             block_tables=tables if paged else None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx_lens), has_prefix=paged)
+    scale = head_dim ** -0.5
+    ref = reference(meta, q, k, v, k_cache.clone(), v_cache.clone(), num_heads, scale)
+    out = nan_like(q.shape, dtype)
+    if paged:
+        store_kv(k, v, k_cache, v_cache, slots)
+        prefill_paged(q, k_cache, v_cache, tables, cu_q, lens, max(q_lens), scale, out=out)
+    else:
+        prefill_varlen(q, k, v, cu_q, max(q_lens), scale, out=out)
+    assert torch.isfinite(out).all(), "unwritten or NaN output"
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_prefix_matches_torch(shape, dtype):
+    bs = shape[3]
+    # no prefix; prefix off the block grid with a 1-token chunk; block-aligned prefix;
+    # a chunk spanning two 64-row query tiles behind an unaligned prefix
+    prefix = [0, bs + 3, 2 * bs, 37]
+    q_lens = [45, 1, 20, 100]
+    check_prefill(prefix, q_lens, shape, dtype, paged=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[4:])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_varlen_matches_torch(shape, dtype):
+    check_prefill([0, 0, 0, 0], [1, 37, 64, 100], shape, dtype, paged=False)
+
+
+@gpu_only
+@pytest.mark.parametrize("prefix,q_lens", [
+    ([0], [8192]), ([4000, 0, 777, 8191], [2048, 513, 1, 1]), ([0] * 16, [256] * 16), ([5000, 123], [3000, 900]),
+])
+@pytest.mark.parametrize("shape", [(16, 8, 128, 256), (16, 8, 128, 16), (32, 4, 128, 64), (8, 1, 64, 256)])
+def test_prefill_gpu_sizes(prefix, q_lens, shape):
+    check_prefill(prefix, q_lens, shape, torch.bfloat16, paged=True)
+    if not any(prefix):
+        check_prefill(prefix, q_lens, shape, torch.bfloat16, paged=False)
+
+
+# -- the backend as the model runner drives it -------------------------------------
+def test_make_backend_triton():
+    assert isinstance(make_backend("triton", 16, 8, 128, 0.1, 256), TritonAttentionBackend)
+
+
+def test_backend_decode_through_graph_buffers():
+    """prepare_for_replay pads the batch (slot -1, length 0) and fixes max_seqlen_k to the table width."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    dtype, n, padded = torch.float32 if not ON_GPU else torch.bfloat16, 3, 8
+    ctx_lens = [5, 100, 300]
+    k_cache, v_cache, tables, slots = make_case(ctx_lens, [1] * n, num_kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(padded, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    k = torch.randn(padded, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn_like(k)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots,
+                             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE),
+                             block_tables=tables, max_seqlen_k=max(ctx_lens))
+    scale = head_dim ** -0.5
+    ref = reference(meta, q[:n], k[:n], v[:n], k_cache.clone(), v_cache.clone(), num_heads, scale)
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, block_size)
+    backend.init_graph_buffers(16, 64, DEVICE)  # 64 blocks of 16: 1024 keys wide
+    backend.prepare_for_replay(meta, padded)
+    assert backend.num_splits > 1, "a small batch over a wide table should split"
+    out = backend.forward(q, k, v, k_cache, v_cache)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert (out[n:] == 0).all()
+    assert rel_err(out[:n], ref) <= TOL[dtype]
+
+
+def test_backend_prefill_warmup_without_cache():
+    num_heads, num_kv_heads, head_dim = 16, 8, 128
+    dtype = torch.float16
+    q_lens = [3, 70]
+    cu = torch.tensor([0, 3, 73], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(73, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    k = torch.randn(73, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn_like(k)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, dtype=torch.int64, device=DEVICE),
+                             context_lens=torch.tensor(q_lens, dtype=torch.int32, device=DEVICE), block_tables=None,
+                             cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=70, max_seqlen_k=70)
+    backend = make_backend("triton", num_heads, num_kv_heads, head_dim, head_dim ** -0.5, 256)
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, None, None)
+    ref = reference(meta, q, k, v, None, None, num_heads, head_dim ** -0.5)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL[dtype]

@@ -1,0 +1,217 @@
+"""Build tiny random Qwen3 checkpoints for tests (and the bundled example model).
+
+``write_tiny_qwen3(path)`` writes a complete HuggingFace-style model folder:
+
+* ``config.json``            a real ``Qwen3Config`` (``Qwen3ForCausalLM``)
+* ``model.safetensors``      seeded random weights (or several shards plus
+                             ``model.safetensors.index.json`` with ``sharded=True``)
+* ``generation_config.json`` whose ``eos_token_id`` is a list of two ids
+* tokenizer files            a byte-level BPE trained here with ``tokenizers`` on
+                             a small built-in English corpus, wrapped in
+                             ``PreTrainedTokenizerFast`` with a ChatML template
+
+The weights are initialised with a large ``initializer_range`` so that the
+logits are well spread: greedy decoding then varies across prompts and
+positions instead of collapsing into one repeated token, and near-ties between
+the two best logits (which would make a float32 comparison with another
+implementation flaky) are rare.
+
+Command line: ``python tests/tiny_qwen3.py OUTDIR [--tied] [--sharded] [--seed N]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A few paragraphs of plain English, written for these tests; enough for the
+# BPE trainer to learn a few hundred merges of common words and word pieces.
+_CORPUS_PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the gate.",
+    "A small boat drifted across the lake at dawn, and the fisherman counted the clouds above the hills.",
+    "In the morning the market opens early; traders bring apples, bread, cheese, fish and fresh flowers.",
+    "Reading a good book on a rainy afternoon is one of the simplest pleasures of a quiet life.",
+    "The engineer measured the bridge twice before she wrote the report for the city council.",
+    "Children played in the park until the street lights came on and their parents called them home.",
+    "Water boils at one hundred degrees at sea level, but at a lower temperature high in the mountains.",
+    "The library keeps old maps of the river, the railway and the roads that connect the northern towns.",
+    "Please write a short story about a robot who learns to paint pictures of the ocean.",
+    "What is the capital of France? The capital of France is Paris, a city on the river Seine.",
+    "Explain how a computer stores numbers in memory using bits, bytes and words of fixed size.",
+    "The teacher asked the students to summarize the chapter in three sentences and one question.",
+    "Every winter the birds fly south, following the coast where the weather stays warm and mild.",
+    "He opened the window, listened to the wind in the trees, and decided to walk to the station.",
+    "Good software is tested often, reviewed carefully, and written so that other people can read it.",
+    "The recipe needs two cups of flour, one egg, a spoon of sugar, some milk and a pinch of salt.",
+    "Scientists observe the stars with large telescopes and record the light they collect each night.",
+    "Once upon a time there was a king who loved music more than gold, silver or precious stones.",
+    "The train to the coast leaves at seven o'clock and arrives before noon if there are no delays.",
+    "Numbers like 1, 2, 3, 10, 42, 100 and 2024 appear in many texts, dates, prices and addresses.",
+    "She said: \"Thank you for your help!\" and he answered, \"You are welcome; see you tomorrow.\"",
+    "Questions, answers, lists and tables: a language model sees all of them during its training.",
+    "The garden was full of roses, tulips and sunflowers, and bees moved from one flower to the next.",
+    "When the meeting ended, everyone agreed to share their notes and to meet again next Thursday.",
+]
+
+
+def training_corpus() -> list[str]:
+    """The text the tokenizer is trained on (also handy for making test prompts)."""
+    return list(_CORPUS_PARAGRAPHS)
+
+
+def build_tokenizer(vocab_size: int = 600):
+    """A byte-level BPE tokenizer wrapped in ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repeat the corpus a few times so frequent pieces clear min_frequency.
+    tok.train_from_iterator(training_corpus() * 3, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def write_tiny_qwen3(
+    path,
+    *,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    num_hidden_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    sharded: bool = False,
+    dtype: torch.dtype = torch.float32,
+    initializer_range: float = 0.2,
+    rope_theta: float = 10000.0,
+) -> Path:
+    """Write a tiny random Qwen3 model folder at ``path`` and return it as a Path."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer()
+    n_tok = len(tokenizer)
+    if vocab_size is None:
+        vocab_size = _round_up(n_tok, 64)
+    if vocab_size < n_tok:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tok} tokens)")
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eot_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        rms_norm_eps=1e-6,
+        rope_theta=rope_theta,
+        attention_bias=False,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=eot_id,
+        use_sliding_window=False,
+        max_window_layers=num_hidden_layers,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+        # The RMSNorm weights start at exactly 1; jitter them so that a norm
+        # whose weight is dropped or applied to the wrong tensor shows up.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.mul_(1.0 + 0.1 * torch.randn_like(param))
+    finally:
+        torch.random.set_rng_state(state)
+    model = model.to(dtype)
+    model.eval()
+
+    save_kwargs = {}
+    if sharded:
+        # Small enough that even the tiny default model gets several shards.
+        n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        save_kwargs["max_shard_size"] = max(n_bytes // 4, 16 * 1024)
+    model.save_pretrained(out, safe_serialization=True, **save_kwargs)
+
+    # Real Qwen3 checkpoints carry rope_theta at the top level; keep that form
+    # next to the transformers-5 ``rope_parameters`` so that either reader works.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_theta"] = rope_theta
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+    gen = GenerationConfig(
+        bos_token_id=None,
+        eos_token_id=[eos_id, eot_id],
+        pad_token_id=eot_id,
+        do_sample=False,
+    )
+    gen.save_pretrained(out)
+
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a tiny random Qwen3 checkpoint.")
+    parser.add_argument("outdir")
+    parser.add_argument("--tied", action="store_true", help="tie lm_head to the embeddings")
+    parser.add_argument("--sharded", action="store_true", help="write several safetensors shards")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = write_tiny_qwen3(args.outdir, tie_word_embeddings=args.tied, sharded=args.sharded, seed=args.seed)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote {out} ({size / 1024:.0f} KiB)")
+
+
+if __name__ == "__main__":
+    main()
