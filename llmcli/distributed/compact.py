@@ -55,6 +55,7 @@ class RemoteSequence:
 
     __slots__ = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "block_table", "block_size",
                  "token_ids")
+    pending_row = -1  # rank 0 resolves every sampled token before the next step when ranks are spread
 
     def __init__(self, num_computed: int, num_scheduled: int, num_tokens: int, block_table: list[int],
                  block_size: int, tokens: list[int]) -> None:

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from llmcli.engine.sequence import Sequence
+from llmcli.engine.sequence import PENDING_TOKEN, Sequence
 
 
 def chain_hash(prev: int, tokens: list[int]) -> int:
@@ -89,11 +89,13 @@ class BlockManager:
         return cached
 
     def register_computed(self, seq: Sequence) -> None:
-        """Publish the full blocks whose K/V is now in the cache, so later sequences can reuse them."""
+        """Publish the full blocks whose K/V is (being) computed and whose tokens are all known."""
         if not self.enable_prefix_caching:
             return
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
             tokens = seq.block_tokens(i)
+            if PENDING_TOKEN in tokens:
+                break  # its last token is still on the device; registered once it is read back
             h = chain_hash(seq.last_block_hash, tokens)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tuple(tokens)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
@@ -33,6 +34,16 @@ def load_tokenizer(config: Config) -> Any:
         return None
 
 
+@dataclass
+class InflightStep:
+    """A launched step whose sampled tokens have not been read back yet."""
+
+    seqs: list[Sequence]
+    sampled: list[Sequence]
+    indices: list[int]  # where each sampled token goes in its sequence's token_ids
+    token_ids: Callable[[], list[int]]
+
+
 class LLMEngine:
     def __init__(self, config: Config, tokenizer: Any = None) -> None:
         self.config = config
@@ -47,6 +58,9 @@ class LLMEngine:
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)
         self.step_timer: StepTimer = getattr(self.model_runner, "timer", None) or StepTimer()
+        # Overlapping host and device work needs the sampled tokens to stay on one device.
+        self.overlap = config.tensor_parallel_size == 1
+        self.inflight: InflightStep | None = None
 
     def _start_runner(self, config: Config) -> Any:
         if config.tensor_parallel_size > 1:
@@ -78,46 +92,72 @@ class LLMEngine:
 
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.inflight is not None
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step, then finish the previous one while the device computes.
+
+        With one rank the host never waits between steps: the tokens of step N are read back (and
+        stop conditions checked) after step N+1 is already on the device. A sequence that stopped at
+        step N may thus compute one extra token in step N+1, which is dropped.
+        """
         timer = self.step_timer
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        timer.kind = "prefill" if batch.is_prefill else "decode"
-        timer.seconds[(timer.kind, "schedule")] += time.perf_counter() - start
-        timer.steps[timer.kind] += 1
-        timer.tokens[timer.kind] += batch.num_tokens
-        token_ids = self.model_runner.run(batch.seqs, batch.is_prefill)
-        with timer.phase("postprocess"):
-            return self._postprocess(batch, token_ids)
-
-    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[RequestOutput]:
-        now = time.perf_counter()
-        sampled = iter(token_ids)
-        finished = []
-        if batch.is_prefill:
-            self.stats.prefill_tokens_computed += batch.num_tokens
-        for seq in batch.seqs:
-            samples = seq.samples_this_step
-            self.scheduler.step_done(seq)
-            if not samples:
-                continue
-            seq.append_token(next(sampled))
-            self.stats.generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if self.stopper.check(seq):
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-                finished.append(self._output(seq))
-        self.stats.num_steps += 1
+        launched = None
+        if batch is not None:
+            timer.kind = "prefill" if batch.is_prefill else "decode"
+            timer.seconds[(timer.kind, "schedule")] += time.perf_counter() - start
+            timer.steps[timer.kind] += 1
+            timer.tokens[timer.kind] += batch.num_tokens
+            launched = self._launch(batch)
+        finished = self._finish(self.inflight) if self.inflight is not None else []
+        self.inflight = launched
+        if launched is not None and not self.overlap:
+            finished += self._finish(launched)
+            self.inflight = None
         self.stats.num_finished += len(finished)
         self._refresh_queue_stats()
         return finished
+
+    def _launch(self, batch: ScheduledBatch) -> InflightStep:
+        sampled = [seq for seq in batch.seqs if seq.samples_this_step]
+        if self.overlap:
+            token_ids = self.model_runner.launch(batch.seqs, batch.is_prefill).token_ids
+        else:
+            tokens = self.model_runner.run(batch.seqs, batch.is_prefill)
+            token_ids = lambda: tokens  # noqa: E731
+        if batch.is_prefill:
+            self.stats.prefill_tokens_computed += batch.num_tokens
+        for seq in batch.seqs:
+            self.scheduler.step_done(seq)
+        indices = [seq.append_pending(row) for row, seq in enumerate(sampled)]
+        self.stats.num_steps += 1
+        return InflightStep(batch.seqs, sampled, indices, token_ids)
+
+    def _finish(self, step: InflightStep) -> list[RequestOutput]:
+        with self.step_timer.phase("wait"):
+            tokens = step.token_ids()
+        with self.step_timer.phase("postprocess"):
+            now = time.perf_counter()
+            finished = []
+            for seq, index, token in zip(step.sampled, step.indices, tokens):
+                if seq.is_finished:
+                    continue  # it stopped a step earlier; this token was computed speculatively
+                seq.resolve(index, token)
+                self.stats.generated_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if self.stopper.check(seq, index):
+                    seq.truncate(index + 1)
+                    seq.finish_time = now
+                    self.scheduler.finish(seq)
+                    finished.append(self._output(seq))
+            for seq in step.seqs:
+                if not seq.is_finished:
+                    self.scheduler.block_manager.register_computed(seq)
+            return finished
 
     def _refresh_queue_stats(self) -> None:
         self.stats.num_running = len(self.scheduler.running)

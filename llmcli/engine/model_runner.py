@@ -23,6 +23,29 @@ log = logging.getLogger("llmcli")
 CPU_WARMUP_TOKENS = 256
 
 
+class LaunchedStep:
+    """A step enqueued on the device: which sequences sample, and their tokens once it finishes."""
+
+    def __init__(self, sampled_seqs: list[Sequence], tokens: torch.Tensor | None) -> None:
+        self.sampled_seqs = sampled_seqs
+        self._host = None
+        self._done = None
+        if tokens is None:
+            self._host = []
+        elif tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = tokens
+
+    def token_ids(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host if isinstance(self._host, list) else self._host.tolist()
+
+
 class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -39,6 +62,7 @@ class ModelRunner:
         self.model = self._build_model()
         self.sampler = Sampler()
         self.uploader = Uploader(self.device)
+        self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation_peak = self._warmup()
         per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
@@ -132,21 +156,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Compute one step; return the sampled token of each sequence that samples (rank 0 only)."""
+        """Compute one step and wait for it; the sampled token of each sampling sequence (rank 0 only)."""
+        step = self.launch(seqs, is_prefill)
+        return step.token_ids() if self.rank == 0 else None
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep:
+        """Enqueue one step on the device and return at once; ``token_ids()`` on the result waits for it.
+
+        A decoding sequence whose last token is still in flight (``pending_row >= 0``) takes it straight
+        from the previous launch's sampled tokens on the device, so the host never waits between steps.
+        """
         with self.timer.phase("prepare"):
             inputs = prepare_prefill(seqs, self.uploader) if is_prefill else prepare_decode(seqs, self.uploader)
             greedy = self.rank != 0 or all_greedy(inputs.sampled_seqs)
             sampling = None if greedy else prepare_sampling(inputs.sampled_seqs, self.uploader)
         with self.timer.phase("forward"):
+            if inputs.pending_rows is not None:
+                from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
+                inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
             logits = self._forward(inputs)
             if logits is None:
-                return [] if self.rank == 0 else None
+                self.prev_tokens = None
+                return LaunchedStep(inputs.sampled_seqs, None)
             if sampling is None:
                 token_ids = logits.argmax(dim=-1)
             else:
                 token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
                                          sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
-            return token_ids.tolist()
+            self.prev_tokens = token_ids
+            return LaunchedStep(inputs.sampled_seqs, token_ids)
 
     def shutdown(self) -> None:
         """Give the device memory back now, even if something still holds a reference to this runner."""

@@ -33,6 +33,7 @@ class Scheduler:
     def __init__(self, config: Config, num_blocks: int, stats: EngineStats) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -55,6 +56,8 @@ class Scheduler:
         budget, batch = self.max_num_batched_tokens, []
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with a token still in flight: recompute once it is known
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     break
@@ -73,8 +76,12 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
+        done: list[Sequence] = []  # at a length limit, waiting only for their last token to be read back
         while self.running and len(batch) < self.max_num_seqs:
             seq = self.running.popleft()
+            if seq.length_limit_reached(self.max_model_len):
+                done.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -85,7 +92,7 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 seq.num_scheduled_tokens = 1
                 batch.append(seq)
-        self.running.extendleft(reversed(batch))
+        self.running.extendleft(reversed(batch + done))
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
@@ -96,12 +103,13 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     def step_done(self, seq: Sequence) -> None:
-        """The scheduled tokens of ``seq`` now have their K/V in the cache."""
+        """The scheduled tokens of ``seq`` are launched: their K/V is (being) written to the cache."""
         seq.num_computed_tokens += seq.num_scheduled_tokens
         seq.num_scheduled_tokens = 0
         self.block_manager.register_computed(seq)
 
     def finish(self, seq: Sequence) -> None:
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
-        self.running.remove(seq)
+        queue.remove(seq)

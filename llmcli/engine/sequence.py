@@ -9,6 +9,9 @@ from typing import Any
 from llmcli.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # stands in token_ids for a sampled token the device has not handed back yet
+
+
 class RequestRejected(ValueError):
     """A request that can never run (too long for the model or for the KV pool)."""
 
@@ -47,6 +50,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_pending = 0  # sampled tokens still in flight on the device (placeholders in token_ids)
+        self.pending_row = -1  # row of the newest in-flight token in its launch's output, -1 if none
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text: str | None = None  # set when a stop string cut the text
@@ -97,3 +102,27 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_pending(self, row: int) -> int:
+        """A token is being sampled in row ``row`` of the launched step; returns its index."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+        self.pending_row = row
+        return len(self.token_ids) - 1
+
+    def resolve(self, index: int, token_id: int) -> None:
+        self.token_ids[index] = token_id
+        self.num_pending -= 1
+        if index == len(self.token_ids) - 1:
+            self.pending_row = -1
+
+    def truncate(self, length: int) -> None:
+        """Drop tokens past ``length`` (sampled speculatively after the sequence had already finished)."""
+        del self.token_ids[length:]
+        self.num_pending = sum(t == PENDING_TOKEN for t in self.token_ids)
+        self.pending_row = -1
+
+    def length_limit_reached(self, max_model_len: int) -> bool:
+        """No further token may be generated, whatever the pending tokens turn out to be."""
+        limit = self.params.max_tokens
+        return (limit is not None and self.num_completion_tokens >= limit) or self.num_tokens >= max_model_len

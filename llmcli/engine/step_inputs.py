@@ -53,6 +53,7 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_rows: torch.Tensor | None  # rows of the hidden states to compute logits for (None: every row)
     sampled_seqs: list[Sequence]  # the sequences that get a new token this step, in row order
+    pending_rows: torch.Tensor | None = None  # decode: row of each input token in the last launch's samples, or -1
 
 
 def padded_block_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
@@ -110,7 +111,10 @@ def prepare_decode(seqs: list[Sequence], uploader: Uploader) -> StepInputs:
              for seq, p in zip(seqs, positions)]
     lens = [p + 1 for p in positions]
     tables, width = padded_block_tables(seqs)
-    ids_t, pos_t, slots_t = uploader.upload(torch.int64, [seq.last_token for seq in seqs], positions, slots)
+    pending = [seq.pending_row for seq in seqs]
+    any_pending = max(pending) >= 0
+    ids = [max(seq.last_token, 0) for seq in seqs]  # an in-flight token is filled in on the device
+    ids_t, pos_t, slots_t, rows_t = uploader.upload(torch.int64, ids, positions, slots, pending if any_pending else [])
     lens_t, tables_t = uploader.upload(torch.int32, lens, tables)
     metadata = AttentionMetadata(
         is_prefill=False,
@@ -119,7 +123,7 @@ def prepare_decode(seqs: list[Sequence], uploader: Uploader) -> StepInputs:
         block_tables=tables_t.view(len(seqs), width),
         max_seqlen_k=max(lens),
     )
-    return StepInputs(ids_t, pos_t, metadata, None, list(seqs))
+    return StepInputs(ids_t, pos_t, metadata, None, list(seqs), rows_t if any_pending else None)
 
 
 @dataclass

@@ -12,21 +12,22 @@ class StopChecker:
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def check(self, seq: Sequence) -> bool:
-        """After a token was appended: set ``finish_reason`` (and ``stop_reason``) if the sequence is done."""
-        token, params = seq.last_token, seq.params
+    def check(self, seq: Sequence, index: int) -> bool:
+        """Token ``index`` was just sampled: set ``finish_reason`` (and ``stop_reason``) if ``seq`` ends there."""
+        token, params = seq.token_ids[index], seq.params
+        completion = index + 1 - seq.num_prompt_tokens
         if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq):
+        elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq, index):
             seq.finish_reason = "stop"
-        elif params.max_tokens is not None and seq.num_completion_tokens >= params.max_tokens:
+        elif params.max_tokens is not None and completion >= params.max_tokens:
             seq.finish_reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
+        elif index + 1 >= self.max_model_len:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.decode(seq.completion_token_ids, seq)
+    def _hit_stop_string(self, seq: Sequence, index: int) -> bool:
+        text = self.decode(seq.token_ids[seq.num_prompt_tokens:index + 1], seq)
         # Only text near the end can hold a stop string that was not there a token ago; the small margin
         # covers characters that change when a multi-byte character is completed.
         start = max(0, seq.stop_scan_pos - 4)

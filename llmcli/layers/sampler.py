@@ -1,8 +1,7 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Randomness comes from a counter-based hash of (request seed, generation step,
-token id), turned into exponential noise: ``argmax(p / E)`` with
-``E ~ Exp(1)`` draws from ``p``. Each request's draws therefore depend only on
+token id), turned into Gumbel noise. Each request's draws therefore depend only on
 its own seed and step, never on what it is batched with.
 """
 from __future__ import annotations
@@ -46,17 +45,21 @@ def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
 
 @compile_on_cuda
 def sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters: bool):
+    """Gumbel-max over the filtered, temperature-scaled logits: no softmax is needed.
+
+    ``argmax(logits/T + G)`` with ``G = -log(-log u)`` draws from ``softmax(logits/T)``;
+    min-p keeps tokens whose probability is at least ``min_p`` times the largest,
+    i.e. whose scaled logit is at least ``max + log(min_p)``.
+    """
     logits = logits.float()
-    greedy_ids = logits.argmax(dim=-1)
     greedy = temperatures <= 0
     scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
     if use_filters:
         scaled = filter_logits(scaled, top_ks, top_ps)
-    probs = scaled.softmax(dim=-1)
-    probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
-    sampled = (probs / exp_noise).argmax(dim=-1)
-    return torch.where(greedy, greedy_ids, sampled)
+    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps)[:, None]
+    scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+    return torch.where(greedy, logits.argmax(dim=-1), (scaled + gumbel).argmax(dim=-1))
 
 
 class Sampler(nn.Module):
