@@ -490,9 +490,9 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     # one step with the device-time probe inside model_runner.run (not among the timed steps)
     runner = engine.model_runner
     probe: dict[str, Any] = {}
-    original = runner.run
+    original = runner.launch
 
-    def run_with_probe(seqs: list[Any], is_prefill: bool) -> Any:
+    def launch_with_probe(seqs: list[Any], is_prefill: bool) -> Any:
         if not is_prefill and "done" not in probe:
             probe["done"] = True
             try:
@@ -502,11 +502,11 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
                 print(traceback.format_exc(), file=sys.stderr, flush=True)
         return original(seqs, is_prefill)
 
-    runner.run = run_with_probe
+    runner.launch = launch_with_probe
     try:
         engine.step()
     finally:
-        del runner.run  # back to the class method
+        del runner.launch  # back to the class method
     if "error" in probe:
         fail(report, f"llmcli {name} device-time probe", probe["error"])
 
@@ -514,7 +514,7 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     walls = []
     for _ in range(steps):
         t = time.perf_counter()
-        engine.step()  # ends with the sampled ids on the host: the step is complete
+        engine.step()  # steady state: launches this step, reads back the previous one
         walls.append(time.perf_counter() - t)
     timers = timer_delta(before, timer_summary(engine))
     while engine.has_unfinished():

@@ -27,12 +27,15 @@ def random_qwen3_06b(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("qwen3_06b_random")
     cfg = json.loads(CONFIG.read_text())
-    cfg["initializer_range"] = 0.1  # peaked logits: fewer bf16 near-ties than the default 0.02
     config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
     config.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        # Default-scale random weights give nearly flat logits, where bf16 rounding decides most
+        # argmaxes; a larger final-norm gain sharpens the logits without touching the residual stream.
+        model.model.norm.weight.fill_(8.0)
     model.save_pretrained(out, safe_serialization=True)
     del model
     torch.cuda.empty_cache()
@@ -96,6 +99,10 @@ def test_bf16_greedy_matches_transformers(random_qwen3_06b):
         "triton vs torch": agreement(triton, torch_ref),
         "triton chunked+prefix vs torch": agreement(triton_chunked, torch_chunked),
     }
+    first = sum(a[0] == b[0] for a, b in zip(triton, hf)) / len(hf)
+    print(f"\nfirst-token agreement triton vs transformers: {first:.0%}")
+    for name, rows in (("transformers", hf), ("triton", triton), ("torch", torch_ref)):
+        print(f"  prompt 0, {name:12s}: {rows[0][:10]}")
     print("\nGREEDY TOKEN AGREEMENT (bf16, 16 prompts x 64 tokens):")
     for name, rate in rates.items():
         print(f"  {name:34s} {rate:.2%}")

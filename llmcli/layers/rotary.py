@@ -1,6 +1,8 @@
 """Rotary position embedding (half-rotation layout), cos/sin precomputed for every position."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,6 +20,20 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     cos = cos_table[positions].unsqueeze(1).to(q.dtype)
     sin = sin_table[positions].unsqueeze(1).to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rope_settings(config: Any) -> tuple[float, dict | None]:
+    """(rope_theta, scaling) from a config of either transformers generation.
+
+    transformers 5 keeps ``rope_theta`` inside ``rope_parameters`` and has no top-level attribute;
+    transformers 4 has ``rope_theta`` and ``rope_scaling``.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None)
+    if theta is None:
+        raise ValueError("config.json gives no rope_theta (neither top-level nor in rope_parameters)")
+    scaling = params if params else getattr(config, "rope_scaling", None)
+    return float(theta), scaling
 
 
 class RotaryEmbedding(nn.Module):

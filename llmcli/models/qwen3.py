@@ -12,7 +12,7 @@ from llmcli.layers.attention import Attention
 from llmcli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmcli.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmcli.layers.norm import RMSNorm
-from llmcli.layers.rotary import RotaryEmbedding
+from llmcli.layers.rotary import RotaryEmbedding, rope_settings
 
 
 def head_dim_of(config: Any) -> int:
@@ -79,8 +79,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                 getattr(config, "rope_theta", 10000.0), getattr(config, "rope_scaling", None))
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, *rope_settings(config))
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary, backend)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
