@@ -35,6 +35,7 @@ def _console() -> Console:
 def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
     from llmcli.config import ConfigError
+    from llmcli.distributed.tp_runner import TensorParallelError
     from llmcli.generate import UsageError
     from llmcli.models.hub import ModelNotFoundError
     from llmcli.sampling_params import SamplingParamsError
@@ -45,6 +46,9 @@ def _guarded(run: Callable[[], int]) -> None:
     except (UsageError, ConfigError, ModelNotFoundError, SamplingParamsError) as exc:
         say(console, f"error: {exc}")
         raise typer.Exit(2) from None
+    except TensorParallelError as exc:
+        say(console, f"error: {exc}")
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         say(console, "interrupted")
         raise typer.Exit(130) from None

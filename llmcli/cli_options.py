@@ -24,6 +24,7 @@ class Knob:
     type: Any
     help: str
     flag: str = ""  # defaults to --name-with-dashes
+    short: str = ""  # an extra short alias, e.g. -tp
 
     @property
     def option(self) -> str:
@@ -41,7 +42,7 @@ ENGINE_KNOBS = (
     Knob("max_model_len", int, "Longest sequence, prompt plus output "
                                "\\[default: the model's max_position_embeddings, at most 40960]."),
     Knob("gpu_memory_utilization", float, "Share of GPU memory llmcli may use for weights, activations and KV cache."),
-    Knob("tensor_parallel_size", int, "GPUs to shard the model over."),
+    Knob("tensor_parallel_size", int, "Ranks to shard the model over: GPUs on CUDA, processes on CPU.", short="-tp"),
     Knob("enforce_eager", bool, "Run without CUDA graphs."),
     Knob("kvcache_block_size", int, "Tokens per KV-cache block."),
     Knob("num_kvcache_blocks", int, "Use exactly this many KV blocks instead of sizing the pool from free memory."),
@@ -58,8 +59,10 @@ ENGINE_KNOBS = (
 
 
 def _knob_parameter(knob: Knob) -> inspect.Parameter:
-    decls = f"{knob.option}/--no-{knob.option[2:]}" if knob.type is bool else knob.option
-    option = typer.Option(decls, help=knob.help, rich_help_panel=ENGINE_PANEL, show_default=False)
+    decls = [f"{knob.option}/--no-{knob.option[2:]}" if knob.type is bool else knob.option]
+    if knob.short:
+        decls.append(knob.short)
+    option = typer.Option(*decls, help=knob.help, rich_help_panel=ENGINE_PANEL, show_default=False)
     return inspect.Parameter(knob.param, inspect.Parameter.KEYWORD_ONLY, default=None,
                              annotation=Annotated[Optional[knob.type], option])
 

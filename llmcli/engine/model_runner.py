@@ -55,7 +55,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.head_dim = head_dim_of(hf)
-        self.num_kv_heads = max(1, hf.num_key_value_heads // self.world)
+        if config.tensor_parallel_size != self.world:
+            raise RuntimeError(f"this process already belongs to a group of {self.world} tensor-parallel ranks; "
+                               f"an engine with tensor_parallel_size={config.tensor_parallel_size} cannot start "
+                               "in it (one tensor-parallel engine per process)")
+        self.num_kv_heads = hf.num_key_value_heads // self.world  # divisibility is checked before ranks start
         self.backend = make_backend(config.attention_backend, hf.num_attention_heads // self.world,
                                     self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                     config.kvcache_block_size)
