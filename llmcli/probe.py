@@ -6,11 +6,10 @@ from typing import Any
 
 import orjson
 from rich.console import Console
-from rich.table import Table
 
 from llmcli.engine.outputs import MemoryReport
 from llmcli.io.writer import reserve_stdout
-from llmcli.progress import say
+from llmcli.progress import key_value_table, say
 
 GIB = 1 << 30
 
@@ -57,9 +56,6 @@ def report_dict(r: MemoryReport, knobs: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(r: MemoryReport, hint: str | None, console: Console) -> None:
-    table = Table(title=f"llmcli probe-memory: {r.device_name} ({r.device}, {r.dtype})", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
     rows = [
         ("device memory", _gib(r.total_bytes)),
         ("budget for llmcli", _gib(r.budget_bytes)),
@@ -73,9 +69,7 @@ def render(r: MemoryReport, hint: str | None, console: Console) -> None:
         ("tokens the cache holds", f"{r.cache_tokens:,}"),
         (f"sequences of max_model_len={r.max_model_len:,} at once", f"{r.max_concurrent_full_seqs:.2f}"),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
-    console.print(table)
+    console.print(key_value_table(f"llmcli probe-memory: {r.device_name} ({r.device}, {r.dtype})", rows))
     for note in r.notes:
         say(console, f"note: {note}")
     if hint:

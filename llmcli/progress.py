@@ -112,9 +112,6 @@ class GenerateSummary:
 
 
 def summary_table(s: GenerateSummary) -> Table:
-    table = Table(title="llmcli generate" + (" (interrupted)" if s.interrupted else ""), show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
     gen = max(s.generate_s, 1e-9)
     rows = [
         ("requests answered", f"{s.answered} / {s.total}"),
@@ -131,6 +128,14 @@ def summary_table(s: GenerateSummary) -> Table:
         ("prefix-cache hit rate", f"{s.prefix_cache_hit_rate:.1%}"),
         ("preemptions", str(s.preemptions)),
     ]
+    return key_value_table("llmcli generate" + (" (interrupted)" if s.interrupted else ""), rows)
+
+
+def key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    """A two-column summary: bold names, right-aligned values."""
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -141,14 +141,11 @@ def _check(q: torch.Tensor, head_dim: int) -> None:
     assert q.stride(-1) == 1
 
 
-def prefill_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-    scale: float, out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of each packed chunk over itself; q [T, H, D], k/v [T, KH, D]."""
+def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+            tensors: tuple, strides: tuple, group: int, block_size: int, paged: bool, scale: float) -> torch.Tensor:
+    """Shared set-up of both prefill modes: output, tiles, grid (heads x query tiles x chunks), launch."""
     num_tokens, num_heads, head_dim = q.shape
     _check(q, head_dim)
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.numel() - 1
@@ -157,13 +154,23 @@ def prefill_varlen(
     block_m, block_n, warps, stages = _tiles(head_dim, q.element_size(), max_seqlen_q)
     grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), batch)
     _prefill_kernel[grid](
-        q, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        0, 0, 0, 0, 0, out.stride(0), out.stride(1), scale * math.log2(math.e),
-        GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_SIZE=1,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=False, num_warps=warps, num_stages=stages,
+        q, *tensors, out, q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
+        scale * math.log2(math.e), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, num_warps=warps, num_stages=stages,
     )
     return out
+
+
+def prefill_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+    scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each packed chunk over itself; q [T, H, D], k/v [T, KH, D]."""
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    return _launch(q, out, cu_seqlens_q, max_seqlen_q,
+                   (k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q),
+                   (k.stride(0), k.stride(1), v.stride(0), v.stride(1), 0, 0, 0, 0, 0),
+                   q.shape[1] // k.shape[1], 1, False, scale)
 
 
 def prefill_paged(
@@ -172,23 +179,10 @@ def prefill_paged(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each chunk over its cached prefix plus itself, all read from the cache."""
-    num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check(q, head_dim)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    batch = cu_seqlens_q.numel() - 1
-    if num_tokens == 0 or batch == 0:
-        return out
-    block_m, block_n, warps, stages = _tiles(head_dim, q.element_size(), max_seqlen_q)
-    grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), batch)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        q.stride(0), q.stride(1), 0, k_cache.stride(2), 0, v_cache.stride(2),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale * math.log2(math.e),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=True, num_warps=warps, num_stages=stages,
-    )
-    return out
+    return _launch(q, out, cu_seqlens_q, max_seqlen_q,
+                   (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens),
+                   (0, k_cache.stride(2), 0, v_cache.stride(2), k_cache.stride(0), k_cache.stride(1),
+                    v_cache.stride(0), v_cache.stride(1), block_tables.stride(0)),
+                   q.shape[1] // num_kv_heads, block_size, True, scale)
