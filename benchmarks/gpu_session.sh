@@ -5,6 +5,8 @@
 #   bench   benchmarks/bench_vs_hf.py, extra args in BENCH_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
+export TORCH_LOGS=${TORCH_LOGS:-recompiles}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

@@ -164,3 +164,15 @@ def test_unsupported_architecture(tiny_model, tmp_path):
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="NoSuchModelForCausalLM"):
         _llm(odd)
+
+
+def test_flash_backend_without_the_package_says_how_to_install():
+    pytest.importorskip("triton")
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    from llmcli.kernels import make_backend
+
+    with pytest.raises(ImportError, match=r"llmcli\[flash\]"):
+        make_backend("flash-attn", 8, 2, 64, 0.125, 256)
