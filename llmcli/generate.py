@@ -8,7 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-from llmcli.io.prepare import Preparer, PreparedRequest, load_tokenizer
+from llmcli.io.prepare import Preparer, PreparedRequest
+from llmcli.models.hub import load_tokenizer
 from llmcli.io.records import InputRecord, mark_duplicates, parse_line
 from llmcli.io.resume import ResumeError, scan_output
 from llmcli.io.source import read_lines, source_name

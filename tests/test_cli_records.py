@@ -9,7 +9,8 @@ import pytest
 
 from llmcli.engine.outputs import MemoryReport, RequestOutput
 from llmcli.io.output import error_record, result_record
-from llmcli.io.prepare import Preparer, load_tokenizer
+from llmcli.io.prepare import Preparer
+from llmcli.models.hub import load_tokenizer
 from llmcli.io.records import mark_duplicates, output_key, parse_line
 from llmcli.io.resume import ResumeError, scan_output
 from llmcli.io.source import RawLine, read_lines

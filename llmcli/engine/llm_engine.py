@@ -1,7 +1,6 @@
 """LLMEngine: requests in, one scheduler step at a time, finished outputs out."""
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass
@@ -10,28 +9,13 @@ from typing import Any, Callable
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.outputs import EngineStats, RequestOutput
-from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.admission import check_request_fits
+from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import RequestRejected, Sequence
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
+from llmcli.models.hub import load_tokenizer
 from llmcli.sampling_params import SamplingParams
-
-log = logging.getLogger("llmcli")
-
-
-def load_tokenizer(config: Config) -> Any:
-    """The model's tokenizer, or None when the folder has none (dummy-weight configs)."""
-    from transformers import AutoTokenizer
-
-    source = config.tokenizer or str(config.model_path)
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError) as exc:
-        if config.tokenizer:
-            raise ValueError(f"Config.tokenizer={config.tokenizer!r} could not be loaded: {exc}") from None
-        log.info("no tokenizer in %s (%s); prompts must be token ids", source, type(exc).__name__)
-        return None
 
 
 @dataclass
@@ -47,7 +31,7 @@ class InflightStep:
 class LLMEngine:
     def __init__(self, config: Config, tokenizer: Any = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_path, config.tokenizer)
         self.eos_token_ids = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:

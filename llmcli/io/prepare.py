@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from llmcli.io.records import FieldProblem, InputRecord
@@ -18,18 +17,6 @@ class PreparedRequest:
     record: InputRecord
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # n entries, each with n=1 (the i-th seeded seed+i)
-
-
-def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any | None:
-    """The model's tokenizer, or None when the folder has none (e.g. a bare config.json)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(tokenizer or model_path))
-    except Exception:  # transformers raises OSError, ValueError or KeyError for a missing tokenizer
-        if tokenizer:
-            raise
-        return None
 
 
 class Preparer:

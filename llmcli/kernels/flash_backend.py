@@ -6,8 +6,6 @@ New K/V go into the cache with llmcli's own Triton store kernel.
 """
 from __future__ import annotations
 
-import torch
-
 from llmcli.kernels.backend import AttentionBackend
 
 

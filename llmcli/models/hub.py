@@ -1,4 +1,4 @@
-"""Finding a model: local folder or hub id, its config.json and its EOS ids."""
+"""Finding a model: local folder or hub id, its config.json, its EOS ids and its tokenizer."""
 from __future__ import annotations
 
 import json
@@ -61,3 +61,15 @@ def load_generation_eos(model_path: Path, hf_config: Any) -> list[int]:
         add(json.loads(gen.read_text()).get("eos_token_id"))
     add(getattr(hf_config, "eos_token_id", None))
     return ids
+
+
+def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any | None:
+    """The tokenizer (``tokenizer`` if given, else the model folder's), or None when the folder has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer or model_path))
+    except Exception as exc:  # transformers raises OSError, ValueError or KeyError for a missing tokenizer
+        if tokenizer:
+            raise ValueError(f"tokenizer {tokenizer!r} could not be loaded: {exc}") from None
+        return None
