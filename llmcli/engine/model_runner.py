@@ -180,9 +180,10 @@ class ModelRunner:
                 from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
                 inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
             logits = self._forward(inputs)
-            if logits is None:
-                self.prev_tokens = None
-                return LaunchedStep(inputs.sampled_seqs, None)
+        if logits is None:
+            self.prev_tokens = None
+            return LaunchedStep(inputs.sampled_seqs, None)
+        with self.timer.phase("sample"):
             if sampling is None:
                 token_ids = logits.argmax(dim=-1)
             else:
