@@ -10,19 +10,12 @@ nothing about sampling, because only rank 0 samples.
 
 ``RemoteSequence`` rebuilds from such a tuple an object with the attributes
 those two functions read; its ``token_ids`` is a window that knows only the
-tokens that were sent and refuses any other slice. It also carries inert
-sampling placeholders (greedy ``params``, ``seed`` 0) in case the runner
-prepares sampling tensors on every rank.
+tokens that were sent and refuses any other slice.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
-from llmcli.sampling_params import SamplingParams
-
-# Workers never sample, but ModelRunner.run may build sampling tensors on every rank before the
-# forward; these placeholders keep that harmless (greedy, no filters).
-_NO_SAMPLING = SamplingParams(temperature=0.0)
 
 
 class TokenWindow:
@@ -65,10 +58,6 @@ class RemoteSequence:
         self.block_table = block_table
         self.block_size = block_size
         self.token_ids = TokenWindow(num_computed, tokens)
-
-    params = _NO_SAMPLING  # class-level placeholders, see _NO_SAMPLING
-    seed = 0
-    num_completion_tokens = 0
 
     @property
     def last_token(self) -> int:
