@@ -19,6 +19,9 @@ def compile_on_cuda(fn: F) -> F:
         nonlocal compiled
         if args[0].is_cuda and os.environ.get("LLMCLI_EAGER") != "1":
             if compiled is None:
+                # Duck sizing would tie e.g. a batch of 1024 tokens to a hidden size of 1024 and recompile
+                # whenever such a coincidence appears or goes away; token counts vary every step.
+                torch.fx.experimental._config.use_duck_shape = False
                 compiled = torch.compile(fn, dynamic=True)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
