@@ -6,6 +6,7 @@ from typing import Any, Sequence as Seq
 from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
 from llmcli.engine.outputs import RequestOutput
+from llmcli.engine.sequence import RequestRejected
 from llmcli.sampling_params import SamplingParams
 
 
@@ -32,9 +33,16 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        # Every prompt is checked before any is queued, so a rejected one leaves the engine untouched.
+        token_ids = [self.engine.encode(prompt) for prompt in prompts]
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            try:
+                self.engine.check_fits(ids, p)
+            except RequestRejected as exc:
+                raise RequestRejected(f"prompt {i}: {exc}") from None
         results: dict[int, RequestOutput] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            self.engine.add_request(prompt, p, request_id=i)
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            self.engine.add_request(ids, p, request_id=i)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 results[out.request_id] = out

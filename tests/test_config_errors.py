@@ -140,8 +140,9 @@ def test_config_json_that_is_not_json(tiny_model, tmp_path):
 def test_prompt_longer_than_max_model_len(tiny_model):
     llm = _llm(tiny_model, max_model_len=64)
     try:
-        with pytest.raises(ValueError, match="max_model_len"):
-            llm.generate([list(range(3, 103))], SamplingParams(temperature=0.0, max_tokens=4))
+        with pytest.raises(ValueError, match="prompt 1: .*max_model_len"):
+            llm.generate([[5, 6], list(range(3, 103))], SamplingParams(temperature=0.0, max_tokens=4))
+        assert not llm.engine.has_unfinished()  # the valid prompt before it was not queued either
         # The engine is still usable afterwards, with nothing left queued or held.
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert len(out[0]["token_ids"]) == 4
