@@ -7,7 +7,8 @@ from typing import Annotated, Any, Callable, List, Optional
 import typer
 from rich.console import Console
 
-from llmcli.cli_options import with_engine_options
+from llmcli.cli_options import (DataParallelSizeOption, DistributedBackendOption, RayAddressOption,
+                                with_engine_options)
 from llmcli.progress import say
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ def _console() -> Console:
 def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
     from llmcli.config import ConfigError
+    from llmcli.distributed.data_parallel import DataParallelError
     from llmcli.distributed.tp_runner import TensorParallelError
     from llmcli.generate import UsageError
     from llmcli.models.hub import ModelNotFoundError
@@ -46,7 +48,7 @@ def _guarded(run: Callable[[], int]) -> None:
     except (UsageError, ConfigError, ModelNotFoundError, SamplingParamsError) as exc:
         say(console, f"error: {exc}")
         raise typer.Exit(2) from None
-    except TensorParallelError as exc:
+    except (TensorParallelError, DataParallelError) as exc:
         say(console, f"error: {exc}")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -100,6 +102,9 @@ def generate(
                                                        show_default=False, rich_help_panel=SAMPLING)] = None,
     n: Annotated[Optional[int], typer.Option("--n", help="Completions per input. \\[default: 1]",
                                              show_default=False, rich_help_panel=SAMPLING)] = None,
+    data_parallel_size: DataParallelSizeOption = 1,
+    distributed_backend: DistributedBackendOption = None,
+    ray_address: RayAddressOption = None,
     engine: Any = None,
 ) -> None:
     """Generate a completion for every JSONL record of IN, appending one JSONL record per input to OUT.
@@ -117,7 +122,9 @@ def generate(
     opts = GenerateOptions(
         input=input, output=output, engine=engine, sampling=sampling, resume=resume, overwrite=overwrite,
         ordered=not unordered, on_error=on_error.value, include_token_ids=include_token_ids,
-        chat_template=chat_template, max_errors_shown=max_errors, progress=progress, quiet=quiet)
+        chat_template=chat_template, max_errors_shown=max_errors, progress=progress, quiet=quiet,
+        data_parallel_size=data_parallel_size, ray_address=ray_address,
+        distributed_backend=distributed_backend.value if distributed_backend is not None else None)
 
     def run() -> int:
         SamplingParams(**sampling)  # a bad flag is a usage error, not one error per record

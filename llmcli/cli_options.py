@@ -1,4 +1,5 @@
-"""Options every command shares: --model, the engine knobs, and --config TOML defaults."""
+"""Options every command shares: --model, the engine knobs, and --config TOML defaults (and generate's scale-out)."""
+import enum
 import functools
 import inspect
 import sys
@@ -114,6 +115,32 @@ ConfigOption = Annotated[Optional[Path], typer.Option(
 ModelOption = Annotated[str, typer.Option(
     "--model", "-m", help="Model folder (config.json, *.safetensors, tokenizer) or Hugging Face hub id.",
     rich_help_panel=ENGINE_PANEL, show_default=False)]
+
+
+# -- scale-out (generate only; not Config fields: Config is one engine's knobs) --------
+SCALE_OUT_PANEL = "Scale-out"
+
+
+class DistributedBackend(str, enum.Enum):
+    local = "local"
+    ray = "ray"
+
+
+DataParallelSizeOption = Annotated[int, typer.Option(
+    "--data-parallel-size", "-dp", min=1, rich_help_panel=SCALE_OUT_PANEL,
+    help="Engine replicas fed from this one input, each with its own --tensor-parallel-size ranks "
+         "(on CUDA, replica r uses GPUs r*tp .. r*tp+tp-1).")]
+
+DistributedBackendOption = Annotated[Optional[DistributedBackend], typer.Option(
+    "--distributed-backend", rich_help_panel=SCALE_OUT_PANEL, show_default=False,
+    help="Where the replicas run: local (processes on this machine) or ray (actors on a Ray cluster; "
+         "pip install 'llmcli\\[ray]') \\[default: local, or ray with --ray-address].")]
+
+RayAddressOption = Annotated[Optional[str], typer.Option(
+    "--ray-address", rich_help_panel=SCALE_OUT_PANEL, show_default=False,
+    help="Address of a running Ray cluster ('auto', or HOST:PORT of its head); implies --distributed-backend ray. "
+         "Without it, the ray backend joins the cluster of RAY_ADDRESS or of `ray start` on this machine, "
+         "else starts a Ray instance for this run alone.")]
 
 
 def with_engine_options(func: Callable[..., Any]) -> Callable[..., Any]:

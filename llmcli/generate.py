@@ -39,6 +39,9 @@ class GenerateOptions:
     max_errors_shown: int = 20
     progress: bool | None = None  # None: only when stderr is a terminal
     quiet: bool = False
+    data_parallel_size: int = 1  # engine replicas fed from this one input
+    distributed_backend: str | None = None  # "local" (processes on this machine) | "ray"; None: ray with an address
+    ray_address: str | None = None  # an existing Ray cluster (implies "ray")
 
 
 def _check_output(opts: GenerateOptions) -> set[str]:
@@ -95,14 +98,38 @@ def _check_pool(items: list[PreparedRequest | InputRecord], engine: Any) -> None
             items[i] = rec
 
 
+def _scale_out(opts: GenerateOptions) -> Any:
+    """The replicas asked for; Ray must be importable when it is the backend."""
+    from llmcli.config import ConfigError
+    from llmcli.distributed.data_parallel import ScaleOut
+    from llmcli.distributed.dp_ray import INSTALL_HINT, ray_available
+
+    if opts.ray_address and opts.distributed_backend == "local":
+        raise UsageError("--ray-address needs --distributed-backend ray (or leave --distributed-backend out)")
+    backend = opts.distributed_backend or ("ray" if opts.ray_address else "local")
+    try:
+        scale = ScaleOut(opts.data_parallel_size, backend, opts.ray_address)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if scale.backend == "ray" and not ray_available():
+        raise UsageError(f"--distributed-backend ray needs Ray, which is not installed: {INSTALL_HINT}")
+    return scale
+
+
 def run_generate(opts: GenerateOptions, console: Console) -> int:
     """Run the command; returns the exit code. Raises UsageError (and ConfigError) for exit code 2."""
     from llmcli.config import Config
 
     started = time.perf_counter()
+    scale = _scale_out(opts)
     answered = _check_output(opts)
     stdout = reserve_stdout() if opts.output == "-" else None
-    config = Config(**opts.engine)
+    if scale.enabled:
+        from llmcli.distributed.data_parallel import driver_config
+
+        config = driver_config(opts.engine, scale)
+    else:
+        config = Config(**opts.engine)
     records = _read_records(opts)
     todo = [r for r in records if r.key not in answered]
     chat_template = opts.chat_template.read_text() if opts.chat_template else None
@@ -130,9 +157,14 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
             Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
         return EXIT_OK
 
-    from llmcli.engine.llm_engine import LLMEngine
+    if scale.enabled:
+        from llmcli.distributed.data_parallel import DataParallelEngine
 
-    engine = LLMEngine(config, tokenizer=tokenizer)
+        engine: Any = DataParallelEngine(config, scale, engine_kwargs=opts.engine, tokenizer=tokenizer)
+    else:
+        from llmcli.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config, tokenizer=tokenizer)
     try:
         _check_pool(items, engine)
         known = {id(r) for r in bad}
@@ -154,7 +186,7 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
     if opts.overwrite and not opts.resume and opts.output != "-":
         Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
     writer = RecordWriter(open_sink(opts.output, stdout), ordered=opts.ordered)
-    window = 2 * config.max_num_seqs
+    window = 2 * config.max_num_seqs * opts.data_parallel_size  # enough waiting work for every replica
     try:
         with StopFlag() as stop, GenerateProgress(len(items), console, enabled=show) as progress:
             runner = Runner(engine, writer, progress, model=opts.engine["model"],

@@ -1,0 +1,296 @@
+"""Data parallelism: one input fed to many engine replicas, answers merged back, each request answered once.
+
+``DataParallelEngine`` has the surface the CLI's runner uses on ``LLMEngine``
+(``add_request``, ``step``, ``has_unfinished``, ``stats``, ``tokenizer``,
+``check_fits``, ``config``, ``model_runner.memory_report``, ``shutdown``), so
+ordering, ``--resume`` and error records work unchanged: they go by request id.
+Behind it sits a pool of replicas, each a complete engine with its own
+``tensor_parallel_size`` ranks: processes on this machine (``dp_local``) or
+actors on a Ray cluster (``dp_ray``).
+
+* **Routing.** Each request goes to the replica with the fewest outstanding
+  tokens (``balancer``). Requests are buffered per replica and sent in one
+  batch at the next ``step``.
+* **Seeds.** A request without a seed gets one here, drawn from
+  ``random.Random(config.seed)`` in the order requests are added, exactly as
+  one ``LLMEngine`` draws them. So sampled output does not depend on the number
+  of replicas or on which replica runs a request (also after a failover).
+* **Answers.** ``step`` returns the answers that arrived, waiting up to
+  ``WAIT_S`` for the first one so the caller's loop does not spin. An answer
+  for a request that is not outstanding any more is dropped (never answered
+  twice).
+* **Failures.** A replica that dies (process exit, Ray actor death, an error
+  in its loop) is reported as a warning, and its unanswered requests are sent
+  again to the others (nothing lost). When no replica is left,
+  ``DataParallelError`` names every loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Hashable
+
+from llmcli.config import Config, ConfigError
+from llmcli.distributed.balancer import OutstandingTokenBalancer, request_cost
+from llmcli.distributed.dp_replica import ReplicaInfo
+from llmcli.engine.admission import check_request_fits
+from llmcli.engine.outputs import EngineStats, RequestOutput
+from llmcli.engine.sequence import RequestRejected
+from llmcli.sampling_params import SamplingParams
+
+log = logging.getLogger("llmcli")
+
+BACKENDS = ("local", "ray")
+WAIT_S = 0.1
+# Counters of EngineStats that describe the present (what runs now), not the past: a lost replica's are zeroed.
+CURRENT_STATE = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total")
+
+
+class DataParallelError(RuntimeError):
+    """The data-parallel replicas cannot go on (none left, or one failed to start); the message says why."""
+
+
+@dataclass
+class ScaleOut:
+    """How many replicas, and where: ``local`` processes or a ``ray`` cluster (``ray_address`` None: a new local one)."""
+
+    data_parallel_size: int = 1
+    backend: str = "local"
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ray_address:
+            self.backend = "ray"
+        n = self.data_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"data_parallel_size={n!r}: must be a positive integer")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"distributed backend {self.backend!r}: must be one of {', '.join(BACKENDS)}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a DataParallelEngine is needed (several replicas, or any on Ray)."""
+        return self.data_parallel_size > 1 or self.backend == "ray"
+
+
+def start_timeout_s() -> float:
+    raw = os.environ.get("LLMCLI_DP_START_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else 900.0
+    except ValueError:
+        raise ValueError(f"LLMCLI_DP_START_TIMEOUT_S={raw!r} must be a number of seconds") from None
+    return value if value > 0 else 900.0
+
+
+def driver_config(engine_kwargs: dict[str, Any], scale: ScaleOut) -> Config:
+    """The driver's Config: for the tokenizer, the admission rule and the model's limits.
+
+    With Ray and no CUDA device on this machine (a CPU-only head node), the
+    driver plans on CPU; each replica validates the device-specific knobs on its
+    own node when it starts.
+    """
+    if scale.backend == "ray" and engine_kwargs.get("device", "auto") != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            planning = dict(engine_kwargs, device="cpu", dtype="auto", attention_backend="auto",
+                            tensor_parallel_size=1)
+            return Config(**planning)
+    return Config(**engine_kwargs)
+
+
+def raise_startup_failure(index: int, where: str, kind: str, message: str, text: str) -> None:
+    """Re-raise a replica's start-up failure in the driver, as the kind of error it was."""
+    log.debug("data-parallel replica %d failed to start:\n%s", index, text)
+    if kind == "config":
+        raise ConfigError(message)
+    if kind == "model":
+        from llmcli.models.hub import ModelNotFoundError
+
+        raise ModelNotFoundError(f"data-parallel replica {index} on {where}: {message}")
+    last = text.strip().splitlines()[-1] if text.strip() else message
+    raise DataParallelError(f"data-parallel replica {index} failed to start on {where}: {last}")
+
+
+@dataclass
+class ReplicaRunners:
+    """What callers read from ``engine.model_runner``: the smallest KV pool, and replica 0's memory plan."""
+
+    replicas: list[ReplicaInfo]
+
+    @property
+    def num_blocks(self) -> int:
+        return min(r.num_blocks for r in self.replicas)
+
+    @property
+    def memory_report(self) -> Any:
+        return self.replicas[0].memory_report
+
+
+class DataParallelEngine:
+    """Many engine replicas behind the interface of one ``LLMEngine``."""
+
+    def __init__(self, config: Config, scale: ScaleOut, *, engine_kwargs: dict[str, Any] | None = None,
+                 tokenizer: Any = None, pool: Any = None) -> None:
+        """``engine_kwargs``: the knobs each replica builds its Config from (default: ``config``'s);
+        ``pool``: a replica pool to use instead of starting one (tests)."""
+        self.config = config
+        self.scale = scale
+        if tokenizer is None:
+            from llmcli.engine.llm_engine import load_tokenizer
+
+            tokenizer = load_tokenizer(config)
+        self.tokenizer = tokenizer
+        kwargs = dict(engine_kwargs) if engine_kwargs is not None else {
+            name: getattr(config, name) for name in Config.knob_names()}
+        kwargs.setdefault("model", config.model)
+        self.pool = pool if pool is not None else self._make_pool(kwargs)
+        try:
+            infos = self.pool.start(start_timeout_s())
+        except BaseException:
+            self.pool.shutdown()
+            raise
+        self.model_runner = ReplicaRunners(infos)
+        self.num_replicas = scale.data_parallel_size
+        self.balancer = OutstandingTokenBalancer(self.num_replicas)
+        self._outstanding: dict[Hashable, tuple[list[int], SamplingParams, int]] = {}
+        self._unsent: dict[int, list[tuple]] = {r: [] for r in range(self.num_replicas)}
+        self._stats: dict[int, EngineStats] = {
+            r: EngineStats(kv_blocks_total=info.num_blocks) for r, info in enumerate(infos)}
+        self._losses: list[str] = []
+        self._rng = random.Random(config.seed)
+        self._closed = False
+
+    def _make_pool(self, kwargs: dict[str, Any]) -> Any:
+        scale, config = self.scale, self.config
+        tp = kwargs.get("tensor_parallel_size", 1)
+        if scale.backend == "ray":
+            from llmcli.distributed.dp_ray import RayReplicaPool
+
+            for name in ("model", "tokenizer"):  # a local folder by absolute path: actors start in other folders
+                value = kwargs.get(name)
+                if value and Path(value).expanduser().is_dir():
+                    kwargs[name] = str(Path(value).expanduser().resolve())
+            device = kwargs.get("device", "auto")
+            use_gpu = None if device == "auto" else device == "cuda"
+            return RayReplicaPool(kwargs, scale.data_parallel_size, use_gpu=use_gpu, tensor_parallel_size=tp,
+                                  address=scale.ray_address)
+        from llmcli.distributed.dp_local import LocalReplicaPool
+
+        # Every replica reads the folder the driver resolved (a hub id is downloaded once, here).
+        kwargs = dict(kwargs, model=str(config.model_path), device=config.device)
+        return LocalReplicaPool(kwargs, scale.data_parallel_size, device=config.device, tensor_parallel_size=tp)
+
+    # -- requests -----------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(f"model {self.config.model} has no tokenizer: give prompts as token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected unless the request fits every replica (it may have to move after a failure)."""
+        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> None:
+        token_ids = self.encode(prompt)
+        self.check_fits(token_ids, params)
+        if request_id in self._outstanding:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if params.seed is None:  # the draw one LLMEngine would make, in the same order
+            params = dataclasses.replace(params, seed=self._rng.getrandbits(63))
+        cost = request_cost(len(token_ids), params, self.config.max_model_len)
+        self._outstanding[request_id] = (token_ids, params, cost)
+        self._route(request_id)
+
+    def _route(self, request_id: Hashable) -> None:
+        token_ids, params, cost = self._outstanding[request_id]
+        replica = self.balancer.assign(request_id, cost)
+        self._unsent[replica].append((request_id, token_ids, params))
+
+    def _flush(self) -> None:
+        for replica, batch in self._unsent.items():
+            if batch:
+                self._unsent[replica] = []
+                self.pool.submit(replica, batch)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._outstanding)
+
+    # -- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Send what was added, then return the answers that arrived (waiting up to WAIT_S for the first)."""
+        if self._closed:
+            raise DataParallelError("the data-parallel engine has been shut down")
+        self._flush()
+        finished: list[RequestOutput] = []
+        for event in self.pool.wait(WAIT_S if self._outstanding else 0.0):
+            if event[0] == "out":
+                _, replica, outputs, stats = event
+                if stats is not None and replica not in self._lost_replicas:
+                    self._stats[replica] = stats
+                for out in outputs:
+                    if out.request_id in self._outstanding:  # the first answer wins; a late duplicate is dropped
+                        del self._outstanding[out.request_id]
+                        self.balancer.done(out.request_id)
+                        finished.append(out)
+            else:
+                self._replica_lost(event[1], event[2])
+        self._flush()
+        return finished
+
+    @property
+    def _lost_replicas(self) -> set[int]:
+        return {r for r, ok in enumerate(self.balancer.alive) if not ok}
+
+    def _replica_lost(self, replica: int, why: str) -> None:
+        if not self.balancer.alive[replica]:
+            return
+        self.pool.kill(replica)
+        self._unsent[replica] = []
+        orphans = self.balancer.remove(replica)
+        stats = self._stats[replica]
+        for name in CURRENT_STATE:
+            setattr(stats, name, 0)
+        message = f"data-parallel replica {replica} {why}"
+        self._losses.append(message)
+        live = self.balancer.live
+        if not live:
+            raise DataParallelError("every data-parallel replica has been lost:\n" + "\n".join(self._losses))
+        log.warning("llmcli: %s; sending its %d unfinished request(s) to the %d remaining replica(s)",
+                    message, len(orphans), len(live))
+        for request_id in orphans:
+            self._route(request_id)
+
+    # -- statistics -------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """Counters summed over the replicas (a lost replica's work included); current state of the live ones."""
+        total = EngineStats()
+        for stats in self._stats.values():
+            for f in fields(EngineStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+        return total
+
+    @property
+    def replicas(self) -> list[ReplicaInfo]:
+        return self.model_runner.replicas
+
+    def kill_replica(self, replica: int) -> None:
+        """Kill one replica outright (for tests and drills); the next ``step`` notices and fails over."""
+        self.pool.kill(replica)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self.pool.shutdown()
+
+    def __enter__(self) -> "DataParallelEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,314 @@
+"""Data-parallel replicas on this machine: one spawned process per replica, two pipes each.
+
+Each replica process builds its own ``LLMEngine`` (with its own tensor-parallel
+ranks when ``tensor_parallel_size`` > 1; on CUDA, replica r sees GPUs
+r*tp .. r*tp+tp-1 of the driver's through ``CUDA_VISIBLE_DEVICES``, set before
+torch touches CUDA in the child) and runs ``ReplicaLoop``. Requests go down one
+pipe, answers come up another: separate pipes per replica, so a replica killed
+in the middle of a write cannot leave a lock held that the others need. A
+reader thread in the replica empties its request pipe continuously, so the
+driver's sends never wait on a replica that is itself busy sending.
+
+Loss: the driver waits on every replica's result pipe and process sentinel at
+once; a sentinel that fires means the replica is gone (whatever it sent before
+is still read). Replicas ignore SIGINT (Ctrl-C reaches the whole process
+group; the driver decides how to stop) and leave by themselves within half a
+second when the driver's process disappears. ``shutdown`` (also at interpreter
+exit and when the pool is garbage collected) asks them to stop, then kills
+whatever is still there.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util  # noqa: F401 - its atexit hook must be registered before ours (ours runs first)
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcli.distributed.dp_replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
+                                          startup_failure)
+
+log = logging.getLogger("llmcli")
+
+PARENT_POLL_S = 0.5
+STOP_WAIT_S = 10.0
+
+
+@dataclass
+class ReplicaSpec:
+    index: int
+    engine_kwargs: dict[str, Any]
+    threads: int | None
+    parent_pid: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped responding"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+# -- the replica process ---------------------------------------------------------------
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(3)  # the driver is gone: nobody will read our answers (tensor-parallel ranks follow us)
+
+
+def replica_main(spec: ReplicaSpec, requests: Any, results: Any) -> None:
+    """Entry point of a spawned replica (``multiprocessing`` target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(spec.env)  # CUDA_VISIBLE_DEVICES: before anything initializes CUDA here
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True, name="llmcli-dp-parent").start()
+    try:
+        engine = build_engine(spec.engine_kwargs, spec.threads)
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver, which decides what the user sees
+        with contextlib.suppress(Exception):
+            results.send(("failed", startup_failure(exc)))
+        os._exit(1)
+    send_lock = threading.Lock()
+
+    def emit(outputs: list, stats: Any) -> None:
+        with send_lock:
+            results.send(("out", outputs, stats))
+
+    loop = ReplicaLoop(engine, emit)
+
+    def read_requests() -> None:
+        try:
+            while True:
+                loop.inbox.put(requests.recv())
+        except (EOFError, OSError):
+            loop.inbox.put((STOP,))  # the driver closed our pipe: nothing more will come
+
+    try:
+        results.send(("ready", describe(engine, spec.index)))
+        threading.Thread(target=read_requests, daemon=True, name="llmcli-dp-inbox").start()
+        loop.run()
+    except BaseException:  # noqa: BLE001
+        text = traceback.format_exc()
+        with contextlib.suppress(Exception):
+            results.send(("died", text))
+        sys.stderr.write(f"llmcli data-parallel replica {spec.index} failed:\n{text}")
+        sys.stderr.flush()
+        os._exit(1)
+    try:
+        engine.shutdown()
+    finally:
+        with contextlib.suppress(Exception):
+            results.send(("bye",))
+
+
+# -- the driver's side ---------------------------------------------------------------------
+class _Replica:
+    def __init__(self, index: int, proc: Any, requests: Any, results: Any) -> None:
+        self.index = index
+        self.proc = proc
+        self.requests = requests  # driver -> replica
+        self.results = results  # replica -> driver
+        self.info: ReplicaInfo | None = None
+        self.error_text = ""  # a traceback the replica sent before it exited
+        self.lost = False
+
+
+class _Procs:
+    """The processes and pipes of one pool (no reference to the pool, so its finalizer can run after it)."""
+
+    def __init__(self) -> None:
+        self.replicas: list[_Replica] = []
+        self.torn_down = False
+        self.lock = threading.Lock()
+
+    def teardown(self) -> None:
+        with self.lock:
+            if self.torn_down:
+                return
+            self.torn_down = True
+        atexit.unregister(self.teardown)
+        live = [r for r in self.replicas if r.proc.is_alive()]
+        for r in live:
+            with contextlib.suppress(Exception):
+                r.requests.send((STOP,))
+        deadline = time.monotonic() + STOP_WAIT_S
+        for r in live:
+            r.proc.join(max(0.0, deadline - time.monotonic()))
+        for r in self.replicas:
+            if r.proc.is_alive():
+                log.warning("llmcli: data-parallel replica %d (pid %s) did not stop within %.0f s; killing it",
+                            r.index, r.proc.pid, STOP_WAIT_S)
+                r.proc.kill()
+            r.proc.join(5.0)
+            for conn in (r.requests, r.results):
+                with contextlib.suppress(Exception):
+                    conn.close()
+            with contextlib.suppress(ValueError):
+                r.proc.close()
+
+
+class LocalReplicaPool:
+    """``size`` replica processes on this machine."""
+
+    backend = "local"
+
+    def __init__(self, engine_kwargs: dict[str, Any], size: int, *, device: str, tensor_parallel_size: int) -> None:
+        self.engine_kwargs = engine_kwargs
+        self.size = size
+        self.device = device
+        self.tp = tensor_parallel_size
+        self._procs = _Procs()
+        self._finalizer = weakref.finalize(self, self._procs.teardown)
+        self._finalizer.atexit = False  # the explicit atexit hook below runs before multiprocessing's own
+        self._pending_losses: list[tuple[int, str]] = []
+
+    @property
+    def replicas(self) -> list[_Replica]:
+        return self._procs.replicas
+
+    def gpu_sets(self) -> list[str]:
+        """CUDA_VISIBLE_DEVICES of each replica: consecutive groups of tp devices of the driver's."""
+        from llmcli.config import ConfigError
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            ids = [d.strip() for d in visible.split(",") if d.strip()]
+        else:
+            import torch
+
+            ids = [str(i) for i in range(torch.cuda.device_count())]
+        need = self.size * self.tp
+        if len(ids) < need:
+            raise ConfigError(f"--data-parallel-size {self.size} x tensor_parallel_size {self.tp} needs {need} GPUs "
+                              f"but {len(ids)} are visible")
+        return [",".join(ids[r * self.tp:(r + 1) * self.tp]) for r in range(self.size)]
+
+    def start(self, timeout_s: float) -> list[ReplicaInfo]:
+        """Spawn every replica and wait until all have built their engine; raise (after cleaning up) if one fails."""
+        procs = self._procs
+        atexit.register(procs.teardown)
+        try:
+            gpus = self.gpu_sets() if self.device == "cuda" else [None] * self.size
+            threads = None
+            if self.device == "cpu":
+                import torch
+
+                threads = max(1, torch.get_num_threads() // self.size)
+            ctx = multiprocessing.get_context("spawn")
+            for index in range(self.size):
+                req_r, req_w = ctx.Pipe(duplex=False)
+                res_r, res_w = ctx.Pipe(duplex=False)
+                env = {"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus[index] is not None else {}
+                spec = ReplicaSpec(index, self.engine_kwargs, threads, os.getpid(), env)
+                proc = ctx.Process(target=replica_main, args=(spec, req_r, res_w), name=f"llmcli-dp-replica{index}")
+                proc.start()
+                req_r.close()
+                res_w.close()  # ours closed, the replica's end is the only writer: EOF when it exits
+                procs.replicas.append(_Replica(index, proc, req_w, res_r))
+            return self._wait_ready(timeout_s)
+        except BaseException:
+            procs.teardown()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> list[ReplicaInfo]:
+        from llmcli.distributed.data_parallel import DataParallelError, raise_startup_failure
+
+        deadline = time.monotonic() + timeout_s
+        waiting = {r.results: r for r in self.replicas}
+        waiting.update({r.proc.sentinel: r for r in self.replicas})
+        while any(r.info is None for r in self.replicas):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                slow = [r.index for r in self.replicas if r.info is None]
+                raise DataParallelError(f"data-parallel replica(s) {slow} did not start within {timeout_s:.0f} s "
+                                        "(LLMCLI_DP_START_TIMEOUT_S)")
+            for ready in multiprocessing.connection.wait(list(waiting), min(left, 1.0)):
+                r = waiting[ready]
+                message = None
+                if ready is r.results:
+                    try:
+                        message = r.results.recv()
+                    except (EOFError, OSError):
+                        pass
+                if message is not None and message[0] == "ready":
+                    r.info = message[1]
+                    waiting.pop(r.results, None)
+                    waiting.pop(r.proc.sentinel, None)
+                    continue
+                if message is not None and message[0] == "failed":
+                    raise_startup_failure(r.index, "this machine", *message[1])
+                r.proc.join(1.0)
+                raise DataParallelError(f"data-parallel replica {r.index} (pid {r.proc.pid}) "
+                                        f"{describe_exit(r.proc.exitcode)} while starting")
+        infos = [r.info for r in self.replicas]
+        log.info("data parallelism: %d local replicas, pids %s", self.size, [i.pid for i in infos])
+        return infos
+
+    # -- steady state -----------------------------------------------------------------
+    def submit(self, index: int, batch: list[tuple]) -> None:
+        r = self.replicas[index]
+        if r.lost:
+            return
+        try:
+            r.requests.send((ADD, batch))
+        except (OSError, ValueError) as exc:  # BrokenPipeError and friends: it is gone
+            self._pending_losses.append((index, f"stopped taking requests ({type(exc).__name__})"))
+
+    def wait(self, timeout: float) -> list[tuple]:
+        """Events since the last call, waiting up to ``timeout`` for the first one:
+        ``("out", index, outputs, stats)`` and ``("lost", index, why)``."""
+        events: list[tuple] = [("lost", i, why) for i, why in self._pending_losses]
+        self._pending_losses.clear()
+        live = [r for r in self.replicas if not r.lost]
+        handles: dict[Any, _Replica] = {r.results: r for r in live}
+        handles.update({r.proc.sentinel: r for r in live})
+        ready = multiprocessing.connection.wait(list(handles), 0 if events else timeout) if handles else []
+        gone = {handles[h].index for h in ready if h is handles[h].proc.sentinel}
+        for r in {handles[h] for h in ready}:
+            self._drain(r, events, gone)
+        for r in live:
+            if r.index in gone and not any(e[0] == "lost" and e[1] == r.index for e in events):
+                r.proc.join(1.0)
+                why = f"(pid {r.proc.pid}) {describe_exit(r.proc.exitcode)}"
+                if r.error_text:
+                    why += f"; its error:\n{r.error_text.rstrip()}"
+                events.append(("lost", r.index, why))
+        for e in events:
+            if e[0] == "lost":
+                self.replicas[e[1]].lost = True
+        return events
+
+    def _drain(self, r: _Replica, events: list[tuple], gone: set[int]) -> None:
+        """Every complete message the replica sent (also after it died: the pipe keeps them)."""
+        try:
+            while r.results.poll():
+                message = r.results.recv()
+                if message[0] == "out":
+                    events.append(("out", r.index, message[1], message[2]))
+                elif message[0] == "died":
+                    r.error_text = message[1]
+        except (EOFError, OSError):
+            gone.add(r.index)
+
+    def kill(self, index: int) -> None:
+        r = self.replicas[index]
+        if r.proc.is_alive():
+            r.proc.kill()
+
+    def shutdown(self) -> None:
+        self._finalizer()
