@@ -5,11 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
+
+from processes import wait_for_lines
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_RECORDS = 16
@@ -35,18 +36,6 @@ def slow_input(tmp_path: Path) -> Path:
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
-
-
-def wait_for_lines(proc: subprocess.Popen, out: Path, at_least: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if out.exists() and out.read_bytes().count(b"\n") >= at_least:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"exited early with {proc.returncode}: {proc.stderr.read().decode()}")
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError("no output line appeared in time")
 
 
 def whole_lines(out: Path) -> list[dict]:

@@ -30,6 +30,8 @@ from llmcli.distributed.dp_replica import ReplicaInfo
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.sampling_params import SamplingParams
 
+from processes import children_of, wait_for_lines, wait_gone
+
 REPO = Path(__file__).resolve().parent.parent
 KILL_RECORDS = 32
 KILL_TOKENS = 48
@@ -88,51 +90,6 @@ def kill_records() -> list[dict]:
 
 
 KILL_FLAGS = ("--max-num-seqs", "1", "-q")
-
-
-def wait_for_lines(proc: subprocess.Popen, out: Path, at_least: int, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if out.exists() and out.read_bytes().count(b"\n") >= at_least:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"exited early with {proc.returncode}: {proc.stderr.read().decode()}")
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError("no output line appeared in time")
-
-
-def children_of(pid: int) -> list[int]:
-    """Replica processes of ``pid`` (multiprocessing's resource tracker left out)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z" and "resource_tracker" not in cmdline:
-            found.append(int(entry))
-    return found
-
-
-def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                alive.append(pid)
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
 
 
 def resent_count(stderr: str) -> int:

@@ -37,8 +37,10 @@ from llmcli.distributed.tp_runner import TensorParallelError
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
 
-CPU = Uploader(torch.device("cpu"))
+from processes import child_processes, wait_gone
 from tiny_qwen3 import write_tiny_qwen3
+
+CPU = Uploader(torch.device("cpu"))
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
 
@@ -104,19 +106,7 @@ def assert_same_tokens(hf_oracle, model_dir, prompts, got_all, want_all, what: s
 
 def own_children() -> list[str]:
     """Live or unreaped children of this process, except multiprocessing's resource tracker."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == me and "resource_tracker" not in cmdline:
-            found.append(f"pid {entry} state {fields[0]}: {cmdline[:120]}")
-    return found
+    return [f"pid {pid} state {state}: {cmd[:120]}" for pid, state, cmd in child_processes(os.getpid())]
 
 
 def event_semaphores(runner) -> list[str]:
@@ -137,23 +127,6 @@ def existing(names) -> list[str]:
 
 def segments_of(pid: int) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if name.startswith(f"{SHM_PREFIX}{pid}_")]
-
-
-def wait_gone(pids, timeout: float = 10.0) -> list[int]:
-    """The pids that still exist (and are not zombies) after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                alive.append(pid)
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
 
 
 @pytest.fixture(autouse=True)

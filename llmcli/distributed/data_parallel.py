@@ -39,7 +39,7 @@ from llmcli.distributed.balancer import OutstandingTokenBalancer, request_cost
 from llmcli.distributed.dp_replica import ReplicaInfo
 from llmcli.engine.admission import check_request_fits
 from llmcli.engine.outputs import EngineStats, RequestOutput
-from llmcli.engine.sequence import RequestRejected
+from llmcli.models.hub import encode_prompt
 from llmcli.sampling_params import SamplingParams
 
 log = logging.getLogger("llmcli")
@@ -187,11 +187,7 @@ class DataParallelEngine:
 
     # -- requests -----------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected(f"model {self.config.model} has no tokenizer: give prompts as token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt, self.config.model)
 
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected unless the request fits every replica (it may have to move after a failure)."""

@@ -37,6 +37,7 @@ from typing import Any
 
 from llmcli.distributed.dp_replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
                                           startup_failure)
+from llmcli.distributed.exits import describe_exit
 
 log = logging.getLogger("llmcli")
 
@@ -51,17 +52,6 @@ class ReplicaSpec:
     threads: int | None
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "stopped responding"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 # -- the replica process ---------------------------------------------------------------

@@ -42,7 +42,6 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # noqa: F401 - its atexit hook must be registered before ours (ours runs first)
 import os
-import signal
 import threading
 import time
 import weakref
@@ -53,6 +52,7 @@ import torch.distributed as dist
 
 from llmcli.config import Config, ConfigError
 from llmcli.distributed.compact import pack_step
+from llmcli.distributed.exits import describe_exit
 from llmcli.distributed.shm_channel import ControlChannel, PayloadTooLarge
 from llmcli.distributed.worker import READY_KEY, WorkerArgs, gloo_on_loopback, worker_main
 
@@ -101,19 +101,6 @@ def start_tensor_parallel(config: Config) -> "TensorParallelRunner":
     return TensorParallelRunner(config)
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is not responding"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    if code == 0:
-        return "exited unexpectedly (status 0)"
-    return f"exited with status {code}"
-
-
 class _Group:
     """The processes, channel and rendezvous of one engine, and their failure state.
 
@@ -149,7 +136,7 @@ class _Group:
                 return
             proc = self.procs[rank]
             proc.join(0.5)  # let the exit status settle
-            message = f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
+            message = f"tensor-parallel rank {rank} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
             try:
                 error = self.channel.read_error(rank).strip() if self.channel is not None else ""
             except (ValueError, OSError):  # the segment is already closed

@@ -11,10 +11,10 @@ from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.engine.admission import check_request_fits
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
-from llmcli.engine.sequence import RequestRejected, Sequence
+from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
-from llmcli.models.hub import load_tokenizer
+from llmcli.models.hub import encode_prompt, load_tokenizer
 from llmcli.sampling_params import SamplingParams
 
 
@@ -55,11 +55,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected(f"model {self.config.model} has no tokenizer: give prompts as token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt, self.config.model)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> Sequence:
         token_ids = self.encode(prompt)
