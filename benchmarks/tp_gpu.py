@@ -1,0 +1,103 @@
+"""Tensor parallelism on GPUs (issue #5): TP=2 vs TP=1 greedy agreement in bf16, and Qwen3-8B throughput at TP=1/2.
+
+Needs a machine with at least two GPUs (device kind nvidia-h200-x2). Part 1 writes a random-weight
+Qwen3-0.6B checkpoint (published config, final-norm gain 8 for sharper logits) so that both runs share
+the same weights — with ``--load-format dummy`` each rank would draw its own shard. Part 2 runs
+``llmcli bench`` (the default workload, dummy weights) for Qwen3-8B at each TP size in a subprocess.
+Prints one table; writes ``$OUT/tp.json`` when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_checkpoint(out: Path) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = json.loads((REPO / "configs" / "Qwen3-0.6B" / "config.json").read_text())
+    config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(8.0)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int) -> list[list[int]]:
+    import torch
+    from llmcli import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="bfloat16", tensor_parallel_size=tp, gpu_memory_utilization=0.5, max_model_len=2048)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+        return [o.token_ids for o in outs]
+    finally:
+        llm.shutdown()
+        torch.cuda.empty_cache()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(len(r) for r in a)
+
+
+def bench(model: str, tp: int, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "llmcli", "bench", "--model", model, "--load-format", "dummy",
+           "--tensor-parallel-size", str(tp), "--json", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--bench-model", default=str(REPO / "configs" / "Qwen3-8B"))
+    parser.add_argument("--skip-agreement", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--bench-args", default="", help="extra llmcli bench flags, one string")
+    args = parser.parse_args()
+    report: dict = {}
+    if not args.skip_agreement:
+        rng = random.Random(0)
+        prompts = [[rng.randrange(151936) for _ in range(rng.randint(8, 700))] for _ in range(args.prompts)]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_checkpoint(Path(tmp))
+            runs = {tp: greedy(path, prompts, tp, args.new_tokens) for tp in args.tp}
+        base = runs[args.tp[0]]
+        report["agreement"] = {f"tp{tp} vs tp{args.tp[0]}": agreement(runs[tp], base) for tp in args.tp[1:]}
+        print(f"greedy agreement (bf16, {args.prompts} prompts x {args.new_tokens} tokens):", report["agreement"])
+    if not args.skip_bench:
+        report["bench"] = {tp: bench(args.bench_model, tp, args.bench_args.split()) for tp in args.tp}
+        print("\n| model | TP | output tok/s | total tok/s | requests/s | TTFT p50 ms | TPOT p50 ms |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for tp, r in report["bench"].items():
+            if "error" in r:
+                print(f"| {Path(args.bench_model).name} | {tp} | FAILED: {r['error']} | | | | |")
+                continue
+            print(f"| {Path(args.bench_model).name} | {tp} | {r['output_tokens_per_s']:,.0f} | "
+                  f"{r['total_tokens_per_s']:,.0f} | {r['requests_per_s']:.2f} | {r['ttft_ms']['p50']:.0f} | "
+                  f"{r['tpot_ms']['p50']:.1f} |")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "tp.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
