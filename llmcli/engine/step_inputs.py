@@ -19,23 +19,34 @@ from llmcli.kernels.backend import AttentionMetadata
 _NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
+ALIGN = 16  # elements: every part starts 64- or 128-byte aligned in the packed buffer
+
+
 class Uploader:
     """Packs lists of numbers into one pinned host tensor per dtype and copies it to the device at once.
 
-    Each upload takes a fresh pinned tensor from PyTorch's caching host allocator, which hands a block
-    out again only after the copy reading it has run; so the host never waits for the device here,
-    even while earlier steps are still queued ahead of this copy.
+    Each part starts at a multiple of ``ALIGN`` elements: Triton and Inductor compile a separate kernel
+    for a pointer that is not 16-byte aligned, so parts at arbitrary offsets would trigger fresh
+    compilations whenever a step's sizes change the alignment. Each upload takes a fresh pinned tensor
+    from PyTorch's caching host allocator, which hands a block out again only after the copy reading it
+    has run; so the host never waits for the device here.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def upload(self, dtype: torch.dtype, *parts: list) -> list[torch.Tensor]:
-        sizes = [len(p) for p in parts]
-        values = torch.from_numpy(np.fromiter(chain.from_iterable(parts), dtype=_NP[dtype], count=sum(sizes)))
+        starts, total = [], 0
+        for part in parts:
+            starts.append(total)
+            total += -(-len(part) // ALIGN) * ALIGN
+        values = np.zeros(max(total, 1), dtype=_NP[dtype])
+        for start, part in zip(starts, parts):
+            values[start:start + len(part)] = part
+        packed = torch.from_numpy(values)
         if self.device.type == "cuda":
-            values = values.pin_memory().to(self.device, non_blocking=True)
-        return list(values.split(sizes))
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        return [packed[start:start + len(part)] for start, part in zip(starts, parts)]
 
 
 @dataclass
