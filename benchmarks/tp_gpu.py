@@ -21,21 +21,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write_checkpoint(out: Path) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_qwen3 import write_random_published  # the GPU tests' writer: same weights as tests/test_gpu_e2e.py
 
-    cfg = json.loads((REPO / "configs" / "Qwen3-0.6B" / "config.json").read_text())
-    config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
-    config.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        model.model.norm.weight.fill_(8.0)
-    model.save_pretrained(out, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    return out
+    import torch
+
+    path = write_random_published(REPO / "configs" / "Qwen3-0.6B" / "config.json", out)
+    torch.cuda.empty_cache()  # the engine sizes its KV pool from free memory
+    return path
 
 
 def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int) -> list[list[int]]:

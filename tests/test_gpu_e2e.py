@@ -8,12 +8,13 @@ Skipped without CUDA.
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
+
+from tiny_qwen3 import write_random_published
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -23,21 +24,7 @@ NUM_PROMPTS, NEW_TOKENS = 16, 64
 
 @pytest.fixture(scope="module")
 def random_qwen3_06b(tmp_path_factory) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    out = tmp_path_factory.mktemp("qwen3_06b_random")
-    cfg = json.loads(CONFIG.read_text())
-    config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
-    config.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        # Default-scale random weights give nearly flat logits, where bf16 rounding decides most
-        # argmaxes; a larger final-norm gain sharpens the logits without touching the residual stream.
-        model.model.norm.weight.fill_(8.0)
-    model.save_pretrained(out, safe_serialization=True)
-    del model
+    out = write_random_published(CONFIG, tmp_path_factory.mktemp("qwen3_06b_random"))
     torch.cuda.empty_cache()
     return out
 

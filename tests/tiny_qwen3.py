@@ -21,6 +21,7 @@ Command line: ``python tests/tiny_qwen3.py OUTDIR [--tied] [--sharded] [--seed N
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -193,6 +194,28 @@ def write_tiny_qwen3(
     gen.save_pretrained(out)
 
     tokenizer.save_pretrained(out)
+    return out
+
+
+def write_random_published(config_json, path, *, norm_gain: float = 8.0, device: str = "cuda",
+                           dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A full-size random checkpoint from a published config.json (e.g. configs/Qwen3-0.6B), for GPU tests.
+
+    Default-scale random weights give nearly flat logits, where bf16 rounding decides most argmaxes; a
+    larger final-norm gain sharpens the logits without touching the residual stream.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(path)
+    cfg = json.loads(Path(config_json).read_text())
+    config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(norm_gain)
+    model.save_pretrained(out, safe_serialization=True)
     return out
 
 
