@@ -84,11 +84,6 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def in_prefill(self) -> bool:
-        """More than one token lacks its K/V: the prompt (or a recompute after preemption) is not done."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
-    @property
     def samples_this_step(self) -> bool:
         """The scheduled chunk reaches the last known token, so a new token is sampled."""
         return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
