@@ -316,6 +316,26 @@ def timer_delta(before: dict | None, after: dict | None) -> dict[str, dict[str, 
     return out
 
 
+def compiled_so_far() -> dict[str, int | None]:
+    """Kernels compiled so far: variants of llmcli's Triton kernels, and torch.compile graphs.
+
+    A difference across the timed run means a step stopped to compile (Triton's cache layout is
+    internal, hence None where it cannot be read).
+    """
+    out: dict[str, int | None] = {"triton_variants": None, "dynamo_graphs": None}
+    with contextlib.suppress(Exception):
+        from llmcli.kernels import triton_decode, triton_prefill, triton_store
+
+        fns = [triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel,
+               triton_prefill._prefill_kernel, triton_store._store_kv_kernel]
+        out["triton_variants"] = sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
+    with contextlib.suppress(Exception):
+        from torch._dynamo.utils import counters
+
+        out["dynamo_graphs"] = int(counters["stats"]["unique_graphs"])
+    return out
+
+
 def check_lengths(got: list[int], want: list[int]) -> list[str]:
     bad = [f"#{i}: {g} != {w}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
     if len(got) != len(want):
@@ -370,8 +390,14 @@ def run_llmcli(args: argparse.Namespace, report: Report, facts: dict[str, Any], 
 
         before = timer_summary(engine)
         preempt0 = getattr(engine.stats, "num_preemptions", 0)
+        compiled0 = compiled_so_far()
         log(f"llmcli {name}: timing {len(prompts)} requests, {sum(outs):,} output tokens")
         wall, got = llmcli_generate(llm, prompts, outs, args.temperature, args.device)
+        compiled1 = compiled_so_far()
+        entry["compiled_during_timed_run"] = {
+            k: None if compiled0[k] is None or compiled1[k] is None else compiled1[k] - compiled0[k]
+            for k in compiled0}
+        say(f"llmcli {name}: compiled during the timed run: {entry['compiled_during_timed_run']}")
         entry.update(requests=len(prompts), output_tokens=sum(got), expected_output_tokens=sum(outs), wall_s=wall,
                      output_tok_s=sum(got) / wall, prompt_tokens=sum(len(p) for p in prompts),
                      preemptions=getattr(engine.stats, "num_preemptions", 0) - preempt0,
@@ -405,6 +431,35 @@ def run_llmcli(args: argparse.Namespace, report: Report, facts: dict[str, Any], 
 
 # -- 4. decode step breakdown --------------------------------------------------------------------------
 
+KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
+    ("attention", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash")),
+    ("kv store", ("_store_kv_kernel",)),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
+    ("fused elementwise (torch.compile)", ("triton_",)),
+)
+
+
+def kernel_groups(op: Callable[[], Any], reps: int) -> dict[str, dict[str, float]]:
+    """Device time per step of each kernel group, from the profiler's kernel records (eager launches)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            op()
+        torch.cuda.synchronize()
+    groups: dict[str, dict[str, float]] = {}
+    for evt in prof.key_averages():
+        if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
+            continue
+        name = evt.key
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
+        row = groups.setdefault(group, {"kernels": 0.0, "us": 0.0})
+        row["kernels"] += evt.count / reps
+        row["us"] += evt.self_device_time_total / reps
+    return groups
+
+
 def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> dict[str, float]:
     """Device time of one decode step's forward (+ sample), launched back to back; and its host prepare time."""
     from llmcli.engine.step_inputs import all_greedy, prepare_decode, prepare_sampling
@@ -431,6 +486,16 @@ def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> d
             return runner.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.min_ps,
                                   sampling.seeds, sampling.steps, sampling.use_filters)
 
+        if device == "cuda":
+            # kernel by kernel: the same step launched eagerly (graph replays hide the kernels from the profiler)
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                forward_sample()
+                out["kernel_groups"] = kernel_groups(forward_sample, 5)
+            except Exception as exc:  # the profile is a bonus: keep the timings below
+                log(f"kernel profile failed: {type(exc).__name__}: {exc}")
+            finally:
+                runner.graphs = graphs
         for label, op in (("forward_ms", forward), ("forward_sample_ms", forward_sample)):
             for _ in range(3):
                 op()
@@ -523,7 +588,7 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     gpu_ms = probe.get("forward_sample_ms")
     result.update(
         steps_timed=len(walls), total_ms=total_ms, total_ms_mean=1e3 * sum(walls) / len(walls),
-        gpu_forward_ms=probe.get("forward_ms"), gpu_forward_sample_ms=gpu_ms,
+        gpu_forward_ms=probe.get("forward_ms"), gpu_forward_sample_ms=gpu_ms, kernel_groups=probe.get("kernel_groups"),
         host_ms=(total_ms - gpu_ms) if gpu_ms is not None else None,
         prepare_probe_ms=probe.get("prepare_ms"),
         step_timer=(timers or {}).get("decode"),
@@ -821,6 +886,29 @@ def final_tables(report: Report) -> str:
                      "back to back (CUDA events); host = total - device; the rest is the engine's step timer.\n\n"
                      + md_table(["model", "batch", "context", "total", "device", "host", "schedule", "prepare",
                                  "forward", "sample", "postprocess"], drows))
+
+    krows = []
+    for name, b in d["decode_breakdown"].items():
+        groups = b.get("kernel_groups") or {}
+        total = sum(g["us"] for g in groups.values()) or 1.0
+        for group, row in sorted(groups.items(), key=lambda kv: -kv[1]["us"]):
+            krows.append([name, b.get("batch"), group, fmt_f(row["kernels"], 0), fmt_f(row["us"] / 1e3, 3),
+                          f"{100 * row['us'] / total:.1f}%"])
+    if krows:
+        parts.append("Where the device time of that decode step goes (the same step launched eagerly under the "
+                     "profiler; kernel time only, no launch gaps):\n\n"
+                     + md_table(["model", "batch", "kernel group", "kernels", "ms", "share"], krows))
+
+    trows = []
+    for name, e in d["llmcli"].items():
+        for kind, st in (e.get("step_timer") or {}).items():
+            phases = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in st.items() if k.endswith("_ms") and k != "host_ms")
+            total = st["steps"] * sum(v for k, v in st.items() if k.endswith("_ms") and k != "host_ms") / 1e3
+            trows.append([name, kind, fmt_int(st["steps"]), fmt_int(st["tokens"]), phases, f"{total:.2f} s"])
+    if trows:
+        parts.append("llmcli step timer over the timed run (mean ms per step by phase; a step's launch is prepare + "
+                     "forward + sample, wait is the host waiting for the previous step's tokens):\n\n"
+                     + md_table(["model", "step kind", "steps", "tokens", "phases", "total"], trows))
     return "\n\n".join(parts)
 
 

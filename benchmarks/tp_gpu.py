@@ -1,7 +1,7 @@
 """Tensor parallelism on GPUs (issue #5): TP=2 vs TP=1 greedy agreement in bf16, and Qwen3-8B throughput at TP=1/2.
 
 Needs a machine with at least two GPUs (device kind nvidia-h200-x2). Part 1 writes a random-weight
-Qwen3-0.6B checkpoint (published config, final-norm gain 8 for sharper logits) so that both runs share
+Qwen3-0.6B checkpoint (published config) so that both runs share
 the same weights — with ``--load-format dummy`` each rank would draw its own shard. Part 2 runs
 ``llmcli bench`` (the default workload, dummy weights) for Qwen3-8B at each TP size in a subprocess.
 Prints one table; writes ``$OUT/tp.json`` when OUT is set.
@@ -18,10 +18,12 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the GPU tests' checkpoint writer and greedy comparisons
+
+from greedy_compare import agreement  # noqa: E402
 
 
 def write_checkpoint(out: Path) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
     from tiny_qwen3 import write_random_published  # the GPU tests' writer: same weights as tests/test_gpu_e2e.py
 
     import torch
@@ -31,21 +33,25 @@ def write_checkpoint(out: Path) -> Path:
     return path
 
 
-def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int) -> list[list[int]]:
+def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int,
+           forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]] | None]:
+    """Free-running greedy outputs at this TP size; with ``forced``, also the teacher-forced tokens."""
     import torch
+    from greedy_compare import regroup, teacher_forced_prompts
     from llmcli import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", tensor_parallel_size=tp, gpu_memory_utilization=0.5, max_model_len=2048)
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-        return [o.token_ids for o in outs]
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        free = [o.token_ids for o in llm.generate(prompts, params)]
+        if forced is None:
+            return free, None
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        flat = [o.token_ids[0] for o in llm.generate(teacher_forced_prompts(prompts, forced), one)]
+        return free, regroup(flat, new_tokens)
     finally:
         llm.shutdown()
         torch.cuda.empty_cache()
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(len(r) for r in a)
 
 
 def bench(model: str, tp: int, extra: list[str]) -> dict:
@@ -73,10 +79,14 @@ def main() -> None:
         prompts = [[rng.randrange(151936) for _ in range(rng.randint(8, 700))] for _ in range(args.prompts)]
         with tempfile.TemporaryDirectory() as tmp:
             path = write_checkpoint(Path(tmp))
-            runs = {tp: greedy(path, prompts, tp, args.new_tokens) for tp in args.tp}
-        base = runs[args.tp[0]]
-        report["agreement"] = {f"tp{tp} vs tp{args.tp[0]}": agreement(runs[tp], base) for tp in args.tp[1:]}
-        print(f"greedy agreement (bf16, {args.prompts} prompts x {args.new_tokens} tokens):", report["agreement"])
+            base, _ = greedy(path, prompts, args.tp[0], args.new_tokens)
+            runs = {tp: greedy(path, prompts, tp, args.new_tokens, forced=base) for tp in args.tp[1:]}
+        first = args.tp[0]
+        report["agreement"] = {
+            f"tp{tp} vs tp{first}": {"free_running": agreement(free, base), "teacher_forced": agreement(forced, base)}
+            for tp, (free, forced) in runs.items()}
+        print(f"greedy agreement (bf16, {args.prompts} prompts x {args.new_tokens} tokens; teacher-forced: each "
+              f"position given tp{first}'s own prefix):", json.dumps(report["agreement"]))
     if not args.skip_bench:
         report["bench"] = {tp: bench(args.bench_model, tp, args.bench_args.split()) for tp in args.tp}
         print("\n| model | TP | output tok/s | total tok/s | requests/s | TTFT p50 ms | TPOT p50 ms |")

@@ -253,3 +253,32 @@ def test_backend_prefill_warmup_without_cache():
     out = backend.forward(q, k, v, None, None)
     ref = reference(meta, q, k, v, None, None, num_heads, head_dim ** -0.5)
     assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL[dtype]
+
+
+# --------------------------------------------------------------------------
+# the whole engine on the triton backend (CPU: interpreter, float32)
+# --------------------------------------------------------------------------
+from test_engine_vs_hf import check_against_hf, random_prompts, run_factory  # noqa: E402,F401  (a fixture)
+
+
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+def test_engine_on_triton_backend_matches_hf(tiny_model, hf_oracle, run_factory):
+    """Chunked prefill over cached prefixes, prefix-cache hits and decode, all through the Triton kernels."""
+    prefix = random_prompts([40], seed=400)[0]
+    prompts = [prefix + t for t in random_prompts([1, 9, 30, 57], seed=401)] + random_prompts([3, 70], seed=402)
+    run = run_factory(tiny_model, attention_backend="triton", max_num_batched_tokens=32, device=DEVICE.type,
+                      dtype="float32")
+    check_against_hf(run, hf_oracle, prompts, max_new=12)
+    check_against_hf(run, hf_oracle, prompts, max_new=12)  # now the shared prefix comes from the cache
+    assert run.llm.engine.stats.prefix_cache_hit_tokens >= 32 * len(prompts)
+
+
+def test_kernel_variant_warmup_stores_nothing(tiny_model, run_factory):
+    """The start-up pass over every prefill/sampler variant (run on CUDA) must leave the KV pool untouched."""
+    run = run_factory(tiny_model, attention_backend="triton", max_num_batched_tokens=4096, device=DEVICE.type,
+                      dtype="float32", num_kvcache_blocks=256)
+    runner = run.llm.engine.model_runner
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    runner._compile_variants()
+    assert torch.equal(runner.kv_cache, before)

@@ -76,6 +76,10 @@ class ModelRunner:
             raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
                                           self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._compile_variants()
+            log.info("compiled the prefill and sampler variants in %.1f s", time.perf_counter() - start)
         self.timer = StepTimer()
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
@@ -116,6 +120,26 @@ class ModelRunner:
             load_safetensors(model, cfg.model_path)
         return model.eval()
 
+    def _prefill_metadata(self, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None,
+                          ) -> AttentionMetadata:
+        """A prefill step of chunks with these query and key counts, storing nothing (slots -1)."""
+        dev = self.device
+        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+        cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+        return AttentionMetadata(
+            is_prefill=True, slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.tensor(k_lens, dtype=torch.int32, device=dev),
+            block_tables=None if tables is None else torch.tensor(tables, dtype=torch.int32, device=dev),
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+            has_prefix=tables is not None,
+        )
+
+    def _prefill_dummy(self, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None = None,
+                       ) -> torch.Tensor:
+        self.backend.prepare(self._prefill_metadata(q_lens, k_lens, tables))
+        positions = torch.cat([torch.arange(k - q, k, device=self.device) for q, k in zip(q_lens, k_lens)])
+        return self.model(torch.zeros(sum(q_lens), dtype=torch.int64, device=self.device), positions)
+
     @torch.inference_mode()
     def _warmup(self) -> int:
         """Run the largest prefill the scheduler may send (no cache yet) and return its activation peak."""
@@ -126,30 +150,16 @@ class ModelRunner:
         lens = [seq_len] * min(tokens // seq_len, cfg.max_num_seqs)
         if not lens:
             return 0
-        n = sum(lens)
-        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
-        meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device), block_tables=None,
-            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
-        )
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.backend.prepare(meta)
-        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(length, device=self.device) for length in lens])
-        hidden = self.model(input_ids, positions)
+        hidden = self._prefill_dummy(lens, lens)
         # the sampler at the largest decode batch is part of the peak too
-        rows = torch.arange(min(cfg.max_num_seqs, n), device=self.device) % hidden.shape[0]
+        rows = torch.arange(min(cfg.max_num_seqs, hidden.shape[0]), device=self.device) % hidden.shape[0]
         logits = self.model.compute_logits(hidden[rows])
         if logits is not None:
-            b = logits.shape[0]
-            ones = torch.ones(b, device=self.device)
-            self.sampler(logits, ones, torch.full((b,), 50, device=self.device), ones * 0.9, ones * 0.05,
-                         torch.zeros(b, dtype=torch.int64, device=self.device),
-                         torch.zeros(b, dtype=torch.int64, device=self.device))
+            self._sample_dummy(logits, use_filters=True)
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
@@ -157,6 +167,37 @@ class ModelRunner:
         del hidden, logits
         torch.cuda.empty_cache()
         return peak
+
+    def _sample_dummy(self, logits: torch.Tensor, use_filters: bool) -> torch.Tensor:
+        b, dev = logits.shape[0], self.device
+        ones = torch.ones(b, device=dev)
+        zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+        return self.sampler(logits, ones, torch.full((b,), 50, device=dev), ones * 0.9, ones * 0.05, zeros, zeros,
+                            use_filters)
+
+    @torch.inference_mode()
+    def _compile_variants(self) -> None:
+        """Run every kernel variant a step can need once now, so no real step stops to compile one.
+
+        Triton compiles one kernel per combination of compile-time choices (paged or not, the tile size
+        that follows from the longest chunk), and torch.compile one sampler per filter setting; left to
+        the first real steps, those compilations stall them. Inputs are dummies over existing blocks;
+        nothing is stored.
+        """
+        bs, cfg = self.config.kvcache_block_size, self.config
+        biggest = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1)
+        for q_len in sorted({min(n, biggest) for n in self.backend.prefill_variant_lengths}):
+            self._prefill_dummy([q_len], [q_len])
+            k_len = q_len + min(bs, cfg.max_model_len - q_len)  # a cached prefix: the paged path
+            if k_len > q_len and -(-k_len // bs) <= self.num_blocks:
+                self._prefill_dummy([q_len], [k_len], [list(range(-(-k_len // bs)))])
+        logits = self.model.compute_logits(torch.zeros(2, self.config.hf_config.hidden_size, device=self.device,
+                                                       dtype=self.config.torch_dtype))
+        if logits is not None:
+            self._sample_dummy(logits, use_filters=False)
+            self._sample_dummy(logits, use_filters=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:

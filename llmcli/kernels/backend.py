@@ -48,6 +48,8 @@ class AttentionBackend(ABC):
     """One implementation of paged attention. One instance serves every layer of a model."""
 
     name: str = "abstract"
+    # Chunk lengths that between them reach every compiled prefill variant; the runner runs each at start-up.
+    prefill_variant_lengths: tuple[int, ...] = (16,)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         self.num_heads = num_heads

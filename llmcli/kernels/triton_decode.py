@@ -30,7 +30,9 @@ NUM_WARPS = 4
 NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
 
 
-@triton.jit
+# Table width and split count change from step to step: without do_not_specialize Triton would
+# compile a new kernel whenever one of them becomes 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -103,7 +105,7 @@ def _decode_partition_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,

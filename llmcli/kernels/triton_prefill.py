@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+LARGE_TILES_FROM = 2048  # longest chunk of a step from which the prefill kernel uses 128x128 tiles
+
 
 @triton.jit
 def _attend_tile(
@@ -64,7 +66,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width varies per step (see triton_decode)
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -131,7 +133,7 @@ def _tiles(head_dim: int, elem_size: int, max_seqlen_q: int) -> tuple[int, int, 
     """
     if elem_size > 2 or head_dim > 128:
         return 64, 32, 4, 2
-    if max_seqlen_q >= 2048:
+    if max_seqlen_q >= LARGE_TILES_FROM:
         return 128, 128, 8, 2
     return 64, 64, 4, 3
 
