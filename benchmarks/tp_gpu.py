@@ -9,7 +9,9 @@ Prints one table; writes ``$OUT/tp.json`` when OUT is set.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
 import os
 import random
 import subprocess
@@ -72,15 +74,24 @@ def main() -> None:
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--bench-args", default="", help="extra llmcli bench flags, one string")
+    parser.add_argument("--stack-dump-after", type=float, default=0,
+                        help="print every thread's stack after this many seconds (to see where a hang sits)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    if args.stack_dump_after:
+        faulthandler.dump_traceback_later(args.stack_dump_after)
     report: dict = {}
     if not args.skip_agreement:
         rng = random.Random(0)
         prompts = [[rng.randrange(151936) for _ in range(rng.randint(8, 700))] for _ in range(args.prompts)]
         with tempfile.TemporaryDirectory() as tmp:
             path = write_checkpoint(Path(tmp))
+            print(f"checkpoint written; greedy at TP={args.tp[0]}", flush=True)
             base, _ = greedy(path, prompts, args.tp[0], args.new_tokens)
-            runs = {tp: greedy(path, prompts, tp, args.new_tokens, forced=base) for tp in args.tp[1:]}
+            runs = {}
+            for tp in args.tp[1:]:
+                print(f"greedy at TP={tp}", flush=True)
+                runs[tp] = greedy(path, prompts, tp, args.new_tokens, forced=base)
         first = args.tp[0]
         report["agreement"] = {
             f"tp{tp} vs tp{first}": {"free_running": agreement(free, base), "teacher_forced": agreement(forced, base)}
@@ -88,7 +99,10 @@ def main() -> None:
         print(f"greedy agreement (bf16, {args.prompts} prompts x {args.new_tokens} tokens; teacher-forced: each "
               f"position given tp{first}'s own prefix):", json.dumps(report["agreement"]))
     if not args.skip_bench:
-        report["bench"] = {tp: bench(args.bench_model, tp, args.bench_args.split()) for tp in args.tp}
+        report["bench"] = {}
+        for tp in args.tp:
+            print(f"llmcli bench {Path(args.bench_model).name} at TP={tp}", flush=True)
+            report["bench"][tp] = bench(args.bench_model, tp, args.bench_args.split())
         print("\n| model | TP | output tok/s | total tok/s | requests/s | TTFT p50 ms | TPOT p50 ms |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for tp, r in report["bench"].items():

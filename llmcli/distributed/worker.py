@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import signal
 import sys
@@ -110,6 +111,7 @@ class WorkerLoop:
 def worker_main(config: Any, args: WorkerArgs) -> None:
     """Entry point of a spawned rank (``multiprocessing`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a rank is stuck
     channel: ControlChannel | None = None
     try:
         channel = ControlChannel.attach(args.channel)
