@@ -54,7 +54,8 @@ from llmcli.config import Config, ConfigError
 from llmcli.distributed.compact import pack_step
 from llmcli.distributed.exits import describe_exit
 from llmcli.distributed.shm_channel import ControlChannel, PayloadTooLarge
-from llmcli.distributed.worker import READY_KEY, WorkerArgs, gloo_on_loopback, worker_main
+from llmcli.distributed.worker import (PG_CLOSE_TIMEOUT_S, READY_KEY, WorkerArgs, close_process_group,
+                                       gloo_on_loopback, worker_main)
 
 log = logging.getLogger("llmcli")
 
@@ -276,9 +277,9 @@ class _Group:
                 self.channel.post("shutdown", (), give_up)
             except (TimeoutError, OSError, ValueError):
                 clean = False
-        if self.pg_owned and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        if self.pg_owned and not close_process_group():
+            log.warning("the tensor-parallel process group did not close within %.0f s; leaving it behind",
+                        PG_CLOSE_TIMEOUT_S)
         self.pg_owned = False
         deadline = time.monotonic() + (SHUTDOWN_WAIT_S if clean else 0.0)
         for proc in self.procs.values():
@@ -392,7 +393,10 @@ class TensorParallelRunner:
             return self._runner.run(seqs, is_prefill)
 
     def shutdown(self) -> None:
-        self._runner = None
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            with contextlib.suppress(Exception):
+                runner.shutdown()  # CUDA graphs and memory go before the communicator they use
         self._finalizer()
 
     # -- introspection --------------------------------------------------------------

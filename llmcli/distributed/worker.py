@@ -57,6 +57,38 @@ def gloo_on_loopback(backend: str) -> Iterator[None]:
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
+PG_CLOSE_TIMEOUT_S = 10.0
+
+
+def close_process_group(timeout_s: float = PG_CLOSE_TIMEOUT_S) -> bool:
+    """Leave this process's group without waiting on the other ranks; False if that did not end in time.
+
+    NCCL's graceful destroy finalizes each communicator, which may wait for the other ranks and for
+    work recorded in CUDA graphs; on two H200s it held rank 0 for over a minute at the end of a TP=2
+    run (benchmarks/RESULTS.md, run 5). An abort (ncclCommAbort) needs no peer, and nothing is in
+    flight at shutdown. The call runs on a daemon thread, so no library call can keep the process
+    from ending.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            if dist.get_backend() == "nccl":
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            else:
+                dist.destroy_process_group()
+
+    thread = threading.Thread(target=close, daemon=True, name="llmcli-tp-close")
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
 @dataclass
 class WorkerArgs:
     rank: int
@@ -134,6 +166,7 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
 
         runner = ModelRunner(config)
         WorkerLoop(args, channel, runner).serve()
+        runner.shutdown()  # CUDA graphs and memory go before the communicator they use
     except BaseException:  # noqa: BLE001 - everything goes back to rank 0, then the process ends
         text = traceback.format_exc()
         if channel is not None:
@@ -149,9 +182,6 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
         os._exit(1)
     # clean shutdown asked by rank 0
     try:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_process_group()
     finally:
         channel.close()

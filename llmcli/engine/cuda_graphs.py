@@ -52,6 +52,13 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
 
+    def release(self) -> None:
+        """Free every graph now (a graph holding collectives must go before its communicator)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.batch_sizes[-1]
 

@@ -238,6 +238,8 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
                 module.k_cache = module.v_cache = None
+        if self.graphs is not None:
+            self.graphs.release()
         self.graphs = None
         self.kv_cache = None
         for param in self.model.parameters():
