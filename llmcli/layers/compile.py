@@ -22,7 +22,9 @@ def compile_on_cuda(fn: F) -> F:
                 # Duck sizing would tie e.g. a batch of 1024 tokens to a hidden size of 1024 and recompile
                 # whenever such a coincidence appears or goes away; token counts vary every step.
                 torch.fx.experimental._config.use_duck_shape = False
-                compiled = torch.compile(fn, dynamic=True)
+                # Round to the model dtype wherever the eager code does (Inductor otherwise keeps float32
+                # between fused ops), so compiled and eager runs, and transformers, agree bit for bit more often.
+                compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -37,6 +37,8 @@ def rope_settings(config: Any) -> tuple[float, dict | None]:
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin tables (buffers, so they follow the model's device); ``apply_rotary`` uses them."""
+
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> None:
         super().__init__()
         kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
@@ -47,7 +49,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [N, H, D], k [N, KH, D] rotated by their token's position."""
-        return apply_rotary(positions, q, k, self.cos, self.sin)
