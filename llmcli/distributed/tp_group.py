@@ -1,0 +1,249 @@
+"""The worker processes of one tensor-parallel engine: start-up bookkeeping, watchdog, calls, teardown.
+
+``Group`` owns everything that must be released whatever happens (the spawned
+ranks, the shared-memory control channel, the rendezvous store, the process
+group) and the failure state that turns a dead or raising worker into a
+``TensorParallelError`` naming the rank. ``llmcli.distributed.tp_runner``
+builds one per engine; see its docstring for the failure handling in order.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing.connection
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+from llmcli.distributed.exits import describe_exit
+from llmcli.distributed.shm_channel import ControlChannel, PayloadTooLarge
+from llmcli.distributed.worker import PG_CLOSE_TIMEOUT_S, close_process_group
+
+log = logging.getLogger("llmcli")
+
+STORE_HOST = "127.0.0.1"
+SHUTDOWN_WAIT_S = 5.0
+FAILURE_SETTLE_S = 2.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed; the message names the rank and why. The group cannot be used again."""
+
+
+def env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+class Group:
+    """The processes, channel and rendezvous of one engine, and their failure state.
+
+    Holds no reference to the runner, so the runner can be garbage collected
+    and its finalizer (``teardown``) still has everything it needs.
+    """
+
+    def __init__(self, world: int, grace_s: float) -> None:
+        self.world = world
+        self.grace_s = grace_s
+        self.procs: dict[int, Any] = {}  # rank -> multiprocessing.Process
+        self.channel: ControlChannel | None = None
+        self.store: Any = None
+        self.pg_owned = False
+        self.lock = threading.Lock()
+        self.failure: str | None = None  # first worker death, as reported to the user
+        self.failed_rank: int | None = None
+        self.broken: str | None = None  # rank 0 itself failed mid-call: workers may be stuck in a collective
+        self.closing = False
+        self.torn_down = False
+        self.in_call: str | None = None
+        self.call_number = 0
+        self.watchdog: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+
+    # -- failures -----------------------------------------------------------------
+    def worker_exited(self, rank: int) -> None:
+        """Record the first unexpected worker exit and take the other workers down."""
+        if self.closing:
+            return
+        with self.lock:
+            if self.failure is not None:
+                return
+            proc = self.procs[rank]
+            proc.join(0.5)  # let the exit status settle
+            message = f"tensor-parallel rank {rank} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
+            try:
+                error = self.channel.read_error(rank).strip() if self.channel is not None else ""
+            except (ValueError, OSError):  # the segment is already closed
+                error = ""
+            if error:
+                message += f"; its error:\n{error}"
+            elif proc.exitcode is not None and proc.exitcode > 0:
+                message += (" without reporting an error from llmcli's worker code (see its output above). "
+                            "Workers are started with multiprocessing's 'spawn' method, which imports your main "
+                            "script again: a script that creates the LLM at import time must do it under "
+                            "`if __name__ == \"__main__\":`")
+            self.failed_rank, self.failure = rank, message
+        log.error("llmcli: %s", message)
+        for other, p in self.procs.items():
+            if other != rank and p.is_alive():
+                p.kill()  # a collective with a dead member fails fast only once every peer is gone
+
+    def poll_workers(self) -> None:
+        for rank, proc in self.procs.items():
+            if proc.exitcode is not None:
+                self.worker_exited(rank)
+
+    def check(self) -> None:
+        """Raise if the group cannot take another call."""
+        if self.failure is not None:
+            raise TensorParallelError(f"{self.failure}\nThe tensor-parallel group has stopped; "
+                                      "create a new engine to continue.")
+        if self.broken is not None:
+            raise TensorParallelError(f"the tensor-parallel group is unusable after an earlier error "
+                                      f"({self.broken}); create a new engine to continue")
+        if self.torn_down:
+            raise TensorParallelError("the tensor-parallel engine has been shut down")
+
+    def check_alive(self) -> None:
+        self.poll_workers()
+        self.check()
+
+    def wait_for_failure(self, timeout_s: float) -> str | None:
+        """After a communication error on rank 0: the dead worker that explains it, if one shows up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.poll_workers()
+            if self.failure is not None or time.monotonic() >= deadline:
+                return self.failure
+            time.sleep(0.02)
+
+    # -- the watchdog ---------------------------------------------------------------
+    def start_watchdog(self) -> None:
+        self.watchdog = threading.Thread(target=self._watch, name="llmcli-tp-watchdog", daemon=True)
+        self.watchdog.start()
+
+    def _watch(self) -> None:
+        pending = {proc.sentinel: rank for rank, proc in self.procs.items()}
+        while pending:
+            ready = multiprocessing.connection.wait(list(pending) + [self._wake_r])
+            if self.closing or self._wake_r in ready:
+                return
+            for sentinel in ready:
+                rank = pending.pop(sentinel, None)
+                if rank is not None:
+                    self.worker_exited(rank)
+            if self.failure is not None:
+                self._grace_for_rank0()
+
+    def _grace_for_rank0(self) -> None:
+        """Rank 0 must leave its current call soon after a worker died; if it cannot, end the process."""
+        call = self.call_number if self.in_call else None
+        if call is None:
+            return
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            if self.closing or not self.in_call or self.call_number != call:
+                return
+            time.sleep(0.05)
+        self._hard_exit()
+
+    def _hard_exit(self) -> None:
+        text = (f"llmcli: {self.failure}\nllmcli: rank 0 is still blocked in '{self.in_call}' "
+                f"{self.grace_s:.0f} s later and cannot recover; stopping every rank and exiting.\n")
+        try:
+            os.write(2, text.encode("utf-8", "replace"))
+        except OSError:
+            pass
+        for proc in self.procs.values():
+            with contextlib.suppress(Exception):
+                proc.kill()
+        if self.channel is not None:
+            self.channel.unlink()
+        os._exit(1)
+
+    # -- calls ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def call(self, what: str) -> Iterator[None]:
+        """Wrap one rank-0 call: refuse if the group is down, turn a peer's death into TensorParallelError."""
+        # in_call is set before the check: the watchdog records a death first and reads in_call second,
+        # so either this check sees the death or the watchdog sees the call (and enforces the grace period)
+        self.call_number += 1
+        self.in_call = what
+        try:
+            self.check()
+            yield
+        except (TensorParallelError, PayloadTooLarge):
+            raise
+        except KeyboardInterrupt:
+            self.broken = f"interrupted during {what}"
+            raise
+        except BaseException as exc:
+            failure = self.wait_for_failure(FAILURE_SETTLE_S)
+            if failure is not None:
+                raise TensorParallelError(f"{failure}\n(rank 0 saw: {type(exc).__name__}: "
+                                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+            self.broken = f"rank 0 raised {type(exc).__name__} during {what}"
+            raise
+        finally:
+            self.in_call = None
+
+    # -- teardown ---------------------------------------------------------------
+    def teardown(self) -> None:
+        """Release every rank, the process group, the store and the segment (idempotent)."""
+        with self.lock:
+            if self.torn_down:
+                return
+            self.torn_down = True
+        atexit.unregister(self.teardown)
+        self.poll_workers()
+        clean = (self.failure is None and self.broken is None and self.in_call is None and self.procs
+                 and all(p.is_alive() for p in self.procs.values()))
+        self.closing = True
+        if clean and self.channel is not None:
+            deadline = time.monotonic() + SHUTDOWN_WAIT_S
+
+            def give_up() -> None:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in self.procs.values()):
+                    raise TimeoutError
+
+            try:
+                self.channel.post("shutdown", (), give_up)
+            except (TimeoutError, OSError, ValueError):
+                clean = False
+        if self.pg_owned and not close_process_group():
+            log.warning("the tensor-parallel process group did not close within %.0f s; leaving it behind",
+                        PG_CLOSE_TIMEOUT_S)
+        self.pg_owned = False
+        deadline = time.monotonic() + (SHUTDOWN_WAIT_S if clean else 0.0)
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(SHUTDOWN_WAIT_S)
+        if self.watchdog is not None and self.watchdog is not threading.current_thread():
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+            self.watchdog.join(SHUTDOWN_WAIT_S)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for proc in self.procs.values():
+            with contextlib.suppress(ValueError):
+                proc.close()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel.unlink()
+            # With "spawn", each event is made of named POSIX semaphores (/dev/shm/sem.mp-*) that are unlinked
+            # when the objects are collected: drop the only references (the worker args share these lists).
+            self.channel.spec.commands.clear()
+            self.channel.spec.acks.clear()
+        self.store = None
