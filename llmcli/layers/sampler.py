@@ -21,9 +21,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] 32-bit keys (in int64) of each row's random stream, from its request's seed and step."""
+    return _mix32(_mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32)) ^ (steps & _M32))
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, V] floats in (0, 1), a pure function of (seed, step, token id)."""
-    row = _mix32(_mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32)) ^ (steps & _M32))
+    row = row_keys(seeds, steps)
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32(row[:, None] ^ ids[None, :]) >> 8  # keep 24 bits: exact in float32
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
@@ -41,6 +46,9 @@ def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     drop = mass_before >= top_ps[:, None]  # keeps the smallest prefix whose mass reaches top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+compiled_row_keys = compile_on_cuda(row_keys)  # one fused kernel instead of a dozen tiny ones
 
 
 @compile_on_cuda
@@ -74,4 +82,9 @@ class Sampler(nn.Module):
         steps: torch.Tensor,  # [B] int64, index of the token being generated
         use_filters: bool = True,  # False when no row uses top-k/top-p (skips the sort)
     ) -> torch.Tensor:
+        if not use_filters and logits.is_cuda:
+            # the same draw in one pass (llmcli.kernels.triton_sample); top-k/top-p need the sort below
+            from llmcli.kernels.triton_sample import sample_unfiltered
+
+            return sample_unfiltered(logits, temperatures, min_ps, compiled_row_keys(seeds, steps))
         return sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters)
