@@ -331,3 +331,17 @@ def test_one_pass_sampler_draws_follow_the_distribution():
     want = torch.softmax(logits.cpu() / temp, -1)
     # total variation distance of the empirical distribution: ~0.05 expected at n=4000, 50 bins
     assert 0.5 * (freq - want).abs().sum().item() < 0.1
+
+
+def test_start_up_check_keeps_a_correct_one_pass_sampler_and_drops_a_wrong_one(monkeypatch):
+    from llmcli.kernels import triton_sample
+    from llmcli.layers.sampler import Sampler
+
+    good = Sampler()
+    assert good.check_one_pass(3000, DEVICE) is None and good.one_pass
+
+    real = triton_sample.sample_unfiltered
+    monkeypatch.setattr(triton_sample, "sample_unfiltered", lambda logits, *a: real(logits, *a) + 1)
+    bad = Sampler()
+    reason = bad.check_one_pass(3000, DEVICE)
+    assert reason is not None and "torch sampler" in reason and not bad.one_pass

@@ -194,6 +194,10 @@ class ModelRunner:
         logits = self.model.compute_logits(torch.zeros(2, self.config.hf_config.hidden_size, device=self.device,
                                                        dtype=self.config.torch_dtype))
         if logits is not None:
+            if self.device.type == "cuda":
+                failure = self.sampler.check_one_pass(logits.shape[-1], self.device)
+                if failure:
+                    log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
             self._sample_dummy(logits, use_filters=False)
             self._sample_dummy(logits, use_filters=True)
         if self.device.type == "cuda":
