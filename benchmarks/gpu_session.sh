@@ -25,7 +25,7 @@ for stage in "$@"; do
     smoke) timeout 240 python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1 ;;
     e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e.log" ;;
     kernels) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -5 ;;
-    tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:-} 2>&1 | tee "$OUT/tp.log" ;;
+    tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
   esac
 done

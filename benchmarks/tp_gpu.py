@@ -56,10 +56,13 @@ def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int,
         torch.cuda.empty_cache()
 
 
-def bench(model: str, tp: int, extra: list[str]) -> dict:
+def bench(model: str, tp: int, extra: list[str], timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "llmcli", "bench", "--model", model, "--load-format", "dummy",
            "--tensor-parallel-size", str(tp), "--json", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout_s:.0f} s (--bench-timeout)"}
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout)
@@ -74,6 +77,7 @@ def main() -> None:
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--bench-args", default="", help="extra llmcli bench flags, one string")
+    parser.add_argument("--bench-timeout", type=float, default=240, help="seconds per llmcli bench run")
     parser.add_argument("--stack-dump-after", type=float, default=0,
                         help="print every thread's stack after this many seconds (to see where a hang sits)")
     args = parser.parse_args()
@@ -102,7 +106,7 @@ def main() -> None:
         report["bench"] = {}
         for tp in args.tp:
             print(f"llmcli bench {Path(args.bench_model).name} at TP={tp}", flush=True)
-            report["bench"][tp] = bench(args.bench_model, tp, args.bench_args.split())
+            report["bench"][tp] = bench(args.bench_model, tp, args.bench_args.split(), args.bench_timeout)
         print("\n| model | TP | output tok/s | total tok/s | requests/s | TTFT p50 ms | TPOT p50 ms |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for tp, r in report["bench"].items():
