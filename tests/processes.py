@@ -6,6 +6,16 @@ import subprocess
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def env() -> dict[str, str]:
+    """The environment for an ``llmcli`` subprocess: this checkout importable, no network, one thread each."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return e
+
 
 def wait_for_lines(proc: subprocess.Popen, out: Path, at_least: int, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout

@@ -1,7 +1,6 @@
 """The llmcli command line as a real process: pipes, SIGKILL then --resume, and Ctrl-C (SIGINT)."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,18 +9,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from processes import wait_for_lines
+from processes import env, wait_for_lines
 
-REPO = Path(__file__).resolve().parent.parent
 NUM_RECORDS = 16
 MAX_TOKENS = 24
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return e
 
 
 def command(model: Path, *args: str) -> list[str]:

@@ -30,9 +30,8 @@ from llmcli.distributed.dp_replica import ReplicaInfo
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.sampling_params import SamplingParams
 
-from processes import children_of, wait_for_lines, wait_gone
+from processes import children_of, env, wait_for_lines, wait_gone
 
-REPO = Path(__file__).resolve().parent.parent
 KILL_RECORDS = 32
 KILL_TOKENS = 48
 
@@ -40,13 +39,6 @@ KILL_TOKENS = 48
 # --------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return e
-
-
 def command(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "llmcli", "generate", str(inp), "-o", str(out), "--model", str(model),
             "--device", "cpu", "--num-kvcache-blocks", "256", "--kvcache-block-size", "16", "--temperature", "0",
