@@ -130,6 +130,10 @@ def render(result: dict[str, Any], console: Console) -> None:
                        ("request latency (ms)", "latency_ms")):
         p = result[key]
         table.add_row(label, f"mean {p['mean']:.1f} · p50 {p['p50']:.1f} · p90 {p['p90']:.1f} · p99 {p['p99']:.1f}")
+    for kind, row in result["step_timer"].items():
+        phases = " · ".join(f"{name.removesuffix('_ms')} {row[name]:.2f}" for name in row
+                            if name.endswith("_ms") and name != "host_ms")
+        table.add_row(f"{kind} steps: {row['steps']:,d}, ms per step", phases)
     console.print(table)
 
 
@@ -161,8 +165,10 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         before = engine.stats
         queried, hits, preempt = (before.prefix_cache_queried_tokens, before.prefix_cache_hit_tokens,
                                   before.num_preemptions)
+        engine.step_timer.reset()
         outputs, elapsed = run_timed(engine, requests, w.temperature)
         after = engine.stats
+        steps = engine.step_timer.summary()
         report = engine.model_runner.memory_report
     finally:
         engine.shutdown()
@@ -176,6 +182,7 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         "num_preemptions": after.num_preemptions - preempt,
         "kv_cache": {"num_blocks": report.num_blocks, "block_size": report.block_size,
                      "cache_tokens": report.cache_tokens},
+        "step_timer": steps,
         "workload": {**asdict(w), "ignore_eos": True},
         "engine": {name: getattr(config, name) for name in Config.knob_names()},
     }

@@ -292,6 +292,12 @@ def test_bench_json(tiny_model, tmp_path):
     assert set(data["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and data["tpot_ms"]["p50"] > 0
     assert data["prefix_cache_hit_rate"] > 0  # the shared 16-token prefix is one whole block
     assert data["workload"]["input_len"] == [8, 24] and data["workload"]["prefix_len"] == 16
+    # the step timer covers the timed run only: each request's first token comes from its prefill, the
+    # other 3 from decode steps (the warm-up's request would add 3 more)
+    steps = data["step_timer"]
+    assert steps["decode"]["tokens"] == 6 * 3
+    assert 0 < steps["prefill"]["tokens"] <= data["input_tokens"]
+    assert {"schedule_ms", "prepare_ms", "forward_ms", "wait_ms"} <= set(steps["decode"])
 
 
 def test_bench_with_a_preset(tiny_model):

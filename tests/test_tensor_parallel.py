@@ -171,14 +171,28 @@ def test_compact_form_rebuilds_the_same_step_inputs():
         s.num_computed_tokens, s.num_scheduled_tokens = s.num_tokens - 1, 1
         s.block_table = [7 + b for b in range(s.num_blocks)]
     packed = pack_step(seqs, False)
-    assert all(len(p) == 3 and p[1] == 5 for p in packed)  # the last token, not the history
+    assert all(len(p) == 4 and p[1] == 5 for p in packed)  # the last token, not the history
     a, b = prepare_decode(seqs, CPU), prepare_decode(unpack_step(packed, False, BLOCK), CPU)
     for name in ("input_ids", "positions"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.pending_rows is None and b.pending_rows is None
     for name in ("slot_mapping", "context_lens", "block_tables"):
         assert torch.equal(getattr(a.metadata, name), getattr(b.metadata, name)), name
     with pytest.raises(IndexError, match="outside what rank 0 sent"):
         unpack_step(packed, False, BLOCK)[0].token_ids[0:3]
+
+    # the overlapped loop: the newest token of two sequences is still in flight, in rows 1 and 0
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+    seqs[0].append_pending(1)
+    seqs[2].append_pending(0)
+    for s in seqs:
+        s.num_computed_tokens, s.num_scheduled_tokens = s.num_tokens - 1, 1
+        s.block_table = [7 + b for b in range(s.num_blocks)]
+    a, b = prepare_decode(seqs, CPU), prepare_decode(unpack_step(pack_step(seqs, False), False, BLOCK), CPU)
+    assert b.pending_rows.tolist() == [1, -1, 0]
+    for name in ("input_ids", "positions", "pending_rows"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_channel_rejects_an_oversized_payload():
@@ -371,6 +385,26 @@ def test_ctrl_c_tears_every_rank_down(tmp_path, tp_model):
     assert proc.returncode != 0 and "FINISHED" not in out, (proc.returncode, out, err[-2000:])
     assert "KeyboardInterrupt" in err, err[-2000:]
     _assert_released(ready, "Ctrl-C")
+
+
+def test_a_stuck_group_close_still_ends_the_process(tmp_path, tp_model):
+    """Where leaving the process group does not finish (NCCL's abort after a Ctrl-C on two H200s), the process
+    still ends at once, with the shell's status for Ctrl-C, and releases every worker and the segment."""
+    proc = _run_script(tmp_path, SCRIPT_HEAD.format(model=str(tp_model)) + """
+        import llmcli.distributed.tp_group as tp_group
+        tp_group.close_process_group = lambda timeout_s: False  # as if the abort were still running
+        llm.generate([[5] * 40, [6] * 70], SamplingParams(temperature=0, max_tokens=5000, ignore_eos=True))
+        print("FINISHED", flush=True)
+    """)
+    ready = _read_ready(proc)
+    time.sleep(1.0)
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = _finish(proc, 30, "Ctrl-C")
+    assert time.monotonic() - start < 15
+    assert proc.returncode == 130 and "FINISHED" not in out, (proc.returncode, out, err[-2000:])
+    assert "KeyboardInterrupt" in err and "did not close within" in err, err[-2000:]
+    _assert_released(ready, "Ctrl-C with a stuck process-group close")
 
 
 def test_rank0_stuck_in_a_collective_exits_the_process(tmp_path, tp_model):

@@ -6,7 +6,11 @@ nothing about sampling, because only rank 0 samples.
 
 * prefill: ``(num_computed_tokens, num_scheduled_tokens, num_tokens, block_table, chunk)``
   where ``chunk`` holds only the token ids computed this step;
-* decode: ``(num_tokens, last_token, block_table)``: one token, not the history.
+* decode: ``(num_tokens, last_token, pending_row, block_table)``: one token, not the history. When
+  the last token is still being sampled on the device (``pending_row >= 0``; rank 0 overlaps its host
+  work with the device), ``last_token`` is a placeholder and every rank takes the token from row
+  ``pending_row`` of the previous step's sampled tokens, which rank 0 broadcasts to the other ranks on
+  the device at the end of each step.
 
 ``RemoteSequence`` rebuilds from such a tuple an object with the attributes
 those two functions read; its ``token_ids`` is a window that knows only the
@@ -47,17 +51,17 @@ class RemoteSequence:
     """What a tensor-parallel worker knows of one scheduled sequence for one step."""
 
     __slots__ = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "block_table", "block_size",
-                 "token_ids")
-    pending_row = -1  # rank 0 resolves every sampled token before the next step when ranks are spread
+                 "token_ids", "pending_row")
 
     def __init__(self, num_computed: int, num_scheduled: int, num_tokens: int, block_table: list[int],
-                 block_size: int, tokens: list[int]) -> None:
+                 block_size: int, tokens: list[int], pending_row: int = -1) -> None:
         self.num_computed_tokens = num_computed
         self.num_scheduled_tokens = num_scheduled
         self.num_tokens = num_tokens
         self.block_table = block_table
         self.block_size = block_size
         self.token_ids = TokenWindow(num_computed, tokens)
+        self.pending_row = pending_row
 
     @property
     def last_token(self) -> int:
@@ -79,7 +83,7 @@ def pack_step(seqs: Seq[Any], is_prefill: bool) -> list[tuple]:
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
             out.append((start, n, s.num_tokens, s.block_table, s.token_ids[start:start + n]))
         return out
-    return [(s.num_tokens, s.last_token, s.block_table) for s in seqs]
+    return [(s.num_tokens, s.last_token, s.pending_row, s.block_table) for s in seqs]
 
 
 def unpack_step(packed: list[tuple], is_prefill: bool, block_size: int) -> list[RemoteSequence]:
@@ -87,4 +91,4 @@ def unpack_step(packed: list[tuple], is_prefill: bool, block_size: int) -> list[
     if is_prefill:
         return [RemoteSequence(start, n, total, table, block_size, chunk)
                 for start, n, total, table, chunk in packed]
-    return [RemoteSequence(total - 1, 1, total, table, block_size, [last]) for total, last, table in packed]
+    return [RemoteSequence(total - 1, 1, total, table, block_size, [last], row) for total, last, row, table in packed]

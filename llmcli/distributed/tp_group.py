@@ -13,6 +13,7 @@ import contextlib
 import logging
 import multiprocessing.connection
 import os
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -26,6 +27,8 @@ log = logging.getLogger("llmcli")
 STORE_HOST = "127.0.0.1"
 SHUTDOWN_WAIT_S = 5.0
 FAILURE_SETTLE_S = 2.0
+FAILED_CLOSE_TIMEOUT_S = 3.0  # leaving the group after a failure: the peers are dead, nothing is worth waiting for
+INTERRUPTED_EXIT_STATUS = 130  # what a shell reports for a process ended by Ctrl-C
 
 
 class TensorParallelError(RuntimeError):
@@ -65,6 +68,7 @@ class Group:
         self.torn_down = False
         self.in_call: str | None = None
         self.call_number = 0
+        self.pg_stuck = False  # leaving the process group did not finish: a thread is still inside NCCL
         self.watchdog: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
 
@@ -202,11 +206,12 @@ class Group:
             if self.torn_down:
                 return
             self.torn_down = True
-        atexit.unregister(self.teardown)
         self.poll_workers()
-        clean = (self.failure is None and self.broken is None and self.in_call is None and self.procs
-                 and all(p.is_alive() for p in self.procs.values()))
+        clean = bool(self.failure is None and self.broken is None and self.in_call is None and self.procs
+                     and all(p.is_alive() for p in self.procs.values()))
         self.closing = True
+        started = time.monotonic()
+        log.debug("tensor-parallel teardown (%s)", "clean" if clean else "after a failure")
         if clean and self.channel is not None:
             deadline = time.monotonic() + SHUTDOWN_WAIT_S
 
@@ -218,10 +223,19 @@ class Group:
                 self.channel.post("shutdown", (), give_up)
             except (TimeoutError, OSError, ValueError):
                 clean = False
-        if self.pg_owned and not close_process_group():
-            log.warning("the tensor-parallel process group did not close within %.0f s; leaving it behind",
-                        PG_CLOSE_TIMEOUT_S)
+        if not clean:
+            # A worker may be blocked in a collective that rank 0 will never join; on two H200s rank 0's NCCL
+            # abort then did not return (runs 9-10 in benchmarks/RESULTS.md). Workers go first, unasked.
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
+        limit = PG_CLOSE_TIMEOUT_S if clean else FAILED_CLOSE_TIMEOUT_S
+        if self.pg_owned and not close_process_group(limit):
+            self.pg_stuck = True
+            log.warning("the tensor-parallel process group did not close within %.0f s; leaving it behind "
+                        "(this process will end without running C++ clean-up, which would abort)", limit)
         self.pg_owned = False
+        log.debug("tensor-parallel teardown: process group left after %.1f s", time.monotonic() - started)
         deadline = time.monotonic() + (SHUTDOWN_WAIT_S if clean else 0.0)
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -229,6 +243,7 @@ class Group:
             if proc.is_alive():
                 proc.kill()
             proc.join(SHUTDOWN_WAIT_S)
+        log.debug("tensor-parallel teardown: workers gone after %.1f s", time.monotonic() - started)
         if self.watchdog is not None and self.watchdog is not threading.current_thread():
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
@@ -247,3 +262,17 @@ class Group:
             self.channel.spec.commands.clear()
             self.channel.spec.acks.clear()
         self.store = None
+        if not self.pg_stuck:
+            atexit.unregister(self.at_exit)
+
+    def at_exit(self) -> None:
+        """Interpreter exit: tear down if nobody did; if leaving the process group got stuck, end the
+        process here. C++ destructors would otherwise run under the thread still inside NCCL and abort
+        the process (SIGABRT, "terminate called without an active exception")."""
+        self.teardown()
+        if self.pg_stuck:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            interrupted = self.broken is not None and self.broken.startswith("interrupted")
+            os._exit(INTERRUPTED_EXIT_STATUS if interrupted else 1)

@@ -1,12 +1,13 @@
 """Tensor parallelism: rank 0 in this process drives ranks 1..N-1 in spawned processes.
 
 ``start_tensor_parallel(config)`` returns a ``TensorParallelRunner``, which the
-engine uses exactly like a ``ModelRunner`` (``run``, ``num_blocks``,
+engine uses exactly like a ``ModelRunner`` (``launch``, ``run``, ``num_blocks``,
 ``memory_report``, ``shutdown``). Rank 0 is both the engine's runner and a
-worker: every ``run`` first broadcasts the step, in compact form
+worker: every ``launch`` first broadcasts the step, in compact form
 (``llmcli.distributed.compact``), through the shared-memory control channel
 (``llmcli.distributed.shm_channel``), then computes its own shard; the
-collectives inside the model keep the ranks in step. Only rank 0 samples.
+collectives inside the model keep the ranks in step. Only rank 0 samples; it
+broadcasts the sampled tokens to the other ranks on the device.
 
 Backends: gloo on CPU, NCCL on CUDA with one GPU per rank (rank r uses
 ``cuda:r``). The rendezvous is a TCPStore that rank 0 opens on 127.0.0.1 with
@@ -23,16 +24,20 @@ The processes, channel, store and failure state live in a ``Group``
 * rank 0's current or next call raises ``TensorParallelError`` with that
   message; the group is unusable afterwards and ``shutdown`` releases it;
 * if rank 0 stays inside its call for ``LLMCLI_TP_EXIT_GRACE_S`` seconds
-  (default 20) after a worker died (NCCL can block where gloo fails
-  fast), the watchdog prints the message, kills every worker, removes the
-  segment and ends the process with status 1.
+  (default 3 with NCCL, 20 with gloo) after a worker died (an NCCL collective
+  with a dead peer never returns; gloo's fails at once), the watchdog prints
+  the message, kills every worker, removes the segment and ends the process
+  with status 1.
 
 ``shutdown()`` (also run from ``atexit`` and when the runner is garbage
 collected) frees rank 0's model and CUDA graphs, asks idle workers to leave,
 kills the ones that do not, leaves the process group (an abort for NCCL, on a
-thread that may take at most 10 s) and unlinks the segment. Workers ignore SIGINT, so Ctrl-C
-only interrupts rank 0, whose exit then takes the workers down; a worker whose
-parent disappears exits by itself.
+thread that may take at most 10 s) and unlinks the segment. After a failure or
+an interrupt the workers are killed first and the abort gets 3 s; if it is still
+stuck, the process ends at interpreter exit with ``os._exit`` (status 130 after
+Ctrl-C, else 1) instead of aborting in C++ clean-up. Workers ignore SIGINT, so
+Ctrl-C only interrupts rank 0, whose exit then takes the workers down; a worker
+whose parent disappears exits by itself.
 """
 from __future__ import annotations
 
@@ -95,11 +100,13 @@ class TensorParallelRunner:
         self.world_size = world
         self.backend = "nccl" if config.device == "cuda" else "gloo"
         timeout_s = env_seconds("LLMCLI_TP_TIMEOUT_S", 600.0)
-        self._group = group = Group(world, env_seconds("LLMCLI_TP_EXIT_GRACE_S", 20.0))
+        # gloo fails a collective as soon as a peer's socket closes; NCCL waits forever, so do not wait long
+        grace = env_seconds("LLMCLI_TP_EXIT_GRACE_S", 3.0 if self.backend == "nccl" else 20.0)
+        self._group = group = Group(world, grace)
         self._runner: Any = None
         self._finalizer = weakref.finalize(self, group.teardown)
         self._finalizer.atexit = False  # the explicit atexit hook below runs before multiprocessing's own
-        atexit.register(group.teardown)
+        atexit.register(group.at_exit)
         try:
             ctx = multiprocessing.get_context("spawn")
             group.channel = ControlChannel.create(ctx, world)
@@ -156,15 +163,24 @@ class TensorParallelRunner:
     def memory_report(self) -> Any:
         return self._runner.memory_report
 
-    def run(self, seqs: list, is_prefill: bool) -> list[int]:
-        """Broadcast the step to every worker, compute rank 0's shard, return rank 0's sampled tokens."""
+    def launch(self, seqs: list, is_prefill: bool) -> "GroupStep":
+        """Broadcast the step to every worker and enqueue rank 0's shard; like ``ModelRunner.launch``.
+
+        The workers' steps never wait for the host: the tokens each step samples reach them on the
+        device (``ModelRunner._share_tokens``), so the engine overlaps its host work with the device at
+        any tensor-parallel size.
+        """
         group = self._group
         timer = getattr(self._runner, "timer", None)
-        with group.call("run"):
+        with group.call("launch"):
             # the control plane's cost counts as input preparation in the engine's step timer
             with timer.phase("prepare") if timer is not None else contextlib.nullcontext():
                 group.channel.post("run", (is_prefill, pack_step(seqs, is_prefill)), group.check_alive)
-            return self._runner.run(seqs, is_prefill)
+            return GroupStep(self._runner.launch(seqs, is_prefill), group)
+
+    def run(self, seqs: list, is_prefill: bool) -> list[int]:
+        """Compute one step on every rank and return rank 0's sampled tokens."""
+        return self.launch(seqs, is_prefill).token_ids()
 
     def shutdown(self) -> None:
         runner, self._runner = self._runner, None
@@ -198,3 +214,15 @@ class TensorParallelRunner:
             raise AttributeError(f"{name!r} of rank 0's ModelRunner is not mirrored on the other ranks; "
                                  "add it to TensorParallelRunner")
         return value
+
+
+class GroupStep:
+    """A launched tensor-parallel step: reading its tokens back is a group call, so that a worker dying
+    while rank 0 waits for the device is reported (or ends the process) like any other failure."""
+
+    def __init__(self, step: Any, group: Group) -> None:
+        self.step, self.group = step, group
+
+    def token_ids(self) -> list[int]:
+        with self.group.call("wait for the step's tokens"):
+            return self.step.token_ids()

@@ -225,17 +225,28 @@ class ModelRunner:
                 from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
                 inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
             logits = self._forward(inputs)
-        if logits is None:
-            self.prev_tokens = None
-            return LaunchedStep(inputs.sampled_seqs, None)
         with self.timer.phase("sample"):
-            if sampling is None:
+            if logits is None:
+                token_ids = None
+            elif sampling is None:
                 token_ids = logits.argmax(dim=-1)
             else:
                 token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
                                          sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+            if self.world > 1 and inputs.sampled_seqs:
+                token_ids = self._share_tokens(token_ids, len(inputs.sampled_seqs))
             self.prev_tokens = token_ids
-            return LaunchedStep(inputs.sampled_seqs, token_ids)
+            return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None)
+
+    def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight
+        tokens (``pending_rows``) resolve on each rank without a trip through the host."""
+        import torch.distributed as dist
+
+        if token_ids is None:
+            token_ids = torch.empty(n, dtype=torch.int64, device=self.device)
+        dist.broadcast(token_ids, src=0)
+        return token_ids
 
     def shutdown(self) -> None:
         """Give the device memory back now, even if something still holds a reference to this runner."""

@@ -28,6 +28,12 @@ class StepTimer:
         finally:
             self.seconds[(self.kind, name)] += time.perf_counter() - start
 
+    def reset(self) -> None:
+        """Forget what was measured so far (a warm-up, say)."""
+        self.seconds.clear()
+        self.steps.clear()
+        self.tokens.clear()
+
     def summary(self) -> dict[str, dict[str, float]]:
         """Per step kind: total steps and tokens, and mean milliseconds per step of each phase."""
         out: dict[str, dict[str, float]] = {}
