@@ -64,6 +64,7 @@ class Group:
         self.failure: str | None = None  # first worker death, as reported to the user
         self.failed_rank: int | None = None
         self.broken: str | None = None  # rank 0 itself failed mid-call: workers may be stuck in a collective
+        self.interrupted = False  # that failure was a KeyboardInterrupt (Ctrl-C)
         self.closing = False
         self.torn_down = False
         self.in_call: str | None = None
@@ -187,7 +188,7 @@ class Group:
         except (TensorParallelError, PayloadTooLarge):
             raise
         except KeyboardInterrupt:
-            self.broken = f"interrupted during {what}"
+            self.broken, self.interrupted = f"interrupted during {what}", True
             raise
         except BaseException as exc:
             failure = self.wait_for_failure(FAILURE_SETTLE_S)
@@ -274,5 +275,4 @@ class Group:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
-            interrupted = self.broken is not None and self.broken.startswith("interrupted")
-            os._exit(INTERRUPTED_EXIT_STATUS if interrupted else 1)
+            os._exit(INTERRUPTED_EXIT_STATUS if self.interrupted else 1)
