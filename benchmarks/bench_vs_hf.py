@@ -249,12 +249,12 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
 def make_workload(args: argparse.Namespace, facts: dict[str, Any]) -> tuple[list[list[int]], list[int], str]:
     """The requests of ``llmcli bench`` (its own generator when importable, else the same algorithm)."""
     try:
-        from llmcli.bench import Workload, make_requests
+        from llmcli.cli.bench import Workload, make_requests
 
         w = Workload(num_prompts=args.num_prompts, input_len=(args.min_input, args.max_input),
                      output_len=(args.min_output, args.max_output), temperature=args.temperature, seed=args.seed)
         reqs = make_requests(w, facts["vocab"], set(facts["eos_token_ids"]))
-        source = "llmcli.bench.make_requests"
+        source = "llmcli.cli.bench.make_requests"
     except ImportError:
         rng = random.Random(args.seed)
         avoid = set(facts["eos_token_ids"])
@@ -264,7 +264,7 @@ def make_workload(args: argparse.Namespace, facts: dict[str, Any]) -> tuple[list
             n_in = rng.randint(args.min_input, args.max_input)
             n_out = rng.randint(args.min_output, args.max_output)
             reqs.append(([allowed[rng.randrange(len(allowed))] for _ in range(n_in)], n_out))
-        source = "bench_vs_hf fallback (same algorithm as llmcli.bench)"
+        source = "bench_vs_hf fallback (same algorithm as llmcli.cli.bench)"
     return [r[0] for r in reqs], [r[1] for r in reqs], source
 
 

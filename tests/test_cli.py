@@ -6,7 +6,7 @@ from pathlib import Path
 import orjson
 from typer.testing import CliRunner
 
-from llmcli.cli import app
+from llmcli.cli.app import app
 
 runner = CliRunner()
 TOKENS = [5, 17, 42, 99, 123, 7, 64, 300]

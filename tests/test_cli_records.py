@@ -8,13 +8,13 @@ import orjson
 import pytest
 
 from llmcli.engine.outputs import MemoryReport, RequestOutput
-from llmcli.io.output import error_record, result_record
-from llmcli.io.prepare import Preparer
+from llmcli.cli.io.output import error_record, result_record
+from llmcli.cli.io.prepare import Preparer
 from llmcli.models.hub import load_tokenizer
-from llmcli.io.records import mark_duplicates, output_key, parse_line
-from llmcli.io.resume import ResumeError, scan_output
-from llmcli.io.source import RawLine, read_lines
-from llmcli.io.writer import LineSink, RecordWriter
+from llmcli.cli.io.records import mark_duplicates, output_key, parse_line
+from llmcli.cli.io.resume import ResumeError, scan_output
+from llmcli.cli.io.source import RawLine, read_lines
+from llmcli.cli.io.writer import LineSink, RecordWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -211,7 +211,7 @@ def memory_report(**kw):
 
 
 def test_probe_hint_says_which_knob_and_how_much():
-    from llmcli.probe import fit_hint, report_dict
+    from llmcli.cli.probe import fit_hint, report_dict
 
     hint = fit_hint(memory_report(), {"gpu_memory_utilization": 0.9})
     assert "empty" in hint and "--gpu-memory-utilization from 0.90 to at least 0.92" in hint
@@ -225,8 +225,8 @@ def test_probe_hint_says_which_knob_and_how_much():
 
 
 def test_bench_workload_helpers():
-    from llmcli.bench import Workload, make_requests, parse_length, percentiles
-    from llmcli.generate import UsageError
+    from llmcli.cli.bench import Workload, make_requests, parse_length, percentiles
+    from llmcli.cli.generate import UsageError
 
     assert parse_length("100:1024", "--input-len") == (100, 1024) and parse_length("7", "x") == (7, 7)
     for bad in ("0", "5:4", "a:b"):
@@ -242,7 +242,7 @@ def test_bench_workload_helpers():
 
 
 def test_every_engine_knob_is_a_flag():
-    from llmcli.cli_options import ENGINE_KNOBS
+    from llmcli.cli.options import ENGINE_KNOBS
     from llmcli.config import Config
 
     assert sorted(k.name for k in ENGINE_KNOBS) == sorted(Config.knob_names())
@@ -254,7 +254,7 @@ def test_presets_use_known_keys(preset):
 
     import typer.main
 
-    from llmcli.cli import app
+    from llmcli.cli.app import app
 
     command = typer.main.get_command(app).commands["bench"]
     names = {opt.lstrip("-").replace("-", "_") for p in command.params for opt in p.opts}

@@ -24,9 +24,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from llmcli.distributed.balancer import OutstandingTokenBalancer, request_cost
-from llmcli.distributed.data_parallel import DataParallelEngine, DataParallelError, ScaleOut
-from llmcli.distributed.dp_replica import ReplicaInfo
+from llmcli.scaleout.balancer import OutstandingTokenBalancer, request_cost
+from llmcli.scaleout.data_parallel import DataParallelEngine, DataParallelError, ScaleOut
+from llmcli.scaleout.replica import ReplicaInfo
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.sampling_params import SamplingParams
 
@@ -255,8 +255,8 @@ def test_unseeded_requests_get_the_seeds_one_engine_would_draw(tiny_model):
 def test_ray_backend_without_ray_says_how_to_install(tiny_model, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import llmcli.distributed.dp_ray as dp_ray
-    from llmcli.cli import app
+    import llmcli.scaleout.ray_pool as dp_ray
+    from llmcli.cli.app import app
 
     monkeypatch.setattr(dp_ray, "ray_available", lambda: False)
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2]}])

@@ -31,9 +31,9 @@ import torch
 
 from llmcli import LLM, SamplingParams
 from llmcli.config import ConfigError
-from llmcli.distributed.compact import pack_step, unpack_step
-from llmcli.distributed.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
-from llmcli.distributed.tp_runner import TensorParallelError
+from llmcli.parallel.compact import pack_step, unpack_step
+from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
+from llmcli.parallel.tp_runner import TensorParallelError
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
 
@@ -295,7 +295,7 @@ def test_worker_exception_is_reported_with_its_traceback(tp_model):
 def _worker_failing_at_start_up(config, args):
     """Runs in the spawned rank 1 (imported from this module): loading its shard fails after it joined the group."""
     import llmcli.engine.model_runner as model_runner
-    from llmcli.distributed.worker import worker_main
+    from llmcli.parallel.worker import worker_main
 
     class BrokenRunner:
         def __init__(self, config):
@@ -306,7 +306,7 @@ def _worker_failing_at_start_up(config, args):
 
 
 def test_worker_failing_at_start_up_is_reported(tp_model, monkeypatch):
-    import llmcli.distributed.tp_runner as tp_runner
+    import llmcli.parallel.tp_runner as tp_runner
 
     monkeypatch.setattr(tp_runner, "worker_main", _worker_failing_at_start_up)
     start = time.monotonic()
@@ -391,7 +391,7 @@ def test_a_stuck_group_close_still_ends_the_process(tmp_path, tp_model):
     """Where leaving the process group does not finish (NCCL's abort after a Ctrl-C on two H200s), the process
     still ends at once, with the shell's status for Ctrl-C, and releases every worker and the segment."""
     proc = _run_script(tmp_path, SCRIPT_HEAD.format(model=str(tp_model)) + """
-        import llmcli.distributed.tp_group as tp_group
+        import llmcli.parallel.tp_group as tp_group
         tp_group.close_process_group = lambda timeout_s: False  # as if the abort were still running
         llm.generate([[5] * 40, [6] * 70], SamplingParams(temperature=0, max_tokens=5000, ignore_eos=True))
         print("FINISHED", flush=True)

@@ -1,5 +1,7 @@
-"""The admission rule: whether a request can ever run on an engine of this configuration."""
+"""A request's way in: its prompt as token ids, and the admission rule (whether it can ever run on this engine)."""
 from __future__ import annotations
+
+from typing import Any
 
 from llmcli.config import Config
 from llmcli.engine.sequence import RequestRejected
@@ -24,3 +26,12 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
         raise RequestRejected(f"the request may grow to {longest} tokens, which needs "
                               f"{(longest + bs - 1) // bs} KV blocks, but the whole pool has {pool}; "
                               "lower max_tokens or give the cache more memory")
+
+
+def encode_prompt(tokenizer: Any | None, prompt: str | list[int], model: str) -> list[int]:
+    """Token ids of a prompt given as text (no special tokens added) or already as ids."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestRejected(f"model {model} has no tokenizer: give prompts as token ids")
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return list(prompt)

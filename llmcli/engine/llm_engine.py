@@ -9,12 +9,12 @@ from typing import Any, Callable
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.outputs import EngineStats, RequestOutput
-from llmcli.engine.admission import check_request_fits
+from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
-from llmcli.models.hub import encode_prompt, load_tokenizer
+from llmcli.models.hub import load_tokenizer
 from llmcli.sampling_params import SamplingParams
 
 
@@ -48,7 +48,7 @@ class LLMEngine:
 
     def _start_runner(self, config: Config) -> Any:
         if config.tensor_parallel_size > 1:
-            from llmcli.distributed.tp_runner import start_tensor_parallel
+            from llmcli.parallel.tp_runner import start_tensor_parallel
 
             return start_tensor_parallel(config)
         return ModelRunner(config)

@@ -7,7 +7,7 @@ import time
 import torch
 
 from llmcli.config import Config
-from llmcli.distributed import tp_rank, tp_size
+from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_timer import StepTimer

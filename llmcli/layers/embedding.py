@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmcli.distributed import all_reduce, tp_rank, tp_size
+from llmcli.parallel import all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

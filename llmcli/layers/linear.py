@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmcli.distributed import all_reduce, tp_rank, tp_size
+from llmcli.parallel import all_reduce, tp_rank, tp_size
 
 
 def _divide(n: int, d: int, what: str) -> int:

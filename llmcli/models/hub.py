@@ -73,14 +73,3 @@ def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any 
         if tokenizer:
             raise ValueError(f"tokenizer {tokenizer!r} could not be loaded: {exc}") from None
         return None
-
-
-def encode_prompt(tokenizer: Any | None, prompt: str | list[int], model: str) -> list[int]:
-    """Token ids of a prompt given as text (no special tokens added) or already as ids."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            from llmcli.engine.sequence import RequestRejected
-
-            raise RequestRejected(f"model {model} has no tokenizer: give prompts as token ids")
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    return list(prompt)

@@ -3,7 +3,7 @@
 ``Group`` owns everything that must be released whatever happens (the spawned
 ranks, the shared-memory control channel, the rendezvous store, the process
 group) and the failure state that turns a dead or raising worker into a
-``TensorParallelError`` naming the rank. ``llmcli.distributed.tp_runner``
+``TensorParallelError`` naming the rank. ``llmcli.parallel.tp_runner``
 builds one per engine; see its docstring for the failure handling in order.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Any, Iterator
 
-from llmcli.distributed.exits import describe_exit
-from llmcli.distributed.shm_channel import ControlChannel, PayloadTooLarge
-from llmcli.distributed.worker import PG_CLOSE_TIMEOUT_S, close_process_group
+from llmcli.parallel.exits import describe_exit
+from llmcli.parallel.shm_channel import ControlChannel, PayloadTooLarge
+from llmcli.parallel.worker import PG_CLOSE_TIMEOUT_S, close_process_group
 
 log = logging.getLogger("llmcli")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
-from llmcli.io.openai_format import openai_error, openai_result
-from llmcli.io.records import InputRecord
+from llmcli.cli.io.openai_format import openai_error, openai_result
+from llmcli.cli.io.records import InputRecord
 
 
 def _completion(out: RequestOutput, include_token_ids: bool) -> dict[str, Any]:

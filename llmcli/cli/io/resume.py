@@ -7,7 +7,7 @@ from pathlib import Path
 
 import orjson
 
-from llmcli.io.records import output_key
+from llmcli.cli.io.records import output_key
 
 
 class ResumeError(ValueError):

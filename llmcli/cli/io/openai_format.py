@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
-from llmcli.io.records import InputRecord
+from llmcli.cli.io.records import InputRecord
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import orjson
 
-from llmcli.io.source import RawLine
+from llmcli.cli.io.source import RawLine
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli.io.records import FieldProblem, InputRecord
+from llmcli.cli.io.records import FieldProblem, InputRecord
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
 
 

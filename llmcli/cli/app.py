@@ -7,9 +7,9 @@ from typing import Annotated, Any, Callable, List, Optional
 import typer
 from rich.console import Console
 
-from llmcli.cli_options import (DataParallelSizeOption, DistributedBackendOption, RayAddressOption,
+from llmcli.cli.options import (DataParallelSizeOption, DistributedBackendOption, RayAddressOption,
                                 with_engine_options)
-from llmcli.progress import say
+from llmcli.cli.progress import say
 
 app = typer.Typer(
     name="llmcli",
@@ -36,9 +36,9 @@ def _console() -> Console:
 def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
     from llmcli.config import ConfigError
-    from llmcli.distributed.data_parallel import DataParallelError
-    from llmcli.distributed.tp_runner import TensorParallelError
-    from llmcli.generate import UsageError
+    from llmcli.scaleout.errors import DataParallelError
+    from llmcli.parallel.tp_runner import TensorParallelError
+    from llmcli.cli.generate import UsageError
     from llmcli.models.hub import ModelNotFoundError
     from llmcli.sampling_params import SamplingParamsError
 
@@ -113,7 +113,7 @@ def generate(
     ({"custom_id", "method", "url", "body"}). Exit codes: 0 all answered, 1 some failed, 2 usage or
     input errors, 130 interrupted (run again with --resume).
     """
-    from llmcli.generate import GenerateOptions, run_generate
+    from llmcli.cli.generate import GenerateOptions, run_generate
     from llmcli.sampling_params import SamplingParams
 
     sampling = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -155,7 +155,7 @@ def bench(
     engine: Any = None,
 ) -> None:
     """Offline throughput benchmark on random token ids (default: 256 requests, lengths uniform in [100, 1024])."""
-    from llmcli.bench import Workload, parse_length, run_bench_command
+    from llmcli.cli.bench import Workload, parse_length, run_bench_command
 
     def run() -> int:
         workload = Workload(num_prompts=num_prompts, input_len=parse_length(input_len, "--input-len"),
@@ -174,7 +174,7 @@ def probe_memory(
     engine: Any = None,
 ) -> None:
     """Run only start-up and show where memory goes: weights, activations, CUDA graphs, KV blocks."""
-    from llmcli.probe import run_probe_command
+    from llmcli.cli.probe import run_probe_command
 
     _guarded(lambda: run_probe_command(engine, _console(), as_json=json_))
 

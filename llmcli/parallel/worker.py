@@ -25,8 +25,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from llmcli.distributed.compact import unpack_step
-from llmcli.distributed.shm_channel import ChannelSpec, ControlChannel
+from llmcli.parallel.compact import unpack_step
+from llmcli.parallel.shm_channel import ChannelSpec, ControlChannel
 
 PARENT_POLL_S = 0.5
 READY_KEY = "llmcli_tp/ready"

@@ -5,8 +5,8 @@
 ``check_fits``, ``config``, ``model_runner.memory_report``, ``shutdown``), so
 ordering, ``--resume`` and error records work unchanged: they go by request id.
 Behind it sits a pool of replicas, each a complete engine with its own
-``tensor_parallel_size`` ranks: processes on this machine (``dp_local``) or
-actors on a Ray cluster (``dp_ray``).
+``tensor_parallel_size`` ranks: processes on this machine (``local_pool``) or
+actors on a Ray cluster (``ray_pool``).
 
 * **Routing.** Each request goes to the replica with the fewest outstanding
   tokens (``balancer``). Requests are buffered per replica and sent in one
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any, Hashable
 
 from llmcli.config import Config, ConfigError
-from llmcli.distributed.balancer import OutstandingTokenBalancer, request_cost
-from llmcli.distributed.dp_replica import ReplicaInfo
-from llmcli.engine.admission import check_request_fits
+from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.outputs import EngineStats, RequestOutput
-from llmcli.models.hub import encode_prompt
 from llmcli.sampling_params import SamplingParams
+from llmcli.scaleout.balancer import OutstandingTokenBalancer, request_cost
+from llmcli.scaleout.errors import DataParallelError
+from llmcli.scaleout.replica import ReplicaInfo
 
 log = logging.getLogger("llmcli")
 
@@ -48,10 +48,6 @@ BACKENDS = ("local", "ray")
 WAIT_S = 0.1
 # Counters of EngineStats that describe the present (what runs now), not the past: a lost replica's are zeroed.
 CURRENT_STATE = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total")
-
-
-class DataParallelError(RuntimeError):
-    """The data-parallel replicas cannot go on (none left, or one failed to start); the message says why."""
 
 
 @dataclass
@@ -101,19 +97,6 @@ def driver_config(engine_kwargs: dict[str, Any], scale: ScaleOut) -> Config:
                             tensor_parallel_size=1)
             return Config(**planning)
     return Config(**engine_kwargs)
-
-
-def raise_startup_failure(index: int, where: str, kind: str, message: str, text: str) -> None:
-    """Re-raise a replica's start-up failure in the driver, as the kind of error it was."""
-    log.debug("data-parallel replica %d failed to start:\n%s", index, text)
-    if kind == "config":
-        raise ConfigError(message)
-    if kind == "model":
-        from llmcli.models.hub import ModelNotFoundError
-
-        raise ModelNotFoundError(f"data-parallel replica {index} on {where}: {message}")
-    last = text.strip().splitlines()[-1] if text.strip() else message
-    raise DataParallelError(f"data-parallel replica {index} failed to start on {where}: {last}")
 
 
 @dataclass
@@ -169,7 +152,7 @@ class DataParallelEngine:
         scale, config = self.scale, self.config
         tp = kwargs.get("tensor_parallel_size", 1)
         if scale.backend == "ray":
-            from llmcli.distributed.dp_ray import RayReplicaPool
+            from llmcli.scaleout.ray_pool import RayReplicaPool
 
             for name in ("model", "tokenizer"):  # a local folder by absolute path: actors start in other folders
                 value = kwargs.get(name)
@@ -179,7 +162,7 @@ class DataParallelEngine:
             use_gpu = None if device == "auto" else device == "cuda"
             return RayReplicaPool(kwargs, scale.data_parallel_size, use_gpu=use_gpu, tensor_parallel_size=tp,
                                   address=scale.ray_address)
-        from llmcli.distributed.dp_local import LocalReplicaPool
+        from llmcli.scaleout.local_pool import LocalReplicaPool
 
         # Every replica reads the folder the driver resolved (a hub id is downloaded once, here).
         kwargs = dict(kwargs, model=str(config.model_path), device=config.device)

@@ -33,8 +33,9 @@ import traceback
 import uuid
 from typing import Any
 
-from llmcli.distributed.dp_replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
-                                          startup_failure)
+from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
+from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
+                                     startup_failure)
 
 log = logging.getLogger("llmcli")
 
@@ -152,8 +153,6 @@ class RayReplicaPool:
         try:
             import ray
         except ImportError:
-            from llmcli.distributed.data_parallel import DataParallelError
-
             raise DataParallelError(f"the Ray backend needs Ray: {INSTALL_HINT}") from None
         self._ray = ray
         if not ray.is_initialized():
@@ -165,8 +164,6 @@ class RayReplicaPool:
             try:
                 ray.init(**kwargs)
             except Exception as exc:  # noqa: BLE001 - Ray raises many kinds (ConnectionError, ValueError, ...)
-                from llmcli.distributed.data_parallel import DataParallelError
-
                 where = f"the Ray cluster at {self.address}" if self.address else "a local Ray instance"
                 raise DataParallelError(f"could not connect to {where}: {type(exc).__name__}: "
                                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
@@ -198,8 +195,6 @@ class RayReplicaPool:
         ray = self._connect()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from llmcli.distributed.data_parallel import DataParallelError, raise_startup_failure
 
         if self.use_gpu is None:  # device "auto": GPUs if the cluster has any
             self.use_gpu = ray.cluster_resources().get("GPU", 0.0) > 0

@@ -11,8 +11,8 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from llmcli.io.writer import reserve_stdout
-from llmcli.progress import say
+from llmcli.cli.io.writer import reserve_stdout
+from llmcli.cli.progress import say
 from llmcli.sampling_params import SamplingParams
 
 
@@ -31,7 +31,7 @@ class Workload:
 
 def parse_length(text: str, flag: str) -> tuple[int, int]:
     """'N' or 'LO:HI' (inclusive) as a (lo, hi) pair."""
-    from llmcli.generate import UsageError
+    from llmcli.cli.generate import UsageError
 
     try:
         lo, _, hi = str(text).partition(":")
@@ -140,7 +140,7 @@ def render(result: dict[str, Any], console: Console) -> None:
 def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Console, *, as_json: bool,
                       output: Path | None) -> int:
     from llmcli.config import Config
-    from llmcli.generate import UsageError
+    from llmcli.cli.generate import UsageError
 
     stdout = reserve_stdout() if as_json else None  # the JSON object must be all that stdout carries
     config = Config(**engine_kwargs)

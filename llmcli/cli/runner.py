@@ -8,10 +8,10 @@ from typing import Any, Protocol
 
 from llmcli.engine.outputs import RequestOutput
 from llmcli.engine.sequence import RequestRejected
-from llmcli.io.output import error_record, result_record
-from llmcli.io.prepare import PreparedRequest
-from llmcli.io.records import InputRecord
-from llmcli.io.writer import RecordWriter
+from llmcli.cli.io.output import error_record, result_record
+from llmcli.cli.io.prepare import PreparedRequest
+from llmcli.cli.io.records import InputRecord
+from llmcli.cli.io.writer import RecordWriter
 
 
 class ProgressSink(Protocol):

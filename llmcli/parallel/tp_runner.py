@@ -4,8 +4,8 @@
 engine uses exactly like a ``ModelRunner`` (``launch``, ``run``, ``num_blocks``,
 ``memory_report``, ``shutdown``). Rank 0 is both the engine's runner and a
 worker: every ``launch`` first broadcasts the step, in compact form
-(``llmcli.distributed.compact``), through the shared-memory control channel
-(``llmcli.distributed.shm_channel``), then computes its own shard; the
+(``llmcli.parallel.compact``), through the shared-memory control channel
+(``llmcli.parallel.shm_channel``), then computes its own shard; the
 collectives inside the model keep the ranks in step. Only rank 0 samples; it
 broadcasts the sampled tokens to the other ranks on the device.
 
@@ -15,7 +15,7 @@ an ephemeral port, and the channel's segment name carries the pid and a
 random token, so two engines on one machine never collide.
 
 The processes, channel, store and failure state live in a ``Group``
-(``llmcli.distributed.tp_group``). Failure handling, in order of what usually happens:
+(``llmcli.parallel.tp_group``). Failure handling, in order of what usually happens:
 
 * a watchdog thread waits on every worker's process sentinel; when one exits
   unexpectedly it records which rank and why (exit status or signal, plus the
@@ -56,10 +56,10 @@ import torch
 import torch.distributed as dist
 
 from llmcli.config import Config, ConfigError
-from llmcli.distributed.compact import pack_step
-from llmcli.distributed.shm_channel import ControlChannel
-from llmcli.distributed.tp_group import STORE_HOST, Group, TensorParallelError, env_seconds
-from llmcli.distributed.worker import READY_KEY, WorkerArgs, gloo_on_loopback, worker_main
+from llmcli.parallel.compact import pack_step
+from llmcli.parallel.shm_channel import ControlChannel
+from llmcli.parallel.tp_group import STORE_HOST, Group, TensorParallelError, env_seconds
+from llmcli.parallel.worker import READY_KEY, WorkerArgs, gloo_on_loopback, worker_main
 
 log = logging.getLogger("llmcli")
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel rank and world size as the layers see them (world size 1 without torch.distributed)."""
+"""Tensor parallelism inside one engine: rank helpers the layers use, the process group, workers and their shared-memory control plane."""
 from __future__ import annotations
 
 import torch.distributed as dist

@@ -35,9 +35,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.distributed.dp_replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
-                                          startup_failure)
-from llmcli.distributed.exits import describe_exit
+from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
+from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
+                                     startup_failure)
+from llmcli.parallel.exits import describe_exit
 
 log = logging.getLogger("llmcli")
 
@@ -216,8 +217,6 @@ class LocalReplicaPool:
             raise
 
     def _wait_ready(self, timeout_s: float) -> list[ReplicaInfo]:
-        from llmcli.distributed.data_parallel import DataParallelError, raise_startup_failure
-
         deadline = time.monotonic() + timeout_s
         waiting = {r.results: r for r in self.replicas}
         waiting.update({r.proc.sentinel: r for r in self.replicas})

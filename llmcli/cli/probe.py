@@ -8,8 +8,8 @@ import orjson
 from rich.console import Console
 
 from llmcli.engine.outputs import MemoryReport
-from llmcli.io.writer import reserve_stdout
-from llmcli.progress import key_value_table, say
+from llmcli.cli.io.writer import reserve_stdout
+from llmcli.cli.progress import key_value_table, say
 
 GIB = 1 << 30
 

@@ -8,14 +8,14 @@ from typing import Any
 
 from rich.console import Console
 
-from llmcli.io.prepare import Preparer, PreparedRequest
+from llmcli.cli.io.prepare import Preparer, PreparedRequest
 from llmcli.models.hub import load_tokenizer
-from llmcli.io.records import InputRecord, mark_duplicates, parse_line
-from llmcli.io.resume import ResumeError, scan_output
-from llmcli.io.source import read_lines, source_name
-from llmcli.io.writer import RecordWriter, open_sink, reserve_stdout
-from llmcli.progress import GenerateProgress, GenerateSummary, say, summary_table
-from llmcli.runner import Runner, StopFlag
+from llmcli.cli.io.records import InputRecord, mark_duplicates, parse_line
+from llmcli.cli.io.resume import ResumeError, scan_output
+from llmcli.cli.io.source import read_lines, source_name
+from llmcli.cli.io.writer import RecordWriter, open_sink, reserve_stdout
+from llmcli.cli.progress import GenerateProgress, GenerateSummary, say, summary_table
+from llmcli.cli.runner import Runner, StopFlag
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -101,8 +101,8 @@ def _check_pool(items: list[PreparedRequest | InputRecord], engine: Any) -> None
 def _scale_out(opts: GenerateOptions) -> Any:
     """The replicas asked for; Ray must be importable when it is the backend."""
     from llmcli.config import ConfigError
-    from llmcli.distributed.data_parallel import ScaleOut
-    from llmcli.distributed.dp_ray import INSTALL_HINT, ray_available
+    from llmcli.scaleout.data_parallel import ScaleOut
+    from llmcli.scaleout.ray_pool import INSTALL_HINT, ray_available
 
     if opts.ray_address and opts.distributed_backend == "local":
         raise UsageError("--ray-address needs --distributed-backend ray (or leave --distributed-backend out)")
@@ -125,7 +125,7 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
     answered = _check_output(opts)
     stdout = reserve_stdout() if opts.output == "-" else None
     if scale.enabled:
-        from llmcli.distributed.data_parallel import driver_config
+        from llmcli.scaleout.data_parallel import driver_config
 
         config = driver_config(opts.engine, scale)
     else:
@@ -158,7 +158,7 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
         return EXIT_OK
 
     if scale.enabled:
-        from llmcli.distributed.data_parallel import DataParallelEngine
+        from llmcli.scaleout.data_parallel import DataParallelEngine
 
         engine: Any = DataParallelEngine(config, scale, engine_kwargs=opts.engine, tokenizer=tokenizer)
     else:

@@ -1,0 +1,1 @@
+"""Scale-out above whole engines: data-parallel replicas (local processes or Ray actors), routing and failover."""
