@@ -1,0 +1,156 @@
+"""The physical bound of a workload on this machine: the least time its bytes and FLOPs take at the ceilings.
+
+The floor is a sum of terms. A term (``Term``) is one amount of work of the workload, bytes moved or
+FLOPs done, over one ceiling (the copy bandwidth or the matmul rate). To add one (a decode FLOPs term for
+prefill-heavy workloads, say), write its amount as a function of ``Shape`` and put a ``Term`` in ``TERMS``:
+the floor, the JSON, the printed derivation and the bound table all follow ``TERMS``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from benchmarks.harness.output import fmt_f, md_table, say
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the terms know of a model and a workload."""
+
+    facts: dict[str, Any]  # workload.model_facts
+    prompt_lens: list[int]
+    output_lens: list[int]
+    elem_bytes: int
+
+    @property
+    def decode_steps(self) -> int:
+        return max(self.output_lens)  # all requests run at once: decode takes as many steps as the longest output
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.facts["params"] * self.elem_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        f = self.facts
+        return 2 * f["layers"] * f["kv_heads"] * f["head_dim"] * self.elem_bytes
+
+    @property
+    def kv_tokens_read(self) -> int:
+        return sum(o * i + o * (o - 1) // 2 for i, o in zip(self.prompt_lens, self.output_lens))  # sum_{t<O} (I + t)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """A rate of the machine (a key of the report's ``ceilings``), as the formula names it and its unit."""
+
+    key: str
+    symbol: str
+    unit: str  # of the amount, in the bound table
+
+    def show(self, amount: float) -> str:
+        return f"{amount / 1e12:.3f} TB" if self.unit == "TB" else f"{amount / 1e12:.1f} TFLOP"
+
+
+COPY = Ceiling("copy_bytes_per_s", "copy_bw", "TB")
+MATMUL = Ceiling("matmul_flops_per_s", "matmul_rate", "TFLOP")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One part of the floor: ``amount(shape) / ceiling``.
+
+    In the JSON the amount is ``amount_key`` and its time ``t_<name>_s``; ``column`` is the bound table's
+    column it is summed into (terms of one column share one printed line); ``detail`` says the amount in
+    the printed derivation, from the bound's dict.
+    """
+
+    name: str
+    amount_key: str
+    ceiling: Ceiling
+    formula: str
+    column: str
+    amount: Callable[[Shape], float]
+    detail: Callable[[dict[str, Any]], str]
+
+    @property
+    def time_key(self) -> str:
+        return f"t_{self.name}_s"
+
+
+TERMS: tuple[Term, ...] = (
+    Term("weights", "weights_read_bytes", COPY, "decode_steps x weight_bytes", "weights read",
+         lambda s: s.decode_steps * s.weight_bytes,
+         lambda b: f"weights: {b['decode_steps']} x {b['weight_bytes'] / 1e9:.3f} GB = "
+                   f"{b['weights_read_bytes'] / 1e12:.3f} TB"),
+    Term("kv", "kv_read_bytes", COPY, "KV tokens read x kv_bytes_per_token", "KV read",
+         lambda s: s.kv_tokens_read * s.kv_bytes_per_token,
+         lambda b: f"KV: {b['kv_tokens_read']:,} tokens x {b['kv_bytes_per_token']:,} B = "
+                   f"{b['kv_read_bytes'] / 1e12:.3f} TB"),
+    Term("prefill_linear", "prefill_linear_flops", MATMUL, "2 x params_non_embedding x prompt tokens", "prefill FLOPs",
+         lambda s: 2 * s.facts["params_non_embedding"] * sum(s.prompt_lens),
+         lambda b: f"prefill linear: {b['prefill_linear_flops'] / 1e12:.2f} TFLOP"),
+    Term("prefill_attention", "prefill_attention_flops", MATMUL, "4 x layers x heads x head_dim x sum(I^2)/2",
+         "prefill FLOPs",
+         lambda s: 4 * s.facts["layers"] * s.facts["heads"] * s.facts["head_dim"] * sum(i * i for i in s.prompt_lens) / 2,
+         lambda b: f"prefill attention: {b['prefill_attention_flops'] / 1e12:.2f} TFLOP"),
+)
+
+
+def _grouped(by: Callable[[Term], Any]) -> dict[Any, list[Term]]:
+    groups: dict[Any, list[Term]] = {}
+    for term in TERMS:
+        groups.setdefault(by(term), []).append(term)
+    return groups
+
+
+def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[int], ceilings: dict[str, Any],
+                   elem_bytes: int) -> dict[str, Any]:
+    """Every term's amount, and with both ceilings known its time, the floor and the floor's tok/s."""
+    s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes)
+    L, nh, hd = facts["layers"], facts["heads"], facts["head_dim"]
+    out: dict[str, Any] = {
+        "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "weight_bytes": s.weight_bytes,
+        "kv_bytes_per_token": s.kv_bytes_per_token, "kv_tokens_read": s.kv_tokens_read,
+        **{t.amount_key: t.amount(s) for t in TERMS},
+        # decode compute: memory-bound, so reported beside the floor rather than in it
+        "output_tokens": sum(outs), "decode_flops_info": 2 * facts["params_non_embedding"] * sum(outs)
+        + 4 * L * nh * hd * s.kv_tokens_read,
+    }
+    rates = {t.ceiling.key: ceilings.get(t.ceiling.key) for t in TERMS}
+    if all(rates.values()):
+        out.update({t.time_key: out[t.amount_key] / rates[t.ceiling.key] for t in TERMS})
+        out["floor_s"] = sum(out[t.time_key] for t in TERMS)
+        out["floor_tok_s"] = sum(outs) / out["floor_s"]
+        out["t_decode_compute_info_s"] = out["decode_flops_info"] / rates[MATMUL.key]
+    return out
+
+
+def print_bound(name: str, b: dict[str, Any]) -> None:
+    say(f"\nphysical bound, {name}:")
+    for i, (ceiling, terms) in enumerate(_grouped(lambda t: t.ceiling).items()):
+        say(f"  {'floor =' if i == 0 else '      +'} ({' + '.join(t.formula for t in terms)}) / {ceiling.symbol}")
+    say(f"  decode steps = max(O) = {b['decode_steps']} (assumption: all requests run concurrently)")
+    for terms in _grouped(lambda t: t.column).values():
+        say("  " + "; ".join(f"{t.detail(b)} -> {fmt_f(b.get(t.time_key), 3)} s" for t in terms))
+    say(f"  floor = {fmt_f(b.get('floor_s'), 3)} s = {fmt_f(b.get('floor_tok_s'), 0)} output tok/s "
+        f"(decode compute, not in the floor as decode is memory-bound: {b['decode_flops_info'] / 1e12:.1f} TFLOP = "
+        f"{fmt_f(b.get('t_decode_compute_info_s'), 3)} s at the matmul rate)")
+
+
+def bound_table(bounds: dict[str, dict[str, Any]]) -> str | None:
+    """One row per workload: each column's amount and time, then the floor; None without bounds."""
+    if not bounds:
+        return None
+    columns = _grouped(lambda t: t.column)
+    header = ["workload", "decode steps"]
+    for column in columns:
+        header += [column, "s"]
+    rows = []
+    for name, b in bounds.items():
+        row: list[Any] = [name, b["decode_steps"]]
+        for terms in columns.values():
+            row.append(terms[0].ceiling.show(sum(b[t.amount_key] for t in terms)))
+            row.append(fmt_f(sum(b[t.time_key] for t in terms) if b.get("floor_s") else None, 3))
+        rows.append(row + [fmt_f(b.get("floor_s"), 3), fmt_f(b.get("floor_tok_s"), 0)])
+    return md_table(header + ["floor s", "floor tok/s"], rows)

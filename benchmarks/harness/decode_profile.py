@@ -1,0 +1,188 @@
+"""llmcli's decode step at a large batch: wall time, device time, host share, step timer and kernel groups."""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.harness.ceilings import sync
+from benchmarks.harness.llmcli_run import timer_delta, timer_summary
+from benchmarks.harness.output import fmt_f, log, say
+from benchmarks.harness.report import Report, fail
+
+KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
+    ("attention", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash")),
+    ("kv store", ("_store_kv_kernel",)),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
+    ("fused elementwise (torch.compile)", ("triton_",)),
+)
+
+
+def kernel_groups(op: Callable[[], Any], reps: int) -> dict[str, dict[str, float]]:
+    """Device time per step of each kernel group, from the profiler's kernel records (eager launches)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            op()
+        torch.cuda.synchronize()
+    groups: dict[str, dict[str, float]] = {}
+    for evt in prof.key_averages():
+        if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
+            continue
+        name = evt.key
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
+        row = groups.setdefault(group, {"kernels": 0.0, "us": 0.0})
+        row["kernels"] += evt.count / reps
+        row["us"] += evt.self_device_time_total / reps
+    return groups
+
+
+def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> dict[str, float]:
+    """Device time of one decode step's forward (+ sample), launched back to back; and its host prepare time."""
+    from llmcli.engine.step_inputs import all_greedy, prepare_decode, prepare_sampling
+
+    uploader = runner.uploader
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        prep = []
+        for _ in range(5):
+            t = time.perf_counter()
+            inputs = prepare_decode(seqs, uploader)
+            sampling = None if all_greedy(inputs.sampled_seqs) else prepare_sampling(inputs.sampled_seqs, uploader)
+            sync(device)
+            prep.append(time.perf_counter() - t)
+        out["prepare_ms"] = 1e3 * statistics.median(prep)
+
+        def forward() -> Any:
+            return runner._forward(inputs)
+
+        def forward_sample() -> Any:
+            logits = runner._forward(inputs)
+            if sampling is None:
+                return logits.argmax(dim=-1)
+            return runner.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.min_ps,
+                                  sampling.seeds, sampling.steps, sampling.use_filters)
+
+        if device == "cuda":
+            # kernel by kernel: the same step launched eagerly (graph replays hide the kernels from the profiler)
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                forward_sample()
+                out["kernel_groups"] = kernel_groups(forward_sample, 5)
+            except Exception as exc:  # the profile is a bonus: keep the timings below
+                log(f"kernel profile failed: {type(exc).__name__}: {exc}")
+            finally:
+                runner.graphs = graphs
+        for label, op in (("forward_ms", forward), ("forward_sample_ms", forward_sample)):
+            for _ in range(3):
+                op()
+            sync(device)
+            if device == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(reps):
+                    op()
+                b.record()
+                torch.cuda.synchronize()
+                out[label] = a.elapsed_time(b) / reps
+            else:
+                t = time.perf_counter()
+                for _ in range(reps):
+                    op()
+                out[label] = 1e3 * (time.perf_counter() - t) / reps
+    return out
+
+
+def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: dict[str, Any],
+                     mean_prompt: int) -> None:
+    from llmcli import SamplingParams
+
+    engine = llm.engine
+    sched = engine.scheduler
+    name = facts["name"]
+    if engine.has_unfinished():
+        raise RuntimeError("the engine still has requests; the probe needs it idle")
+    batch = args.breakdown_batch
+    max_seqs = getattr(engine.config, "max_num_seqs", batch)
+    if batch > max_seqs:
+        log(f"breakdown batch {batch} > max_num_seqs {max_seqs}; using {max_seqs}")
+        batch = max_seqs
+    ctx = args.breakdown_context or mean_prompt
+    steps, warm = args.breakdown_steps, args.breakdown_warmup
+    rng = random.Random(args.seed + 2)
+    params = SamplingParams(temperature=args.temperature, max_tokens=warm + steps + 3, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([rng.randrange(facts["vocab"]) for _ in range(ctx)], params, request_id=f"probe-{i}")
+    preempt0 = getattr(engine.stats, "num_preemptions", 0)
+    t = time.perf_counter()
+    for _ in range(100000):  # prefill every probe sequence
+        if not sched.waiting and all(s.num_completion_tokens >= 1 for s in sched.running):
+            break
+        engine.step()
+    prefill_s = time.perf_counter() - t
+    running = len(sched.running)
+    result: dict[str, Any] = {"batch_requested": args.breakdown_batch, "batch": running, "context": ctx,
+                              "prefill_s": prefill_s}
+    report.data["decode_breakdown"][name] = result
+    if running != batch:
+        log(f"only {running} of {batch} probe sequences run together (KV pool or max_num_seqs)")
+    for _ in range(warm):
+        engine.step()
+
+    # one step with the device-time probe inside model_runner.run (not among the timed steps)
+    runner = engine.model_runner
+    probe: dict[str, Any] = {}
+    original = runner.launch
+
+    def launch_with_probe(seqs: list[Any], is_prefill: bool) -> Any:
+        if not is_prefill and "done" not in probe:
+            probe["done"] = True
+            try:
+                probe.update(probe_device_time(runner, seqs, args.gpu_reps, args.device))
+            except Exception as exc:
+                probe["error"] = f"{type(exc).__name__}: {exc}"
+                print(traceback.format_exc(), file=sys.stderr, flush=True)
+        return original(seqs, is_prefill)
+
+    runner.launch = launch_with_probe
+    try:
+        engine.step()
+    finally:
+        del runner.launch  # back to the class method
+    if "error" in probe:
+        fail(report, f"llmcli {name} device-time probe", probe["error"])
+
+    before = timer_summary(engine)
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()  # steady state: launches this step, reads back the previous one
+        walls.append(time.perf_counter() - t)
+    timers = timer_delta(before, timer_summary(engine))
+    while engine.has_unfinished():
+        engine.step()
+    total_ms = 1e3 * statistics.median(walls)
+    gpu_ms = probe.get("forward_sample_ms")
+    result.update(
+        steps_timed=len(walls), total_ms=total_ms, total_ms_mean=1e3 * sum(walls) / len(walls),
+        gpu_forward_ms=probe.get("forward_ms"), gpu_forward_sample_ms=gpu_ms, kernel_groups=probe.get("kernel_groups"),
+        host_ms=(total_ms - gpu_ms) if gpu_ms is not None else None,
+        prepare_probe_ms=probe.get("prepare_ms"),
+        step_timer=(timers or {}).get("decode"),
+        preemptions=getattr(engine.stats, "num_preemptions", 0) - preempt0,
+        batch_tokens_per_s=running / (total_ms / 1e3),
+    )
+    if result["preemptions"]:
+        log(f"{result['preemptions']} preemptions during the probe: the timed steps may not all be at batch {running}")
+    st = result["step_timer"] or {}
+    say(f"llmcli {name} decode step at batch {running}, context ~{ctx}: total {fmt_f(total_ms)} ms/step, "
+        f"device (forward+sample) {fmt_f(gpu_ms)} ms, host (total - device) {fmt_f(result['host_ms'])} ms; "
+        f"step timer: host {fmt_f(st.get('host_ms'))} ms, forward {fmt_f(st.get('forward_ms'))} ms")

@@ -1,0 +1,88 @@
+"""The models' facts (shapes, parameter count, EOS ids) and the workload: ``llmcli bench``'s requests."""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.output import log
+from llmcli.cli.bench import Workload, make_requests
+
+REPO = Path(__file__).resolve().parent.parent.parent
+DEFAULT_MODELS = ["configs/Qwen3-0.6B", "configs/Qwen3-8B"]
+TINY_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 512, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+    "attention_bias": False, "hidden_act": "silu", "use_cache": True,
+}
+
+
+def resolve_model(path: str) -> Path:
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (REPO / p).exists():
+        p = REPO / p
+    return p.resolve()
+
+
+def write_tiny_config() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="llmcli-bench-")) / "Qwen3-tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+    return folder
+
+
+def model_facts(model_dir: Path) -> dict[str, Any]:
+    """Shapes from config.json, analytic parameter count (Qwen3 layout), EOS ids."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    eos: list[int] = []
+    try:
+        from llmcli.models.hub import load_generation_eos
+
+        eos = load_generation_eos(model_dir, cfg)
+    except Exception as exc:  # the workload only uses this to mirror llmcli bench
+        log(f"EOS ids not read ({exc}); none avoided")
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or H // nh
+    inter = cfg.intermediate_size
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    bias = bool(getattr(cfg, "attention_bias", False))
+    per_layer = (H * nh * hd + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
+                 + 3 * H * inter  # gate, up, down
+                 + 2 * H + 2 * hd  # input/post-attention norms, q/k norms
+                 + ((nh + 2 * nkv) * hd if bias else 0))
+    embed = V * H
+    head = 0 if tied else V * H
+    total = embed + head + L * per_layer + H
+    return {"name": model_dir.name, "path": str(model_dir), "hidden": H, "layers": L, "heads": nh, "kv_heads": nkv,
+            "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": tied, "params": total,
+            "params_non_embedding": total - embed - head, "eos_token_ids": eos}
+
+
+def make_workload(args: argparse.Namespace, facts: dict[str, Any]) -> tuple[list[list[int]], list[int], str]:
+    """The requests of ``llmcli bench``, from its own generator."""
+    w = Workload(num_prompts=args.num_prompts, input_len=(args.min_input, args.max_input),
+                 output_len=(args.min_output, args.max_output), temperature=args.temperature, seed=args.seed)
+    reqs = make_requests(w, facts["vocab"], set(facts["eos_token_ids"]))
+    return [r[0] for r in reqs], [r[1] for r in reqs], "llmcli.cli.bench.make_requests"
+
+
+def describe_workload(prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
+    ins = [len(p) for p in prompts]
+    return {"requests": len(prompts), "prompt_tokens": sum(ins), "output_tokens": sum(outs),
+            "prompt_len_min": min(ins), "prompt_len_max": max(ins), "prompt_len_mean": sum(ins) / len(ins),
+            "output_len_min": min(outs), "output_len_max": max(outs), "output_len_mean": sum(outs) / len(outs)}
+
+
+def check_lengths(got: list[int], want: list[int]) -> list[str]:
+    """What is wrong with the output lengths (every request must produce exactly its own)."""
+    bad = [f"#{i}: {g} != {w}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    if len(got) != len(want):
+        bad.insert(0, f"{len(got)} outputs for {len(want)} requests")
+    return bad

@@ -1,0 +1,46 @@
+"""benchmarks/harness/bound.py: the physical bound's terms, floor and table, against numbers worked out by hand."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.harness.bound import bound_table, physical_bound
+
+# 2 layers, 4 heads of 16, 2 KV heads; 1,000 parameters of which 600 outside the embeddings
+FACTS = {"layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "params": 1000, "params_non_embedding": 600}
+PROMPTS = [[7, 7], [7, 7, 7]]  # I = 2, 3
+OUTS = [4, 1]
+CEILINGS = {"copy_bytes_per_s": 1000.0, "matmul_flops_per_s": 100.0}
+
+
+def test_terms_and_floor_by_hand() -> None:
+    b = physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    assert b["decode_steps"] == 4
+    assert b["weights_read_bytes"] == 4 * 1000 * 2
+    assert b["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # K and V, layers, KV heads, head_dim, bytes
+    assert b["kv_tokens_read"] == (2 + 3 + 4 + 5) + 3  # request 1 reads 2..5 tokens over 4 steps, request 2 reads 3
+    assert b["kv_read_bytes"] == 17 * 256
+    assert b["prefill_linear_flops"] == 2 * 600 * 5
+    assert b["prefill_attention_flops"] == 4 * 2 * 4 * 16 * (4 + 9) / 2
+    assert b["t_weights_s"] == pytest.approx(8.0)
+    assert b["t_kv_s"] == pytest.approx(4.352)
+    assert b["t_prefill_linear_s"] == pytest.approx(60.0)
+    assert b["t_prefill_attention_s"] == pytest.approx(33.28)
+    assert b["floor_s"] == pytest.approx(105.632)
+    assert b["floor_tok_s"] == pytest.approx(5 / 105.632)
+
+
+def test_no_times_without_ceilings() -> None:
+    b = physical_bound(FACTS, PROMPTS, OUTS, {"copy_bytes_per_s": 1000.0}, elem_bytes=2)
+    assert "floor_s" not in b and "t_weights_s" not in b
+    assert b["kv_read_bytes"] == 17 * 256
+
+
+def test_table_sums_the_prefill_terms_into_one_column() -> None:
+    b = physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    header, rule, row = bound_table({"w": b}).splitlines()
+    assert header == ("| workload | decode steps | weights read | s | KV read | s | prefill FLOPs | s | floor s "
+                      "| floor tok/s |")
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0:2] == ["w", "4"]
+    assert cells[2:] == ["0.000 TB", "8.000", "0.000 TB", "4.352", "0.0 TFLOP", "93.280", "105.632", "0"]
+    assert bound_table({}) is None
