@@ -326,6 +326,24 @@ def test_resume_after_the_driver_is_killed(tiny_model, inputs, one_replica, tmp_
     assert all(line == want[line["id"]] for line in lines)
 
 
+def test_one_replica_runs_through_the_pool_when_forced(tiny_model, inputs, one_replica, tmp_path):
+    # LLMCLI_DP_FORCE_POOL=1: -dp 1 as a replica process behind the driver (the GPU check of one H200 uses this)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(command(tiny_model, inputs["kill"], out, *KILL_FLAGS, "-dp", "1"),
+                            env={**env(), "LLMCLI_DP_FORCE_POOL": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_for_lines(proc, out, 1)
+        replicas = children_of(proc.pid)
+        assert proc.wait(timeout=180) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(replicas) == 1, replicas
+    assert lines_of(out) == one_replica["kill"]
+    assert not wait_gone(replicas), "the replica outlived the run"
+
+
 # --------------------------------------------------------------------------
 # Ray: a local cluster started here, replicas as actors
 # --------------------------------------------------------------------------
@@ -381,6 +399,17 @@ def test_ray_two_replicas_match_one(tiny_model, inputs, one_replica, ray_cluster
     while our_actors(ray) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not our_actors(ray), "the run's actors outlived it"
+
+
+def test_ray_cluster_without_the_gpus_asked_for_stops_at_once(tiny_model, inputs, ray_cluster, tmp_path):
+    ray, address = ray_cluster  # CPUs only
+    out = tmp_path / "out.jsonl"
+    cmd = command(tiny_model, inputs["mixed"], out, "-q", "-dp", "2", "--ray-address", address)
+    cmd[cmd.index("--device") + 1] = "cuda"
+    result = subprocess.run(cmd, env=env(), capture_output=True, timeout=120)
+    assert result.returncode == 2, result.stderr.decode()
+    assert "needs 2 GPUs on the Ray cluster" in result.stderr.decode()
+    assert not our_actors(ray) and not out.exists()
 
 
 def test_ray_actor_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica, ray_cluster, tmp_path):

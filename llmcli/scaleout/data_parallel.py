@@ -46,6 +46,7 @@ log = logging.getLogger("llmcli")
 
 BACKENDS = ("local", "ray")
 WAIT_S = 0.1
+FORCE_POOL_ENV = "LLMCLI_DP_FORCE_POOL"  # testing: "1" runs even one replica as a replica (process or actor)
 # Counters of EngineStats that describe the present (what runs now), not the past: a lost replica's are zeroed.
 CURRENT_STATE = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total")
 
@@ -69,8 +70,9 @@ class ScaleOut:
 
     @property
     def enabled(self) -> bool:
-        """Whether a DataParallelEngine is needed (several replicas, or any on Ray)."""
-        return self.data_parallel_size > 1 or self.backend == "ray"
+        """Whether a DataParallelEngine is needed: several replicas, or any on Ray, or FORCE_POOL_ENV=1
+        (one replica through the same pool, so that the data-parallel path runs on a machine with one GPU)."""
+        return self.data_parallel_size > 1 or self.backend == "ray" or os.environ.get(FORCE_POOL_ENV) == "1"
 
 
 def start_timeout_s() -> float:
@@ -138,6 +140,9 @@ class DataParallelEngine:
             self.pool.shutdown()
             raise
         self.model_runner = ReplicaRunners(infos)
+        for info in infos:
+            log.info("data-parallel replica %d: pid %d on %s, %s%s, %d KV blocks", info.index, info.pid, info.host,
+                     info.device, f" (GPUs {info.gpus})" if info.gpus is not None else "", info.num_blocks)
         self.num_replicas = scale.data_parallel_size
         self.balancer = OutstandingTokenBalancer(self.num_replicas)
         self._outstanding: dict[Hashable, tuple[list[int], SamplingParams, int]] = {}
@@ -265,6 +270,11 @@ class DataParallelEngine:
         self.pool.kill(replica)
 
     def shutdown(self) -> None:
+        if not self._closed:
+            for replica, s in self._stats.items():  # the balance of the work, for reports and benchmarks
+                log.info("data-parallel replica %d%s: %d requests answered, %d prompt + %d generated tokens, "
+                         "%d steps, %d preemptions", replica, "" if self.balancer.alive[replica] else " (lost)",
+                         s.num_finished, s.prompt_tokens, s.generated_tokens, s.num_steps, s.num_preemptions)
         self._closed = True
         self.pool.shutdown()
 

@@ -55,6 +55,28 @@ class ReplicaSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+# -- GPU placement -------------------------------------------------------------------
+def visible_gpus(cuda_visible_devices: str | None, device_count: int) -> list[str]:
+    """The driver's GPUs, as entries for CUDA_VISIBLE_DEVICES: that variable's own list when it is set
+    (indices or UUIDs, in its order), else every device CUDA counts."""
+    if cuda_visible_devices is not None:
+        return [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+    return [str(i) for i in range(device_count)]
+
+
+def replica_gpus(visible: list[str], size: int, tp: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each replica: replica r gets visible[r*tp : r*tp+tp]. Too few GPUs is a
+    configuration error, raised before any replica starts."""
+    from llmcli.config import ConfigError
+
+    need = size * tp
+    if len(visible) < need:
+        shown = ",".join(visible) if visible else "none"
+        raise ConfigError(f"--data-parallel-size {size} x tensor_parallel_size {tp} needs {need} GPUs but "
+                          f"{len(visible)} {'is' if len(visible) == 1 else 'are'} visible ({shown})")
+    return [",".join(visible[r * tp:(r + 1) * tp]) for r in range(size)]
+
+
 # -- the replica process ---------------------------------------------------------------
 def _watch_parent(parent_pid: int) -> None:
     while True:
@@ -174,20 +196,13 @@ class LocalReplicaPool:
 
     def gpu_sets(self) -> list[str]:
         """CUDA_VISIBLE_DEVICES of each replica: consecutive groups of tp devices of the driver's."""
-        from llmcli.config import ConfigError
-
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            ids = [d.strip() for d in visible.split(",") if d.strip()]
-        else:
+        count = 0
+        if visible is None:
             import torch
 
-            ids = [str(i) for i in range(torch.cuda.device_count())]
-        need = self.size * self.tp
-        if len(ids) < need:
-            raise ConfigError(f"--data-parallel-size {self.size} x tensor_parallel_size {self.tp} needs {need} GPUs "
-                              f"but {len(ids)} are visible")
-        return [",".join(ids[r * self.tp:(r + 1) * self.tp]) for r in range(self.size)]
+            count = torch.cuda.device_count()
+        return replica_gpus(visible_gpus(visible, count), self.size, self.tp)
 
     def start(self, timeout_s: float) -> list[ReplicaInfo]:
         """Spawn every replica and wait until all have built their engine; raise (after cleaning up) if one fails."""

@@ -50,6 +50,32 @@ def ray_available() -> bool:
     return importlib.util.find_spec("ray") is not None
 
 
+# -- placement ---------------------------------------------------------------------------
+def replica_bundle(use_gpu: bool, tp: int) -> dict[str, float]:
+    """The one bundle of a replica's placement group: all it uses, on one node."""
+    return {"GPU": float(tp), "CPU": 1.0} if use_gpu else {"CPU": float(tp)}
+
+
+def actor_resources(use_gpu: bool, tp: int) -> dict[str, float]:
+    """What the replica actor asks for inside its bundle: all of it, so Ray makes its tp GPUs visible to it."""
+    bundle = replica_bundle(use_gpu, tp)
+    return {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0)}
+
+
+def check_resources(cluster: dict[str, float], size: int, use_gpu: bool, tp: int) -> None:
+    """Raise ConfigError, before anything is placed, when the cluster's totals cannot hold ``size`` bundles."""
+    from llmcli.config import ConfigError
+
+    bundle = replica_bundle(use_gpu, tp)
+    for name, amount in bundle.items():
+        need = amount * size
+        have = cluster.get(name, 0.0)
+        if have < need:
+            what = "GPUs" if name == "GPU" else "CPUs"
+            raise ConfigError(f"--data-parallel-size {size} with tensor_parallel_size {tp} needs "
+                              f"{need:g} {what} on the Ray cluster ({size} x {bundle}), which has {have:g}")
+
+
 class ReplicaActor:
     """The body of one replica actor (made a Ray actor class by ``RayReplicaPool``)."""
 
@@ -144,7 +170,7 @@ class RayReplicaPool:
 
     @property
     def bundle(self) -> dict[str, float]:
-        return {"GPU": float(self.tp), "CPU": 1.0} if self.use_gpu else {"CPU": float(self.tp)}
+        return replica_bundle(bool(self.use_gpu), self.tp)
 
     def actor_name(self, index: int) -> str:
         return f"llmcli-dp-{self.run_id}-replica{index}"
@@ -179,17 +205,7 @@ class RayReplicaPool:
             raise
 
     def _check_resources(self, ray: Any) -> None:
-        from llmcli.config import ConfigError
-
-        total = ray.cluster_resources()
-        bundle = self.bundle
-        for name, amount in bundle.items():
-            need = amount * self.size
-            have = total.get(name, 0.0)
-            if have < need:
-                what = "GPUs" if name == "GPU" else "CPUs"
-                raise ConfigError(f"--data-parallel-size {self.size} with tensor_parallel_size {self.tp} needs "
-                                  f"{need:g} {what} on the Ray cluster ({self.size} x {bundle}), which has {have:g}")
+        check_resources(ray.cluster_resources(), self.size, bool(self.use_gpu), self.tp)
 
     def _start(self, timeout_s: float) -> list[ReplicaInfo]:
         ray = self._connect()
@@ -217,7 +233,7 @@ class RayReplicaPool:
                 name=self.actor_name(index), max_concurrency=4, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                      placement_group_bundle_index=0),
-                num_cpus=1 if self.use_gpu else self.tp, num_gpus=self.tp if self.use_gpu else 0)
+                **actor_resources(bool(self.use_gpu), self.tp))
             self.actors.append(actor_class.options(**options).remote(index, self.engine_kwargs, threads))
         starts = {actor.start.remote(): index for index, actor in enumerate(self.actors)}
         infos: dict[int, ReplicaInfo] = {}

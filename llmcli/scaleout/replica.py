@@ -34,6 +34,7 @@ class ReplicaInfo:
     device: str
     num_blocks: int
     memory_report: Any
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES as the replica sees it (set by the local pool, or by Ray)
 
 
 def build_engine(engine_kwargs: dict[str, Any], threads: int | None) -> Any:
@@ -51,7 +52,8 @@ def build_engine(engine_kwargs: dict[str, Any], threads: int | None) -> Any:
 def describe(engine: Any, index: int) -> ReplicaInfo:
     runner = engine.model_runner
     return ReplicaInfo(index=index, pid=os.getpid(), host=socket.gethostname(), device=engine.config.device,
-                       num_blocks=runner.num_blocks, memory_report=getattr(runner, "memory_report", None))
+                       num_blocks=runner.num_blocks, memory_report=getattr(runner, "memory_report", None),
+                       gpus=os.environ.get("CUDA_VISIBLE_DEVICES") if engine.config.device == "cuda" else None)
 
 
 def startup_failure(exc: BaseException) -> tuple[str, str, str]:
