@@ -21,8 +21,9 @@ What it does, in order (every section is guarded: a failure prints a FAILED line
     python benchmarks/bench_vs_hf.py --models configs/Qwen3-8B --skip-hf        #   then 8B, llmcli only
     python benchmarks/bench_vs_hf.py --device cpu --tiny      # seconds on a CPU: a tiny random Qwen3
 
-Exit status 0 when every section passed, 1 when any printed FAILED. See benchmarks/README.md. The parts live in benchmarks/harness/, one job a module;
-this file holds the options and the order of the sections.
+Exit status 0 when every section passed, 1 when any printed FAILED. See benchmarks/README.md.
+The parts live in benchmarks/harness/, one job a module; this file holds the options and the order of the
+sections.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ from benchmarks.harness.llmcli_run import run_llmcli  # noqa: E402
 from benchmarks.harness.output import START, log, say  # noqa: E402
 from benchmarks.harness.report import Report, fail, final_tables, section  # noqa: E402
 from benchmarks.harness.workload import (  # noqa: E402
-    DEFAULT_MODELS, describe_workload, make_workload, model_facts, resolve_model, write_tiny_config)
+    DEFAULT_MODELS, add_workload_args, describe_workload, make_workload, model_facts, resolve_model, write_tiny_config)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,13 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--progress-every", type=float, default=15.0, help="seconds between progress lines on stderr")
 
     w = ap.add_argument_group("workload (llmcli bench's default)")
-    w.add_argument("--num-prompts", type=int, default=256)
-    w.add_argument("--min-input", type=int, default=100)
-    w.add_argument("--max-input", type=int, default=1024)
-    w.add_argument("--min-output", type=int, default=100)
-    w.add_argument("--max-output", type=int, default=1024)
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    add_workload_args(w)
     w.add_argument("--warmup-requests", type=int, default=4, help="llmcli warm-up requests (16 in, 4 out)")
 
     e = ap.add_argument_group("llmcli engine (default: the engine's own)")

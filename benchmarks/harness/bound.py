@@ -92,7 +92,8 @@ TERMS: tuple[Term, ...] = (
          lambda b: f"prefill linear: {b['prefill_linear_flops'] / 1e12:.2f} TFLOP"),
     Term("prefill_attention", "prefill_attention_flops", MATMUL, "4 x layers x heads x head_dim x sum(I^2)/2",
          "prefill FLOPs",
-         lambda s: 4 * s.facts["layers"] * s.facts["heads"] * s.facts["head_dim"] * sum(i * i for i in s.prompt_lens) / 2,
+         lambda s: 4 * s.facts["layers"] * s.facts["heads"] * s.facts["head_dim"]
+         * sum(i * i for i in s.prompt_lens) / 2,
          lambda b: f"prefill attention: {b['prefill_attention_flops'] / 1e12:.2f} TFLOP"),
 )
 

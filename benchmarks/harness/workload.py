@@ -65,6 +65,17 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
             "params_non_embedding": total - embed - head, "eos_token_ids": eos}
 
 
+def add_workload_args(group: Any) -> None:
+    """The workload's options (``llmcli bench``'s defaults) on an argparse parser or argument group."""
+    group.add_argument("--num-prompts", type=int, default=256)
+    group.add_argument("--min-input", type=int, default=100)
+    group.add_argument("--max-input", type=int, default=1024)
+    group.add_argument("--min-output", type=int, default=100)
+    group.add_argument("--max-output", type=int, default=1024)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+
+
 def make_workload(args: argparse.Namespace, facts: dict[str, Any]) -> tuple[list[list[int]], list[int], str]:
     """The requests of ``llmcli bench``, from its own generator."""
     w = Workload(num_prompts=args.num_prompts, input_len=(args.min_input, args.max_input),
