@@ -131,15 +131,34 @@ def started_at(pid: int) -> int:
 
 
 def descendants(pid: int) -> dict[int, int]:
-    """Live descendants of ``pid`` and their depth (1: replicas; 2: a replica's tensor-parallel ranks)."""
+    """Live descendants of ``pid``, each with its parent (the driver's children are its replicas; theirs,
+    a replica's tensor-parallel ranks)."""
     found: dict[int, int] = {}
-    frontier = [(pid, 0)]
+    frontier = [pid]
     while frontier:
-        parent, depth = frontier.pop()
+        parent = frontier.pop()
         for child in children_of(parent):
-            found[child] = depth + 1
-            frontier.append((child, depth + 1))
+            found[child] = parent
+            frontier.append(child)
     return found
+
+
+def replica_rows(stderr: str, watch: GpuWatch, seen: dict[int, int], driver: int) -> list[dict[str, Any]]:
+    """Who was on which GPU: each replica's pid and GPUs from the driver's log, memory from nvidia-smi (when
+    the pids it reports are ours: in a container they may be the host's)."""
+    def on_gpu(pid: int) -> str:
+        return "GPU {}: {:,} MiB".format(*watch.pid_peak[pid]) if pid in watch.pid_peak else "n/a"
+
+    rows: list[dict[str, Any]] = []
+    for match in re.finditer(r"data-parallel replica (\d+): pid (\d+) on (\S+), (\w+)(?: \(GPUs ([^)]*)\))?",
+                             stderr):
+        pid = int(match.group(2))
+        rows.append({"replica": int(match.group(1)), "pid": pid, "device": match.group(4), "gpus": match.group(5),
+                     "nvidia_smi": on_gpu(pid),
+                     "tp_ranks": {str(p): on_gpu(p) for p, parent in seen.items() if parent == pid}})
+    if driver in watch.pid_peak:
+        rows.append({"replica": "driver", "pid": driver, "nvidia_smi": on_gpu(driver)})
+    return rows
 
 
 # -- one run of llmcli generate --------------------------------------------------------------------
@@ -171,7 +190,7 @@ class Run:
 
 
 def summary_value(stderr: str, name: str) -> float | None:
-    """A number from the CLI's summary table (``generation time``, ``generated tokens``)."""
+    """A number from the CLI's summary table (e.g. ``generation time``)."""
     match = re.search(rf"{re.escape(name)}\s*\S\s*([\d,.]+)", stderr)
     return float(match.group(1).replace(",", "")) if match else None
 
@@ -202,7 +221,7 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
     if tp > 1:
         flags += ["--tensor-parallel-size", str(tp)]
     run = Run(label, Path(model).name, dp, tp, backend, flags)
-    run.expected = sum(1 for _ in jsonl.open())
+    run.expected = jsonl.read_bytes().count(b"\n")
     cmd = [sys.executable, "-c", CLI, "generate", str(jsonl), "-o", str(out), "--model", model, *flags]
     run_env = env()  # this checkout importable, no network
     if args.device == "cuda":  # host threads as the user would have them (env() pins one, for the CPU tests)
@@ -223,7 +242,7 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
             seen.update(descendants(proc.pid))
             if kill_replica_after is not None and not run.killed and out.exists():
                 written = out.read_bytes().count(b"\n")
-                replicas = sorted((p for p, depth in seen.items() if depth == 1), key=started_at)
+                replicas = sorted((p for p, parent in seen.items() if parent == proc.pid), key=started_at)
                 if written >= kill_replica_after and len(replicas) >= 2:
                     os.kill(replicas[1], signal.SIGKILL)
                     run.killed = {"pid": replicas[1], "lines_written_then": written,
@@ -245,20 +264,7 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
     run.gpu_mib_left = {g: after[g] - before.get(g, 0) for g in after if after[g] - before.get(g, 0) > 256}
     run.gpus = {g: {"before_mib": before.get(g, 0), "peak_mib": watch.gpu_peak.get(g, 0), "after_mib": after[g]}
                 for g in after}
-    # Who was on which GPU: the replicas (pid, GPUs) from the driver's log, memory from nvidia-smi when the
-    # pids it reports are ours (in a container they may be the host's).
-    for match in re.finditer(r"data-parallel replica (\d+): pid (\d+) on (\S+), (\w+)(?: \(GPUs ([^)]*)\))?",
-                             stderr):
-        pid = int(match.group(2))
-        gpu_mem = watch.pid_peak.get(pid)
-        ranks = {p: watch.pid_peak[p] for p, d in seen.items() if d == 2 and p in watch.pid_peak}
-        run.replicas.append({"replica": int(match.group(1)), "pid": pid, "device": match.group(4),
-                             "gpus": match.group(5), "nvidia_smi": f"GPU {gpu_mem[0]}: {gpu_mem[1]:,} MiB"
-                             if gpu_mem else "n/a", "tp_ranks": {str(p): f"GPU {g}: {m:,} MiB" for p, (g, m) in
-                                                                  ranks.items()}})
-    if watch.enabled and proc.pid in watch.pid_peak:
-        run.replicas.append({"replica": "driver", "pid": proc.pid, "nvidia_smi": "GPU {}: {:,} MiB".format(
-            *watch.pid_peak[proc.pid])})
+    run.replicas = replica_rows(stderr, watch, seen, proc.pid)
     run.replica_work = re.findall(r"(data-parallel replica \d+(?: \(lost\))?: \d+ requests answered.*)", stderr)
     if run.killed:
         resent = re.search(r"sending its (\d+) unfinished request", stderr)
