@@ -98,7 +98,8 @@ class Group:
                             "script again: a script that creates the LLM at import time must do it under "
                             "`if __name__ == \"__main__\":`")
             self.failed_rank, self.failure = rank, message
-        log.error("llmcli: %s", message)
+        # Reported once, by the TensorParallelError of rank 0's call (or by _hard_exit), not here as well.
+        log.info("llmcli: %s", message)
         for other, p in self.procs.items():
             if other != rank and p.is_alive():
                 p.kill()  # a collective with a dead member fails fast only once every peer is gone
@@ -115,7 +116,7 @@ class Group:
             self.failure = (f"tensor-parallel rank {rank} (pid {pid}) stopped responding while {doing or 'starting'}:"
                             f" no heartbeat for {seconds:.1f} s ({HEARTBEAT_ENV}={self.silence.limit_s:g}); "
                             "it may have been stopped (SIGSTOP) or be frozen")
-        log.error("llmcli: %s", self.failure)
+        log.info("llmcli: %s", self.failure)
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()  # the silent one too (SIGKILL ends a stopped process), so rank 0's collective fails fast
