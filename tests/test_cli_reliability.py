@@ -361,3 +361,24 @@ def test_a_request_too_big_for_the_pool_blames_the_field_that_is(tmp_path):
     assert result.returncode == 1, result.stderr.decode()
     errors = [line["error"] for line in lines_of(out)]
     assert [e["field"] for e in errors] == ["max_tokens", "prompt_token_ids"], errors
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
+def test_a_tensor_parallel_rank_killed_inside_a_replica_costs_one_line(tmp_path):
+    inp, out = slow_input(tmp_path / "in.jsonl", 24), tmp_path / "out.jsonl"
+    proc = subprocess.Popen(command(str(inp), "-o", str(out), "-q", "-tp", "2", "-dp", "2"), env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_lines(proc, out, 1, timeout=240)
+        replicas = [pid for pid, state, cmd in child_processes(proc.pid) if "spawn" in cmd and state != "Z"]
+        workers = [pid for r in replicas for pid, state, cmd in child_processes(r) if "spawn" in cmd]
+        assert len(replicas) == 2 and len(workers) == 2, (replicas, workers)
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0
+    finally:
+        proc.kill()
+    err = proc.stderr.read().decode()
+    assert sorted(line["id"] for line in lines_of(out)) == list(range(24))  # every input answered once
+    assert "Traceback" not in err and "leaked" not in err, err
+    lost = [line for line in err.splitlines() if line.strip()]
+    assert len(lost) == 1 and f"tensor-parallel rank 1 (pid {workers[0]}) was killed by signal SIGKILL" in lost[0], err
