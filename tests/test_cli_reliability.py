@@ -95,6 +95,28 @@ def test_second_run_on_a_locked_out_exits_2_naming_the_first(tmp_path):
     assert again.returncode == 0, again.stderr.decode()
 
 
+def test_a_lock_file_left_by_a_killed_run_is_taken_over(tmp_path):
+    inp, out = quick_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.llmcli-lock").write_text("999999999\n")  # what kill -9 leaves: the file, no lock
+    result = run(str(inp), "-o", str(out), "-q")
+    assert result.returncode == 0, result.stderr.decode()
+    assert len(lines_of(out)) == 4 and not (tmp_path / "out.jsonl.llmcli-lock").exists()
+
+
+def test_without_locks_on_the_filesystem_a_run_warns_and_goes_on(tmp_path, monkeypatch):
+    import errno
+
+    from llmcli.cli.io import lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_locks)
+    held = lock.OutputLock(str(tmp_path / "out.jsonl")).acquire()
+    assert held.fd is None and "does not support locks" in held.warning and "No locks available" in held.warning
+    held.release()
+
+
 # -- 2: --resume on something that is not a regular file -------------------------------------------
 @pytest.mark.parametrize("target", ["/dev/full", "fifo"])
 def test_resume_refuses_a_device_or_pipe_at_once(tmp_path, target):
@@ -320,6 +342,7 @@ def test_devices_and_pipes_as_out_are_not_fsynced(tmp_path):
     result = subprocess.run(f"{cmd} | cat", shell=True, env=env(), capture_output=True, timeout=300)
     assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr.decode()
     assert [orjson.loads(line)["id"] for line in result.stdout.splitlines()] == [0, 1, 2]
+    assert not Path("/dev/null.llmcli-input").exists() and not Path("/dev/null.llmcli-lock").exists()
 
 
 def test_a_huge_prompt_is_refused_by_its_size_before_tokenizing(tmp_path):

@@ -1,6 +1,8 @@
 """The `generate` command's act: check OUT, read and validate every input, then build the engine and run."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +108,8 @@ def _start_output(opts: GenerateOptions, fp: Fingerprint) -> None:
         Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
     else:
         Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
-    write_sidecar(opts.output, fp)
+    if os.path.isfile(opts.output):  # not for /dev/null or a pipe
+        write_sidecar(opts.output, fp)
 
 
 def _read_records(opts: GenerateOptions) -> list[InputRecord]:
@@ -141,8 +144,6 @@ def _check_pool(items: list[PreparedRequest | InputRecord], engine: Any) -> None
 
 def _too_big_field(engine: Any, item: PreparedRequest) -> str:
     """The field to blame for a request the pool cannot hold: the prompt if it alone cannot fit, else max_tokens."""
-    import dataclasses
-
     from llmcli.engine.sequence import RequestRejected
 
     try:

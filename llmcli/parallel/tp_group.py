@@ -19,7 +19,7 @@ import time
 from typing import Any, Iterator
 
 from llmcli.parallel.exits import describe_exit
-from llmcli.parallel.heartbeat import HEARTBEAT_ENV, SilenceMonitor
+from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, HEARTBEAT_ENV, SilenceMonitor
 from llmcli.parallel.shm_channel import ControlChannel, PayloadTooLarge
 from llmcli.parallel.worker import PG_CLOSE_TIMEOUT_S, close_process_group
 
@@ -54,7 +54,7 @@ class Group:
     and its finalizer (``teardown``) still has everything it needs.
     """
 
-    def __init__(self, world: int, grace_s: float, heartbeat_s: float = 30.0) -> None:
+    def __init__(self, world: int, grace_s: float, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         self.world = world
         self.grace_s = grace_s
         self.silence = SilenceMonitor(heartbeat_s)

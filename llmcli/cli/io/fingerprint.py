@@ -33,13 +33,13 @@ class Fingerprint:
 
 
 def sidecar_path(output: str | Path) -> Path:
-    out = Path(output)
+    out = Path(os.path.realpath(output))  # next to the file itself, whichever link names it
     return out.with_name(out.name + SUFFIX)
 
 
 def _content(rec: InputRecord) -> bytes:
     return orjson.dumps([rec.key, rec.kind, rec.prompt, rec.sampling, rec.openai.url if rec.openai else None,
-                         rec.error.message if rec.error and rec.prompt is None else None],
+                         rec.error.field if rec.error and rec.prompt is None else None],
                         option=orjson.OPT_SORT_KEYS)
 
 

@@ -24,7 +24,7 @@ class OutputLocked(Exception):
 
 
 def lock_path(output: str | Path) -> Path:
-    out = Path(output)
+    out = Path(os.path.realpath(output))  # two links to one OUT share one lock
     return out.with_name(out.name + LOCK_SUFFIX)
 
 
@@ -56,6 +56,8 @@ class OutputLock:
             return self  # the output checks report what is wrong with OUT
         if mode is not None and not stat.S_ISREG(mode):
             return self  # a device or pipe (/dev/null, a FIFO) is not a file two runs could both fill
+        if not self.path.parent.is_dir():
+            return self  # the output checks say that OUT's folder does not exist
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
