@@ -59,11 +59,7 @@ class OutputLock:
         if not self.path.parent.is_dir():
             return self  # the output checks say that OUT's folder does not exist
         while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                raise OutputLocked(f"cannot create the lock file {self.path} next to OUT "
-                                   f"({exc.strerror or exc}); llmcli needs to write in OUT's folder") from None
+            fd, writable = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -86,10 +82,26 @@ class OutputLock:
             if not same:
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            if writable:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self.fd = fd
             return self
+
+    def _open(self) -> tuple[int, bool]:
+        """The lock file, created if need be; read-only when another user's run left it (flock needs no write)."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), True
+        except PermissionError:
+            try:
+                return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), False
+            except OSError:
+                pass
+            error = "Permission denied"
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+        raise OutputLocked(f"cannot create the lock file {self.path} next to OUT ({error}); "
+                           "llmcli needs to write in OUT's folder")
 
     def release(self) -> None:
         if self.fd is None:
