@@ -333,6 +333,23 @@ def test_resume_with_another_input_is_refused_unless_forced(tmp_path):
     assert len(lines_of(out)) == 8
 
 
+def test_the_fingerprint_ignores_formatting_but_not_content():
+    from llmcli.cli.io.fingerprint import fingerprint
+    from llmcli.cli.io.records import parse_line
+    from llmcli.cli.io.source import RawLine
+
+    def fp(*lines: bytes):
+        return fingerprint([parse_line(RawLine(i + 1, line)) for i, line in enumerate(lines)])
+
+    base = fp(b'{"prompt": "a", "temperature": 0}', b'{"id": "x", "prompt": "b"}')
+    assert fp(b'{ "temperature": 0,  "prompt": "a" }', b'{"prompt":"b","id":"x"}') == base
+    for changed in ((b'{"prompt": "A", "temperature": 0}', b'{"id": "x", "prompt": "b"}'),
+                    (b'{"prompt": "a", "temperature": 1}', b'{"id": "x", "prompt": "b"}'),
+                    (b'{"prompt": "a", "temperature": 0}', b'{"id": "y", "prompt": "b"}'),
+                    (b'{"id": "x", "prompt": "b"}', b'{"prompt": "a", "temperature": 0}')):
+        assert fp(*changed) != base, changed
+
+
 # -- also seen -------------------------------------------------------------------------------------
 def test_devices_and_pipes_as_out_are_not_fsynced(tmp_path):
     inp = quick_input(tmp_path / "in.jsonl", 3)
