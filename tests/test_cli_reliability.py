@@ -291,7 +291,7 @@ def test_a_stopped_tensor_parallel_rank_is_reported_within_the_heartbeat_limit(t
     assert proc.returncode == 1, err
     assert f"tensor-parallel rank 1 (pid {worker}) stopped responding while running a" in err, err
     assert "LLMCLI_TP_HEARTBEAT_S=3" in err and "Traceback" not in err, err
-    assert limit <= took < limit + 15, took
+    assert limit - 1 <= took < limit + 15, took  # its last beat may have come up to a tick before the stop
     assert not wait_gone([worker]), "the stopped worker outlived the run"
     assert not list(Path("/dev/shm").glob(f"llmcli_tp_{proc.pid}_*"))
     lines = lines_of(out)  # what was answered stays, whole, for --resume
