@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -83,7 +84,8 @@ class Config:
                 raise self._fail(name, "must be a positive integer or None (derived automatically)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise self._fail("gpu_memory_utilization", "must be in (0, 1], the share of device memory llmcli may use")
-        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and not (math.isfinite(self.kv_cache_memory_gib)
+                                                         and self.kv_cache_memory_gib > 0):
             raise self._fail("kv_cache_memory_gib", "must be a positive number of GiB")
         if self.device not in DEVICES:
             raise self._fail("device", f"must be one of {', '.join(DEVICES)}")

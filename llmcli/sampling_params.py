@@ -1,6 +1,8 @@
 """Per-request sampling settings, validated when they are made."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -42,6 +44,10 @@ class SamplingParams:
         def bad(field_name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"SamplingParams.{field_name}: {why} (got {getattr(self, field_name)!r})")
 
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):  # NaN passes every range check
+                raise bad(f.name, "must be a finite number")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0 (0 means greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:

@@ -30,7 +30,8 @@ class OnError(str, enum.Enum):
 
 
 def _console() -> Console:
-    return Console(stderr=True)
+    # User text (file names, field values) goes through it: ":100:" or "[red]" must print as written.
+    return Console(stderr=True, emoji=False, markup=False, highlight=False)
 
 
 def _guarded(run: Callable[[], int]) -> None:
@@ -65,6 +66,9 @@ def generate(
                                         rich_help_panel=OUTPUT)] = "-",
     resume: Annotated[bool, typer.Option("--resume", help="Append to OUT, skipping every input it already answers.",
                                          rich_help_panel=OUTPUT)] = False,
+    force_resume: Annotated[bool, typer.Option("--force-resume", help="--resume even when IN is not the input "
+                                               "that produced OUT (its fingerprint in OUT.llmcli-input differs).",
+                                               rich_help_panel=OUTPUT)] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT instead of refusing to start.",
                                             rich_help_panel=OUTPUT)] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="Write each record as soon as it finishes, "
@@ -120,7 +124,8 @@ def generate(
                                       max_tokens=max_tokens, stop=stop or None, seed=seed,
                                       ignore_eos=ignore_eos, n=n).items() if v is not None}
     opts = GenerateOptions(
-        input=input, output=output, engine=engine, sampling=sampling, resume=resume, overwrite=overwrite,
+        input=input, output=output, engine=engine, sampling=sampling, resume=resume or force_resume,
+        force_resume=force_resume, overwrite=overwrite,
         ordered=not unordered, on_error=on_error.value, include_token_ids=include_token_ids,
         chat_template=chat_template, max_errors_shown=max_errors, progress=progress, quiet=quiet,
         data_parallel_size=data_parallel_size, ray_address=ray_address,

@@ -193,5 +193,5 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         stdout.write(orjson.dumps(result, default=str) + b"\n")
         stdout.flush()
     else:
-        render(result, Console())
+        render(result, Console(emoji=False, markup=False, highlight=False))
     return 0

@@ -1,6 +1,8 @@
 """The `generate` command's act: check OUT, read and validate every input, then build the engine and run."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -8,12 +10,15 @@ from typing import Any
 
 from rich.console import Console
 
+from llmcli.cli.io.fingerprint import Fingerprint, InputMismatch, check_same_input, fingerprint, write_sidecar
+from llmcli.cli.io.lock import OutputLock, OutputLocked
+from llmcli.cli.io.output_checks import OutputError, check_output, describe_write_failure
 from llmcli.cli.io.prepare import Preparer, PreparedRequest
 from llmcli.models.hub import load_tokenizer
 from llmcli.cli.io.records import InputRecord, mark_duplicates, parse_line
-from llmcli.cli.io.resume import ResumeError, scan_output
+from llmcli.cli.io.resume import ResumeError, ResumeState, scan_output
 from llmcli.cli.io.source import read_lines, source_name
-from llmcli.cli.io.writer import RecordWriter, open_sink, reserve_stdout
+from llmcli.cli.io.writer import OutputWriteError, RecordWriter, open_sink, reserve_stdout
 from llmcli.cli.progress import GenerateProgress, GenerateSummary, say, summary_table
 from llmcli.cli.runner import Runner, StopFlag
 
@@ -31,6 +36,7 @@ class GenerateOptions:
     engine: dict[str, Any]  # model and engine knobs for Config
     sampling: dict[str, Any] = field(default_factory=dict)  # command-line sampling defaults
     resume: bool = False
+    force_resume: bool = False  # resume even if IN is not the input that produced OUT
     overwrite: bool = False
     ordered: bool = True
     on_error: str = "fail"  # "fail" | "skip"
@@ -44,12 +50,16 @@ class GenerateOptions:
     ray_address: str | None = None  # an existing Ray cluster (implies "ray")
 
 
-def _check_output(opts: GenerateOptions) -> set[str]:
-    """Resume keys already answered in OUT; refuses to clobber a non-empty OUT by accident."""
+def _check_output(opts: GenerateOptions) -> ResumeState:
+    """What OUT already answers; refuses to clobber a non-empty OUT by accident."""
+    if opts.output == "-" and opts.resume:
+        raise UsageError("--resume needs OUT to be a file (stdout cannot be read back)")
+    try:
+        check_output(opts.output, opts.input, opts.resume, opts.overwrite)
+    except OutputError as exc:
+        raise UsageError(str(exc)) from None
     if opts.output == "-":
-        if opts.resume:
-            raise UsageError("--resume needs OUT to be a file (stdout cannot be read back)")
-        return set()
+        return ResumeState()
     out = Path(opts.output)
     if out.is_dir():
         raise UsageError(f"OUT {out} is a folder")
@@ -57,13 +67,49 @@ def _check_output(opts: GenerateOptions) -> set[str]:
         raise UsageError(f"the folder of OUT {out} does not exist")
     if opts.resume:
         try:
-            return scan_output(out).answered
+            return scan_output(out)
         except ResumeError as exc:
             raise UsageError(str(exc)) from None
     if out.exists() and out.stat().st_size > 0 and not opts.overwrite:
         raise UsageError(f"OUT {out} exists and is not empty; pass --resume to continue it "
                          "or --overwrite to replace it")
-    return set()
+    return ResumeState()
+
+
+def _check_input_matches(opts: GenerateOptions, console: Console, records: list[InputRecord],
+                         resumed: ResumeState) -> None:
+    """--resume must continue the input that produced OUT (the sidecar fingerprint), unless forced."""
+    if not resumed.answered or opts.force_resume:
+        return
+    try:
+        note = check_same_input(opts.output, records)
+    except InputMismatch as exc:
+        raise UsageError(str(exc)) from None
+    if note and not opts.quiet:
+        say(console, note)
+
+
+def _refuse_duplicates(console: Console, records: list[InputRecord], source: str, cap: int) -> bool:
+    """Two inputs named alike (explicit ids, or an implicit line index equal to an explicit id) cannot be
+    told apart in OUT, so no mode can answer both once and resume them: always an input error."""
+    dups = mark_duplicates(records)
+    if dups:
+        _report_errors(console, source, dups, cap)
+        say(console, f"{len(dups)} input records repeat an id; nothing was generated (every record needs its "
+                     "own id: a record without one is named by its 0-based line index)")
+    return bool(dups)
+
+
+def _start_output(opts: GenerateOptions, fp: Fingerprint) -> None:
+    """OUT is about to be (re)started or continued: empty it for --overwrite and record which input it answers."""
+    if opts.output == "-":
+        return
+    if opts.overwrite:
+        Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
+    else:
+        Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
+    if os.path.isfile(opts.output):  # not for /dev/null or a pipe
+        write_sidecar(opts.output, fp)
 
 
 def _read_records(opts: GenerateOptions) -> list[InputRecord]:
@@ -71,9 +117,7 @@ def _read_records(opts: GenerateOptions) -> list[InputRecord]:
         lines = read_lines(opts.input)
     except OSError as exc:
         raise UsageError(f"cannot read IN {opts.input}: {exc.strerror or exc}") from None
-    records = [parse_line(line) for line in lines]
-    mark_duplicates(records)
-    return records
+    return [parse_line(line) for line in lines]
 
 
 def _report_errors(console: Console, source: str, bad: list[InputRecord], cap: int) -> None:
@@ -94,8 +138,19 @@ def _check_pool(items: list[PreparedRequest | InputRecord], engine: Any) -> None
             engine.check_fits(item.prompt_token_ids, item.params[0])
         except RequestRejected as exc:
             rec = item.record
-            rec.fail(rec.prompt_field(), f"{exc} (--num-kvcache-blocks / --gpu-memory-utilization)")
+            rec.fail(_too_big_field(engine, item), f"{exc} (--num-kvcache-blocks / --gpu-memory-utilization)")
             items[i] = rec
+
+
+def _too_big_field(engine: Any, item: PreparedRequest) -> str:
+    """The field to blame for a request the pool cannot hold: the prompt if it alone cannot fit, else max_tokens."""
+    from llmcli.engine.sequence import RequestRejected
+
+    try:
+        engine.check_fits(item.prompt_token_ids, dataclasses.replace(item.params[0], max_tokens=1))
+    except RequestRejected:
+        return item.record.prompt_field()
+    return item.record.field_name("max_tokens")
 
 
 def _scale_out(opts: GenerateOptions) -> Any:
@@ -117,12 +172,31 @@ def _scale_out(opts: GenerateOptions) -> Any:
 
 
 def run_generate(opts: GenerateOptions, console: Console) -> int:
-    """Run the command; returns the exit code. Raises UsageError (and ConfigError) for exit code 2."""
+    """Run the command; returns the exit code. Raises UsageError (and ConfigError) for exit code 2.
+
+    OUT is locked for the whole run, so a second run on the same OUT is refused instead of doubling it.
+    """
+    if opts.output == "-":
+        return _generate(opts, console)
+    try:
+        lock = OutputLock(opts.output).acquire()
+    except OutputLocked as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        if lock.warning:
+            say(console, lock.warning)
+        return _generate(opts, console)
+    finally:
+        lock.release()
+
+
+def _generate(opts: GenerateOptions, console: Console) -> int:
     from llmcli.config import Config
 
     started = time.perf_counter()
     scale = _scale_out(opts)
-    answered = _check_output(opts)
+    resumed = _check_output(opts)
+    answered = resumed.answered
     stdout = reserve_stdout() if opts.output == "-" else None
     if scale.enabled:
         from llmcli.scaleout.data_parallel import driver_config
@@ -131,6 +205,10 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
     else:
         config = Config(**opts.engine)
     records = _read_records(opts)
+    if _refuse_duplicates(console, records, source_name(opts.input), opts.max_errors_shown):
+        return EXIT_USAGE
+    _check_input_matches(opts, console, records, resumed)
+    fp = fingerprint(records)
     todo = [r for r in records if r.key not in answered]
     chat_template = opts.chat_template.read_text() if opts.chat_template else None
     try:
@@ -151,11 +229,11 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
         _report_errors(console, source, bad, opts.max_errors_shown)
         say(console, f"{len(bad)} invalid records get error records in OUT")
     if not opts.quiet:
-        say(console, f"{len(todo)} records to run ({len(records) - len(todo)} already answered in OUT)")
+        earlier = f", {resumed.errors} of them by error records" if resumed.errors else ""
+        say(console, f"{len(todo)} records to run ({len(records) - len(todo)} already answered in OUT{earlier})")
     if not todo:
-        if opts.output != "-":
-            Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
-        return EXIT_OK
+        _start_output(opts, fp)
+        return EXIT_FAILED if resumed.errors else EXIT_OK
 
     if scale.enabled:
         from llmcli.scaleout.data_parallel import DataParallelEngine
@@ -174,18 +252,37 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
             if opts.on_error == "fail":
                 say(console, f"{len(too_big)} records can never fit the KV cache; nothing was generated")
                 return EXIT_USAGE
-        return _run(opts, console, engine, config, items, len(records) - len(todo), started, source, stdout)
+        code = _run(opts, console, engine, config, items, fp, len(records) - len(todo), started, source, stdout)
+        # A resume finishes the run that wrote error records: it fails as that run did.
+        return EXIT_FAILED if code == EXIT_OK and resumed.errors else code
     finally:
         engine.shutdown()
 
 
-def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, items: list, skipped: int,
-         started: float, source: str, stdout: Any) -> int:
+def _close_writer(writer: RecordWriter, failure: OutputWriteError | None) -> OutputWriteError | None:
+    """Write what is held and close OUT; the first write failure (disk full) is the one to report."""
+    try:
+        writer.drain()
+    except BrokenPipeError:
+        pass
+    except OutputWriteError as exc:
+        failure = failure or exc
+    try:
+        writer.close()
+    except BrokenPipeError:
+        pass
+    except OutputWriteError as exc:
+        failure = failure or exc
+    return failure
+
+
+def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, items: list,
+         fp: Fingerprint, skipped: int, started: float, source: str, stdout: Any) -> int:
     gen_started = time.perf_counter()
     show = not opts.quiet and (opts.progress if opts.progress is not None else console.is_terminal)
-    if opts.overwrite and not opts.resume and opts.output != "-":
-        Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
+    _start_output(opts, fp)
     writer = RecordWriter(open_sink(opts.output, stdout), ordered=opts.ordered)
+    failure: OutputWriteError | None = None
     window = 2 * config.max_num_seqs * opts.data_parallel_size  # enough waiting work for every replica
     try:
         with StopFlag() as stop, GenerateProgress(len(items), console, enabled=show) as progress:
@@ -195,12 +292,13 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
     except BrokenPipeError:
         say(console, "output closed before every record was written")
         return EXIT_FAILED
+    except OutputWriteError as exc:
+        failure = exc
     finally:
-        try:
-            writer.drain()
-            writer.close()
-        except BrokenPipeError:
-            pass
+        failure = _close_writer(writer, failure)
+    if failure is not None:
+        say(console, f"error: {describe_write_failure(opts.output, writer.written, failure)}")
+        return EXIT_FAILED
     stats = engine.stats
     if not opts.quiet:
         # Records the engine rejected while running (the ones found before it started were listed then).

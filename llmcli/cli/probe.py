@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 from rich.console import Console
+from rich.text import Text
 
 from llmcli.engine.outputs import MemoryReport
 from llmcli.cli.io.writer import reserve_stdout
@@ -73,7 +74,7 @@ def render(r: MemoryReport, hint: str | None, console: Console) -> None:
     for note in r.notes:
         say(console, f"note: {note}")
     if hint:
-        console.print(f"[bold red]does not fit:[/] {hint}", highlight=False, soft_wrap=True)
+        console.print(Text.assemble(("does not fit:", "bold red"), f" {hint}"), highlight=False, soft_wrap=True)
 
 
 def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_json: bool) -> int:
@@ -105,5 +106,5 @@ def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_jso
         stdout.write(orjson.dumps(d, default=str) + b"\n")
         stdout.flush()
     else:
-        render(report, d["hint"], Console())
+        render(report, d["hint"], Console(emoji=False, markup=False, highlight=False))
     return 1 if report.num_blocks == 0 else 0

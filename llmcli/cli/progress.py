@@ -13,8 +13,8 @@ from rich.table import Table
 
 
 def say(console: Console, text: str) -> None:
-    """A plain message line: never wrapped (so file:line: field stays greppable), no markup."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    """A plain message line: never wrapped (so file:line: field stays greppable), no markup, no emoji codes."""
+    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 def _human(x: float) -> str:

@@ -11,10 +11,13 @@ Layout of the segment::
 
     [0, 64)                       header: command number (u64), payload length (u64)
     [64, 64 + world * 64 KiB)     one error slot per rank: length (u32) + UTF-8 text
+    [..., + world * 128)          one heartbeat slot per rank: beat counter (u64), length (u32), what it is doing
     [..., + payload_bytes)        the payload
 
 A worker that fails writes its traceback into its error slot before exiting,
-so rank 0 can say why it died. The segment's name carries the owner's pid and
+so rank 0 can say why it died. A thread of each worker bumps its heartbeat
+counter every fraction of a second, next to a few words on what the worker is
+doing, so rank 0 can tell a silent rank (stopped, frozen) from a busy one. The segment's name carries the owner's pid and
 a random token (``llmcli_tp_<pid>_<hex>``), so engines never share one.
 """
 from __future__ import annotations
@@ -33,6 +36,8 @@ ERROR_SLOT_BYTES = 64 * 1024
 DEFAULT_PAYLOAD_MIB = 32
 _HEADER = struct.Struct("<QQ")
 _ERR_LEN = struct.Struct("<I")
+HEARTBEAT_SLOT_BYTES = 128
+_BEAT = struct.Struct("<QI")
 
 
 class PayloadTooLarge(RuntimeError):
@@ -65,7 +70,8 @@ class ChannelSpec:
 class ControlChannel:
     def __init__(self, shm: SharedMemory, spec: ChannelSpec, owner: bool) -> None:
         self.shm, self.spec, self.owner = shm, spec, owner
-        self.payload_offset = HEADER_BYTES + spec.world_size * ERROR_SLOT_BYTES
+        self.heartbeat_offset = HEADER_BYTES + spec.world_size * ERROR_SLOT_BYTES
+        self.payload_offset = self.heartbeat_offset + spec.world_size * HEARTBEAT_SLOT_BYTES
         self.command_number = 0
         self._closed = False
 
@@ -73,10 +79,10 @@ class ControlChannel:
     @classmethod
     def create(cls, ctx: Any, world_size: int, payload_bytes: int | None = None) -> "ControlChannel":
         payload_bytes = payload_bytes or payload_bytes_from_env()
-        size = HEADER_BYTES + world_size * ERROR_SLOT_BYTES + payload_bytes
+        meta = HEADER_BYTES + world_size * (ERROR_SLOT_BYTES + HEARTBEAT_SLOT_BYTES)
         name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        shm = SharedMemory(name=name, create=True, size=size)
-        shm.buf[:HEADER_BYTES + world_size * ERROR_SLOT_BYTES] = bytes(HEADER_BYTES + world_size * ERROR_SLOT_BYTES)
+        shm = SharedMemory(name=name, create=True, size=meta + payload_bytes)
+        shm.buf[:meta] = bytes(meta)
         workers = range(world_size - 1)
         spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Event() for _ in workers],
                            [ctx.Event() for _ in workers])
@@ -154,6 +160,23 @@ class ControlChannel:
         if got_number != number:
             raise RuntimeError(f"control-plane payload is torn (header says command {number}, payload {got_number})")
         return number, method, args
+
+    def beat(self, rank: int, doing: str | None = None) -> None:
+        """One heartbeat of ``rank`` (only its own thread writes its slot), optionally saying what it now does."""
+        off = self.heartbeat_offset + rank * HEARTBEAT_SLOT_BYTES
+        count, n = _BEAT.unpack_from(self.shm.buf, off)
+        if doing is not None:
+            raw = doing.encode("utf-8", "replace")[:HEARTBEAT_SLOT_BYTES - _BEAT.size]
+            self.shm.buf[off + _BEAT.size:off + _BEAT.size + len(raw)] = raw
+            n = len(raw)
+        _BEAT.pack_into(self.shm.buf, off, count + 1, n)
+
+    def read_beat(self, rank: int) -> tuple[int, str]:
+        """``rank``'s heartbeat count (0: none yet) and what it last said it was doing."""
+        off = self.heartbeat_offset + rank * HEARTBEAT_SLOT_BYTES
+        count, n = _BEAT.unpack_from(self.shm.buf, off)
+        n = min(n, HEARTBEAT_SLOT_BYTES - _BEAT.size)
+        return count, bytes(self.shm.buf[off + _BEAT.size:off + _BEAT.size + n]).decode("utf-8", "replace")
 
     def write_error(self, rank: int, text: str) -> None:
         raw = text.encode("utf-8", "replace")

@@ -19,6 +19,7 @@ import time
 from typing import Any, Iterator
 
 from llmcli.parallel.exits import describe_exit
+from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, HEARTBEAT_ENV, SilenceMonitor
 from llmcli.parallel.shm_channel import ControlChannel, PayloadTooLarge
 from llmcli.parallel.worker import PG_CLOSE_TIMEOUT_S, close_process_group
 
@@ -53,9 +54,10 @@ class Group:
     and its finalizer (``teardown``) still has everything it needs.
     """
 
-    def __init__(self, world: int, grace_s: float) -> None:
+    def __init__(self, world: int, grace_s: float, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         self.world = world
         self.grace_s = grace_s
+        self.silence = SilenceMonitor(heartbeat_s)
         self.procs: dict[int, Any] = {}  # rank -> multiprocessing.Process
         self.channel: ControlChannel | None = None
         self.store: Any = None
@@ -96,10 +98,28 @@ class Group:
                             "script again: a script that creates the LLM at import time must do it under "
                             "`if __name__ == \"__main__\":`")
             self.failed_rank, self.failure = rank, message
-        log.error("llmcli: %s", message)
+        # Reported once, by the TensorParallelError of rank 0's call (or by _hard_exit), not here as well.
+        log.info("llmcli: %s", message)
         for other, p in self.procs.items():
             if other != rank and p.is_alive():
                 p.kill()  # a collective with a dead member fails fast only once every peer is gone
+
+    def worker_silent(self, rank: int, seconds: float, doing: str) -> None:
+        """A rank alive but silent past the heartbeat limit fails the group like a dead one."""
+        if self.closing:
+            return
+        with self.lock:
+            if self.failure is not None:
+                return
+            pid = self.procs[rank].pid
+            self.failed_rank = rank
+            self.failure = (f"tensor-parallel rank {rank} (pid {pid}) stopped responding while {doing or 'starting'}:"
+                            f" no heartbeat for {seconds:.1f} s ({HEARTBEAT_ENV}={self.silence.limit_s:g}); "
+                            "it may have been stopped (SIGSTOP) or be frozen")
+        log.info("llmcli: %s", self.failure)
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()  # the silent one too (SIGKILL ends a stopped process), so rank 0's collective fails fast
 
     def poll_workers(self) -> None:
         for rank, proc in self.procs.items():
@@ -138,13 +158,17 @@ class Group:
     def _watch(self) -> None:
         pending = {proc.sentinel: rank for rank, proc in self.procs.items()}
         while pending:
-            ready = multiprocessing.connection.wait(list(pending) + [self._wake_r])
+            ready = multiprocessing.connection.wait(list(pending) + [self._wake_r], timeout=self.silence.tick_s)
             if self.closing or self._wake_r in ready:
                 return
             for sentinel in ready:
                 rank = pending.pop(sentinel, None)
                 if rank is not None:
                     self.worker_exited(rank)
+            if self.failure is None and self.channel is not None:
+                silent = self.silence.silent(self.channel, sorted(pending.values()))
+                if silent is not None:
+                    self.worker_silent(silent.rank, silent.seconds, silent.doing)
             if self.failure is not None:
                 self._grace_for_rank0()
 

@@ -23,6 +23,10 @@ The processes, channel, store and failure state live in a ``Group``
   workers, so that rank 0's pending collective fails instead of waiting;
 * rank 0's current or next call raises ``TensorParallelError`` with that
   message; the group is unusable afterwards and ``shutdown`` releases it;
+* the same watchdog reads each worker's heartbeat (``llmcli.parallel.heartbeat``):
+  a rank whose heartbeat stops for ``LLMCLI_TP_HEARTBEAT_S`` seconds (default
+  30; a stopped or frozen process) is reported like a dead one, with what it
+  was doing, and every worker is killed;
 * if rank 0 stays inside its call for ``LLMCLI_TP_EXIT_GRACE_S`` seconds
   (default 3 with NCCL, 20 with gloo) after a worker died (an NCCL collective
   with a dead peer never returns; gloo's fails at once), the watchdog prints
@@ -57,6 +61,7 @@ import torch.distributed as dist
 
 from llmcli.config import Config, ConfigError
 from llmcli.parallel.compact import pack_step
+from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, HEARTBEAT_ENV
 from llmcli.parallel.shm_channel import ControlChannel
 from llmcli.parallel.tp_group import STORE_HOST, Group, TensorParallelError, env_seconds
 from llmcli.parallel.worker import READY_KEY, WorkerArgs, gloo_on_loopback, worker_main
@@ -102,7 +107,8 @@ class TensorParallelRunner:
         timeout_s = env_seconds("LLMCLI_TP_TIMEOUT_S", 600.0)
         # gloo fails a collective as soon as a peer's socket closes; NCCL waits forever, so do not wait long
         grace = env_seconds("LLMCLI_TP_EXIT_GRACE_S", 3.0 if self.backend == "nccl" else 20.0)
-        self._group = group = Group(world, grace)
+        heartbeat_s = env_seconds(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)
+        self._group = group = Group(world, grace, heartbeat_s)
         self._runner: Any = None
         self._finalizer = weakref.finalize(self, group.teardown)
         self._finalizer.atexit = False  # the explicit atexit hook below runs before multiprocessing's own
@@ -117,7 +123,7 @@ class TensorParallelRunner:
             for rank in range(1, world):
                 args = WorkerArgs(rank=rank, world_size=world, backend=self.backend, store_host=STORE_HOST,
                                   store_port=group.store.port, timeout_s=timeout_s, threads=threads,
-                                  parent_pid=os.getpid(), channel=group.channel.spec)
+                                  parent_pid=os.getpid(), channel=group.channel.spec, heartbeat_s=heartbeat_s)
                 proc = ctx.Process(target=worker_main, args=(config, args), name=f"llmcli-tp-rank{rank}")
                 proc.start()
                 group.procs[rank] = proc

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from llmcli.parallel.compact import unpack_step
+from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, Heartbeat
 from llmcli.parallel.shm_channel import ChannelSpec, ControlChannel
 
 PARENT_POLL_S = 0.5
@@ -100,6 +101,7 @@ class WorkerArgs:
     threads: int
     parent_pid: int
     channel: ChannelSpec
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
 
 
 def _watch_parent(parent_pid: int, channel: ControlChannel | None) -> None:
@@ -115,18 +117,22 @@ def _watch_parent(parent_pid: int, channel: ControlChannel | None) -> None:
 class WorkerLoop:
     """Receives calls from rank 0 and runs them on this rank's ModelRunner."""
 
-    def __init__(self, args: WorkerArgs, channel: ControlChannel, runner: Any) -> None:
-        self.args, self.channel, self.runner = args, channel, runner
+    def __init__(self, args: WorkerArgs, channel: ControlChannel, runner: Any, heartbeat: Heartbeat) -> None:
+        self.args, self.channel, self.runner, self.heartbeat = args, channel, runner, heartbeat
         self.block_size = runner.config.kvcache_block_size
 
     def serve(self) -> None:
         rank = self.args.rank
         while True:
+            self.heartbeat.doing = "waiting for rank 0's next call"
             while not self.channel.wait_command(rank, 1.0):
                 pass  # the parent watchdog thread handles an orphaned worker
-            _, method, args = self.channel.take_command(rank)
+            number, method, args = self.channel.take_command(rank)
             if method == "shutdown":
+                self.heartbeat.doing = "shutting down"
                 return
+            kind = ("a prefill step" if args[0] else "a decode step") if method == "run" else f"'{method}'"
+            self.heartbeat.doing = f"running {kind} (control call {number})"
             handler = getattr(self, f"do_{method}", None)
             if handler is None:
                 raise RuntimeError(f"rank {rank} got an unknown control-plane call {method!r}")
@@ -147,6 +153,7 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
     channel: ControlChannel | None = None
     try:
         channel = ControlChannel.attach(args.channel)
+        heartbeat = Heartbeat(channel, args.rank, args.heartbeat_s).start()
         threading.Thread(target=_watch_parent, args=(args.parent_pid, channel), daemon=True,
                          name="llmcli-tp-parent-watch").start()
         import torch
@@ -157,6 +164,7 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
             torch.cuda.set_device(args.rank)
         store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=args.timeout_s))
+        heartbeat.doing = "joining the process group"
         store.set(f"{READY_KEY}/{args.rank}", "1")  # rank 0 joins the group only when every worker got here
         kwargs = {"device_id": torch.device("cuda", args.rank)} if args.backend == "nccl" else {}
         with gloo_on_loopback(args.backend):
@@ -164,8 +172,9 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
                                     timeout=datetime.timedelta(seconds=args.timeout_s), **kwargs)
         from llmcli.engine.model_runner import ModelRunner
 
+        heartbeat.doing = "loading its model shard"
         runner = ModelRunner(config)
-        WorkerLoop(args, channel, runner).serve()
+        WorkerLoop(args, channel, runner, heartbeat).serve()
         runner.shutdown()  # CUDA graphs and memory go before the communicator they use
     except BaseException:  # noqa: BLE001 - everything goes back to rank 0, then the process ends
         text = traceback.format_exc()

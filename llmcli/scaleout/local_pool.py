@@ -30,14 +30,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
 from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
-                                     startup_failure)
+                                     failure_text, startup_failure)
 from llmcli.parallel.exits import describe_exit
 
 log = logging.getLogger("llmcli")
@@ -115,12 +114,17 @@ def replica_main(spec: ReplicaSpec, requests: Any, results: Any) -> None:
         results.send(("ready", describe(engine, spec.index)))
         threading.Thread(target=read_requests, daemon=True, name="llmcli-dp-inbox").start()
         loop.run()
-    except BaseException:  # noqa: BLE001
-        text = traceback.format_exc()
+    except BaseException as exc:  # noqa: BLE001
+        text = failure_text(exc)
+        sent = False
         with contextlib.suppress(Exception):
             results.send(("died", text))
-        sys.stderr.write(f"llmcli data-parallel replica {spec.index} failed:\n{text}")
-        sys.stderr.flush()
+            sent = True
+        if not sent:  # the driver is gone: stderr is the only place left to say it
+            sys.stderr.write(f"llmcli data-parallel replica {spec.index} failed:\n{text}\n")
+            sys.stderr.flush()
+        with contextlib.suppress(BaseException):
+            engine.shutdown()  # its tensor-parallel ranks, segment and semaphores go with it, not to the tracker
         os._exit(1)
     try:
         engine.shutdown()
@@ -289,8 +293,9 @@ class LocalReplicaPool:
             if r.index in gone and not any(e[0] == "lost" and e[1] == r.index for e in events):
                 r.proc.join(1.0)
                 why = f"(pid {r.proc.pid}) {describe_exit(r.proc.exitcode)}"
-                if r.error_text:
-                    why += f"; its error:\n{r.error_text.rstrip()}"
+                text = r.error_text.rstrip()
+                if text:
+                    why += f"; its error:{chr(10) if chr(10) in text else ' '}{text}"
                 events.append(("lost", r.index, why))
         for e in events:
             if e[0] == "lost":

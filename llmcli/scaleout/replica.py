@@ -65,6 +65,16 @@ def startup_failure(exc: BaseException) -> tuple[str, str, str]:
     return kind, str(exc), traceback.format_exc()
 
 
+def failure_text(exc: BaseException) -> str:
+    """What a replica that failed while running tells the driver: the one line of a tensor-parallel rank's
+    failure (its own report names the rank and the cause), else the traceback."""
+    from llmcli.parallel.tp_group import TensorParallelError
+
+    if isinstance(exc, TensorParallelError):
+        return str(exc).splitlines()[0]
+    return traceback.format_exc()
+
+
 class ReplicaLoop:
     """Steps the engine while it has work; takes new requests between steps; emits answers as they finish.
 

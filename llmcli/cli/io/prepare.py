@@ -29,6 +29,7 @@ class Preparer:
         self.vocab_size = vocab_size
         self.defaults = defaults
         self.chat_template = chat_template
+        self._longest_token: int | None = None
 
     def prepare(self, rec: InputRecord) -> PreparedRequest | None:
         """The request for ``rec``, or None after recording the problem in ``rec.error``."""
@@ -66,8 +67,10 @@ class Preparer:
         elif self.tokenizer is None:
             raise FieldProblem(name, "the model has no tokenizer; give prompt_token_ids instead")
         elif rec.kind == "messages":
+            self._check_bytes(sum(len(m["content"].encode()) for m in rec.prompt), name)
             ids = self._chat(rec.prompt, name)
         else:
+            self._check_bytes(len(rec.prompt.encode()), name)
             # As the engine does: the text is the whole prompt, no special tokens added around it.
             ids = list(self.tokenizer.encode(rec.prompt, add_special_tokens=False))
         if not ids:
@@ -76,6 +79,18 @@ class Preparer:
             raise FieldProblem(name, f"prompt is {len(ids)} tokens, too long for max_model_len={self.max_model_len} "
                                      "(it must leave room for one generated token)")
         return ids
+
+    def _check_bytes(self, size: int, name: str) -> None:
+        """Refuse text that can never fit before tokenizing it (a 10 MB prompt takes seconds and GBs to encode).
+
+        No token stands for more bytes than its own vocabulary entry spells, so text longer than
+        max_model_len times the longest entry is too long whatever it holds."""
+        if self._longest_token is None:
+            self._longest_token = max((len(t.encode()) for t in self.tokenizer.get_vocab()), default=1)
+        limit = self.max_model_len * max(self._longest_token, 1)
+        if size > limit:
+            raise FieldProblem(name, f"prompt is {size} bytes, too long for max_model_len={self.max_model_len} "
+                                     f"at any tokenization (no token is longer than {self._longest_token} bytes)")
 
     def _chat(self, messages: list[dict[str, Any]], name: str) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}

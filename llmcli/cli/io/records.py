@@ -273,13 +273,20 @@ def parse_line(raw: RawLine) -> InputRecord:
     return rec
 
 
-def mark_duplicates(records: list[InputRecord]) -> None:
-    """Two inputs with one id could not be told apart in the output (nor by --resume)."""
+def mark_duplicates(records: list[InputRecord]) -> list[InputRecord]:
+    """Two inputs with one id could not be told apart in the output (nor by --resume); returns the repeats.
+
+    A record without an id is named by its 0-based line index, so an explicit id equal to another line's
+    index is a repeat too."""
     first_line: dict[str, int] = {}
+    repeats = []
     for rec in records:
         if rec.key in first_line:
             name = "custom_id" if rec.openai is not None else "id"
             rec.prompt = None
             rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on line {first_line[rec.key]})")
+            repeats.append(rec)
         else:
             first_line[rec.key] = rec.line
+    return repeats
+

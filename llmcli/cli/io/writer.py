@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 from typing import Any, BinaryIO
 
 import orjson
+
+
+class OutputWriteError(OSError):
+    """Writing to OUT failed (disk full, I/O error); no more lines are written after it."""
 
 
 class LineSink:
@@ -21,23 +26,44 @@ class LineSink:
         self.stream = stream
         self.durable = durable  # fsync at checkpoints (a regular file; pipes cannot be synced)
         self.owned = owned
+        self.failed: OSError | None = None
 
     def write(self, data: bytes) -> None:
+        self._check()
         view = memoryview(data)
-        while view:
-            written = self.stream.write(view)
-            # Unbuffered files may write less than asked; buffered streams return None or all.
-            view = view[written:] if written else view[len(view):]
-        self.stream.flush()
+        try:
+            while view:
+                written = self.stream.write(view)
+                # Unbuffered files may write less than asked; buffered streams return None or all.
+                view = view[written:] if written else view[len(view):]
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            self._fail(exc)
 
     def sync(self) -> None:
-        if self.durable:
-            os.fsync(self.stream.fileno())
+        if self.durable and self.failed is None:
+            try:
+                os.fsync(self.stream.fileno())
+            except OSError as exc:
+                self._fail(exc)
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            # After a failed (maybe partial) line nothing more goes out: a torn line may only ever be the last.
+            raise OutputWriteError(self.failed.errno, self.failed.strerror)
+
+    def _fail(self, exc: OSError) -> None:
+        self.failed = exc
+        raise OutputWriteError(exc.errno, exc.strerror) from exc
 
     def close(self) -> None:
-        self.sync()
-        if self.owned:
-            self.stream.close()
+        try:
+            self.sync()
+        finally:
+            if self.owned:
+                self.stream.close()
 
 
 def reserve_stdout() -> BinaryIO:
@@ -61,7 +87,9 @@ def open_sink(path: str, stdout: BinaryIO | None = None) -> LineSink:
     """Open OUT for appending ('-' is stdout, or the ``stdout`` stream given)."""
     if path == "-":
         return LineSink(stdout if stdout is not None else sys.stdout.buffer, durable=False, owned=False)
-    return LineSink(open(path, "ab", buffering=0), durable=True, owned=True)
+    stream = open(path, "ab", buffering=0)
+    # fsync works on regular files only (/dev/null or a pipe reached through /dev/stdout refuse it)
+    return LineSink(stream, durable=stat.S_ISREG(os.fstat(stream.fileno()).st_mode), owned=True)
 
 
 class RecordWriter:
