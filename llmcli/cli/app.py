@@ -21,8 +21,35 @@ def _plain_metavars(params: list[Any]) -> list[Any]:
 
 
 class Command(typer.core.TyperCommand):
+    """A command whose --help is plain text in titled sections (Input, Output, Engine, ...).
+
+    Rich's option tables cut long flag names (``--max-num-batc…``) at any width below ~140 columns;
+    plain definition lists wrap the help text instead and keep every flag whole at 80.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rich_markup_mode = None
+
     def get_params(self, ctx: Any) -> list[Any]:
-        return _plain_metavars(super().get_params(ctx))
+        params = _plain_metavars(super().get_params(ctx))
+        for param in params:
+            if getattr(param, "help", None) and "\\[" in param.help:
+                param.help = param.help.replace("\\[", "[")  # rich escapes, shown as text here
+        return params
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            panel = getattr(param, "rich_help_panel", None)
+            name = panel or ("Arguments" if param.param_type_name == "argument" else "Options")
+            sections.setdefault(name, []).append(record)
+        for name, rows in sections.items():
+            with formatter.section(name):
+                formatter.write_dl(rows)
 
 
 class Group(typer.core.TyperGroup):
@@ -136,7 +163,7 @@ def generate(
              "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win key by key.",
         metavar="JSON", show_default=False, callback=_json_object, rich_help_panel=INPUT)] = None,
     output: Annotated[str, typer.Option("--output", "-o", "--output-file", help="Output JSONL file, or - for "
-                                        "stdout.", rich_help_panel=OUTPUT)] = "-",
+                                        "stdout.", metavar="OUT", rich_help_panel=OUTPUT)] = "-",
     resume: Annotated[bool, typer.Option("--resume", help="Append to OUT, skipping every input it already answers.",
                                          rich_help_panel=OUTPUT)] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT instead of refusing to start.",
@@ -174,6 +201,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Most tokens generated per completion.",
                                             rich_help_panel=SAMPLING)] = 256,
     stop: Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable); not included in the text.",
+                                                      metavar="TEXT",
                                                       show_default=False, rich_help_panel=SAMPLING)] = None,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed of every record without its own seed (the "
                                                 "i-th of n completions uses seed+i). Not --engine-seed, which only "

@@ -78,7 +78,8 @@ def _knob_parameter(knob: Knob) -> inspect.Parameter:
     decls = [f"{knob.option}/--no-{knob.option[2:]}" if knob.type is bool else knob.option, *knob.aliases]
     kind = _choice_enum(knob) if knob.choices else knob.type
     help_text = knob.help + (f" \\[default: {knob.default}]" if knob.default else "")
-    option = typer.Option(*decls, help=help_text, rich_help_panel=ENGINE_PANEL, show_default=False)
+    option = typer.Option(*decls, help=help_text, rich_help_panel=ENGINE_PANEL, show_default=False,
+                          metavar="PATH" if knob.name == "tokenizer" else None)
     return inspect.Parameter(knob.param, inspect.Parameter.KEYWORD_ONLY, default=None,
                              annotation=Annotated[Optional[kind], option])
 
@@ -152,6 +153,7 @@ ConfigOption = Annotated[Optional[Path], typer.Option(
 
 ModelOption = Annotated[str, typer.Option(
     "--model", "-m", help="Model folder (config.json, *.safetensors, tokenizer) or Hugging Face hub id.",
+    metavar="MODEL",
     rich_help_panel=ENGINE_PANEL, show_default=False)]
 
 
