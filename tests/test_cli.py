@@ -273,6 +273,8 @@ def test_progress_and_summary_on_stderr(tiny_model, tmp_path):
     assert len(read_jsonl(result.stdout)) == 3
     for word in ("requests answered", "generated tokens/s", "prefix-cache hit rate", "wall time"):
         assert word in result.stderr
+    # the last frame is the final state: 3 records x 2 tokens, all done, nothing running or waiting
+    assert "100% 6/6 tok" in result.stderr and "req 3/3 " in result.stderr and "run 0  wait 0" in result.stderr
 
 
 BENCH_KEYS = {"model", "device", "dtype", "num_requests", "elapsed_s", "requests_per_s", "input_tokens",

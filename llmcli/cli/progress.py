@@ -102,6 +102,8 @@ class GenerateProgress:
     def __exit__(self, *exc: Any) -> None:
         if self._live is not None:
             self._live.stop()
+            if not self._live.console.is_terminal:
+                self._live.console.line()  # Rich ends the frame with a newline on terminals only
 
     def advance(self, n: int = 1, unused_tokens: int = 0) -> None:
         """``n`` records written; ``unused_tokens`` of the budget will never be generated."""
