@@ -12,6 +12,7 @@ from llmcli.cli.options import (DataParallelSizeOption, DistributedBackendOption
                                 with_engine_options)
 from llmcli.cli.progress import say
 
+
 def _plain_metavars(params: list[Any]) -> list[Any]:
     """Flags take no value, so they show no type placeholder (Typer would print <bool>)."""
     for param in params:
