@@ -189,6 +189,66 @@ def test_thinking_switch_end_to_end(tiny_model, tmp_path):
     assert result.exit_code == 2 and "--chat-template-kwargs" in result.output
 
 
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    """A tiny Qwen3 that, greedily, answers "<think>The capital of France</think>Paris." and then EOS.
+
+    Its layers add nothing (o_proj and down_proj are zero), so each logit depends on the last token alone;
+    the lm_head maps each token of that answer to the next (their embeddings made orthonormal), starting
+    from the token ending the chat prompt. <think> and </think> are added tokens, as in Qwen3's tokenizer.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from tiny_qwen3 import write_tiny_qwen3
+
+    path = write_tiny_qwen3(tmp_path_factory.mktemp("thinking_qwen3"), num_hidden_layers=1)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(path)
+    rendered = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    start = tok.encode(rendered, add_special_tokens=False)[-1]  # the chat prompt's last token
+    think, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    chain = [start, think, *tok.encode("The capital of France", add_special_tokens=False), end,
+             *tok.encode("Paris.", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
+    assert len(set(chain)) == len(chain), "a token repeats: the next token would not be unique"
+    weights = load_file(path / "model.safetensors")
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    basis = torch.linalg.qr(torch.randn(hidden, len(chain), generator=torch.Generator().manual_seed(0)))[0].T
+    lm_head = torch.zeros_like(weights["lm_head.weight"])
+    for i, (token, following) in enumerate(zip(chain, chain[1:])):
+        weights["model.embed_tokens.weight"][token] = basis[i] * hidden ** 0.5
+        lm_head[following] = basis[i] * 10.0
+    weights["lm_head.weight"] = lm_head
+    weights["model.norm.weight"] = torch.ones(hidden)
+    for name in list(weights):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_reasoning_split_end_to_end(thinking_model, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "plain", "messages": HI, "temperature": 0, "max_tokens": 20},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": HI, "temperature": 0, "max_tokens": 20}},
+    ])
+    result = runner.invoke(app, ["generate", str(inp), *engine_args(thinking_model), "-q",
+                                 "--reasoning-parser", "qwen3"])
+    assert result.exit_code == 0, result.output
+    plain, chat = lines_of(result.stdout)
+    assert (plain["reasoning_content"], plain["text"], plain["finish_reason"]) == (
+        "The capital of France", "Paris.", "stop")
+    message = chat["response"]["body"]["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Paris.", "reasoning_content": "The capital of France"}
+    # auto: this model's template has no <think>, so the text stays whole
+    result = runner.invoke(app, ["generate", str(inp), *engine_args(thinking_model), "-q"])
+    plain = lines_of(result.stdout)[0]
+    assert plain["text"] == "<think>The capital of France</think>Paris." and "reasoning_content" not in plain
+
+
 # -- item 6 end to end: warnings, --strict ------------------------------------------------
 def test_unknown_fields_warn_or_fail_with_strict(tiny_model, tmp_path):
     inp = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a", "max_new_tokens": 2, "foo": i} for i in range(5)])
