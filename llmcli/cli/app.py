@@ -241,8 +241,10 @@ def generate(
         distributed_backend=distributed_backend.value if distributed_backend is not None else None)
 
     def run() -> int:
-        if (input is None) == (input_option is None):
-            raise UsageError("give the input file once: as IN or as -i/--input")
+        if input is None and input_option is None:
+            raise UsageError("no input file: give IN (- for stdin) or -i/--input")
+        if input is not None and input_option is not None:
+            raise UsageError("the input file is given twice (IN and -i/--input); give one")
         SamplingParams(**sampling)  # a bad flag is a usage error, not one error per record
         return run_generate(opts, _console())
 
