@@ -390,3 +390,23 @@ def test_probe_memory_table_on_cpu():
     assert "n/a" in row and "KiB" not in row
     row = next(line for line in text.splitlines() if "at once" in line)
     assert row.split("│")[2].strip() == "32"
+
+
+def test_engine_defaults_in_help_are_configs():
+    import dataclasses
+
+    from llmcli.cli.options import ENGINE_KNOBS
+    from llmcli.config import Config
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for knob in ENGINE_KNOBS:
+        real = defaults[knob.name]
+        if isinstance(real, bool):
+            assert knob.default == ("on" if real else "off"), knob.name
+        elif isinstance(real, (int, float)):
+            assert float(knob.default) == real, knob.name
+        elif real is None:
+            assert knob.default and not knob.default[0].isdigit(), knob.name  # said in words: derived
+        else:
+            assert knob.default.split(":")[0] == real, knob.name
+            assert not knob.choices or real in knob.choices

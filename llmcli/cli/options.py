@@ -58,7 +58,7 @@ ENGINE_KNOBS = (
     Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens.", "on"),
     Knob("device", str, "Where the engine runs.", "auto: cuda if visible, else cpu",
          choices=("auto", "cuda", "cpu")),
-    Knob("dtype", str, "Weights and activations.", "the checkpoint's on GPU, float32 on CPU",
+    Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",
          choices=("auto", "float32", "bfloat16", "float16", "float", "half")),  # vLLM's names too
     Knob("attention_backend", str, "Attention kernels.", "auto: flash-attn if installed, else triton; torch on CPU",
          choices=("auto", "torch", "triton", "flash-attn")),
