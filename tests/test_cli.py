@@ -59,10 +59,10 @@ def test_every_input_kind_round_trips(tiny_model, tmp_path):
     lines = read_jsonl(out)
     assert [l.get("custom_id", l["id"]) for l in lines] == ["p", "m", 77, "chat-1", "cmpl-1", 5]
     for line in lines[:3] + lines[5:]:
-        assert set(line) == {"id", "text", "finish_reason", "usage", "token_ids"}
+        assert set(line) == {"id", "text", "finish_reason", "usage", "token_ids", "prompt_token_ids"}
         assert line["finish_reason"] == "length" and len(line["token_ids"]) == 4
         assert line["usage"]["completion_tokens"] == 4 and line["usage"]["prompt_tokens"] > 0
-    assert lines[2]["usage"]["prompt_tokens"] == len(TOKENS)
+    assert lines[2]["usage"]["prompt_tokens"] == len(TOKENS) and lines[2]["prompt_token_ids"] == TOKENS
     chat, cmpl = lines[3], lines[4]
     for line in (chat, cmpl):
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
@@ -273,6 +273,8 @@ def test_progress_and_summary_on_stderr(tiny_model, tmp_path):
     assert len(read_jsonl(result.stdout)) == 3
     for word in ("requests answered", "generated tokens/s", "prefix-cache hit rate", "wall time"):
         assert word in result.stderr
+    # the last frame is the final state: 3 records x 2 tokens, all done, nothing running or waiting
+    assert "100% 6/6 tok" in result.stderr and "req 3/3 " in result.stderr and "run 0  wait 0" in result.stderr
 
 
 BENCH_KEYS = {"model", "device", "dtype", "num_requests", "elapsed_s", "requests_per_s", "input_tokens",

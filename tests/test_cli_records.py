@@ -144,11 +144,12 @@ def test_plain_output_shapes():
     r = rec_of({"prompt": "a", "id": "q"})
     line = result_record(r, [fake_output()], model="m", include_token_ids=True)
     assert line == {"id": "q", "text": "hi", "finish_reason": "length", "token_ids": [7, 8],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+                    "prompt_token_ids": [1, 2, 3], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
+                                                             "total_tokens": 5}}
     line = result_record(r, [fake_output(), fake_output(text="yo", reason="stop", tokens=(1,))], model="m")
     assert line["choices"] == [{"index": 0, "text": "hi", "finish_reason": "length"},
                                {"index": 1, "text": "yo", "finish_reason": "stop"}]
-    assert line["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
+    assert line["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     bad = rec_of({"prompt": 1}, 4)
     assert error_record(bad) == {"id": 3, "error": {"message": bad.error.message, "line": 4, "field": "prompt"}}
 

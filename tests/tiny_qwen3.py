@@ -35,6 +35,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# The same ChatML with Qwen3's thinking switch: enable_thinking=false writes an empty think block after the
+# assistant header, so the model answers at once (written for these tests, in the spirit of Qwen3's template).
+THINK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)
+
 # A few paragraphs of plain English, written for these tests; enough for the
 # BPE trainer to learn a few hundred merges of common words and word pieces.
 _CORPUS_PARAGRAPHS = [

@@ -5,14 +5,62 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, List, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 
 from llmcli.cli.options import (DataParallelSizeOption, DistributedBackendOption, RayAddressOption,
                                 with_engine_options)
 from llmcli.cli.progress import say
 
+
+def _plain_metavars(params: list[Any]) -> list[Any]:
+    """Flags take no value, so they show no type placeholder (Typer would print <bool>)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(typer.core.TyperCommand):
+    """A command whose --help is plain text in titled sections (Input, Output, Engine, ...).
+
+    Rich's option tables cut long flag names (``--max-num-batc…``) at any width below ~140 columns;
+    plain definition lists wrap the help text instead and keep every flag whole at 80.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rich_markup_mode = None
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = _plain_metavars(super().get_params(ctx))
+        for param in params:
+            if getattr(param, "help", None) and "\\[" in param.help:
+                param.help = param.help.replace("\\[", "[")  # rich escapes, shown as text here
+        return params
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            panel = getattr(param, "rich_help_panel", None)
+            name = panel or ("Arguments" if param.param_type_name == "argument" else "Options")
+            sections.setdefault(name, []).append(record)
+        for name, rows in sections.items():
+            with formatter.section(name):
+                formatter.write_dl(rows)
+
+
+class Group(typer.core.TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_metavars(super().get_params(ctx))
+
+
 app = typer.Typer(
     name="llmcli",
+    cls=Group,
     help="Offline batch generation with LLMs: JSONL in, JSONL out, on llmcli's own paged-attention engine.",
     no_args_is_help=True,
     add_completion=False,
@@ -20,6 +68,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
+INPUT = "Input"
 SAMPLING = "Sampling defaults (per-record fields override them)"
 OUTPUT = "Output"
 
@@ -27,6 +76,40 @@ OUTPUT = "Output"
 class OnError(str, enum.Enum):
     fail = "fail"
     skip = "skip"
+
+
+class ReasoningParser(str, enum.Enum):
+    auto = "auto"
+    qwen3 = "qwen3"
+    none = "none"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from llmcli import __version__
+
+        typer.echo(f"llmcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[Optional[bool], typer.Option("--version", help="Print the version and exit.",
+                                                          callback=_version, is_eager=True)] = None) -> None:
+    """Offline batch generation with LLMs: JSONL in, JSONL out, on llmcli's own paged-attention engine."""
+
+
+def _json_object(value: Optional[str]) -> Optional[dict]:
+    if value is None:
+        return None
+    import orjson
+
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not valid JSON ({exc}); give an object, e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(parsed, dict):
+        raise typer.BadParameter("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return parsed
 
 
 def _console() -> Console:
@@ -39,6 +122,7 @@ def _guarded(run: Callable[[], int]) -> None:
     from llmcli.config import ConfigError
     from llmcli.scaleout.errors import DataParallelError
     from llmcli.parallel.tp_runner import TensorParallelError
+    from llmcli.cli.flag_errors import flag_message
     from llmcli.cli.generate import UsageError
     from llmcli.models.hub import ModelNotFoundError
     from llmcli.sampling_params import SamplingParamsError
@@ -46,7 +130,11 @@ def _guarded(run: Callable[[], int]) -> None:
     console = _console()
     try:
         code = run()
-    except (UsageError, ConfigError, ModelNotFoundError, SamplingParamsError) as exc:
+    except (ConfigError, SamplingParamsError) as exc:
+        # Raised only by command-line (or --config) values here: name the flag, not the Python field.
+        say(console, f"error: {flag_message(str(exc))}")
+        raise typer.Exit(2) from None
+    except (UsageError, ModelNotFoundError) as exc:
         say(console, f"error: {exc}")
         raise typer.Exit(2) from None
     except (TensorParallelError, DataParallelError) as exc:
@@ -58,12 +146,26 @@ def _guarded(run: Callable[[], int]) -> None:
     raise typer.Exit(code)
 
 
-@app.command(no_args_is_help=True)
+@app.command(no_args_is_help=True, cls=Command)
 @with_engine_options
 def generate(
-    input: Annotated[str, typer.Argument(help="Input JSONL file, or - for stdin.", show_default=False)],
-    output: Annotated[str, typer.Option("--output", "-o", help="Output JSONL file, or - for stdout.",
-                                        rich_help_panel=OUTPUT)] = "-",
+    input: Annotated[Optional[str], typer.Argument(help="Input JSONL file, or - for stdin (or give it as -i).",
+                                                   metavar="IN", show_default=False)] = None,
+    input_option: Annotated[Optional[str], typer.Option("--input", "-i", help="Input JSONL file (as vLLM's "
+                                                        "run-batch takes it), instead of IN.", metavar="IN",
+                                                        show_default=False, rich_help_panel=INPUT)] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Unknown record fields are input errors "
+                                         "(default: one warning per field name, and ignored).",
+                                         rich_help_panel=INPUT)] = False,
+    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file for `messages` records, "
+                                                          "instead of the tokenizer's.", exists=True, dir_okay=False,
+                                                          rich_help_panel=INPUT)] = None,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option(
+        help="JSON object of extra chat-template variables for every chat record, e.g. "
+             "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win key by key.",
+        metavar="JSON", show_default=False, callback=_json_object, rich_help_panel=INPUT)] = None,
+    output: Annotated[str, typer.Option("--output", "-o", "--output-file", help="Output JSONL file, or - for "
+                                        "stdout.", metavar="OUT", rich_help_panel=OUTPUT)] = "-",
     resume: Annotated[bool, typer.Option("--resume", help="Append to OUT, skipping every input it already answers.",
                                          rich_help_panel=OUTPUT)] = False,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="--resume even when IN is not the input "
@@ -73,15 +175,20 @@ def generate(
                                             rich_help_panel=OUTPUT)] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="Write each record as soon as it finishes, "
                                             "not in input order.", rich_help_panel=OUTPUT)] = False,
-    include_token_ids: Annotated[bool, typer.Option("--include-token-ids", help="Add the generated token ids "
-                                                    "to each record.", rich_help_panel=OUTPUT)] = False,
+    include_token_ids: Annotated[bool, typer.Option("--include-token-ids", help="Add prompt_token_ids and each "
+                                                    "completion's token_ids to plain records.",
+                                                    rich_help_panel=OUTPUT)] = False,
+    include_metrics: Annotated[bool, typer.Option("--include-metrics", help="Add per-completion timings to plain "
+                                                  "records: time to first token, total time, cached prompt tokens.",
+                                                  rich_help_panel=OUTPUT)] = False,
+    reasoning_parser: Annotated[ReasoningParser, typer.Option(
+        help="qwen3: move the text between <think> and </think> into reasoning_content; auto: qwen3 when the "
+             "chat template mentions <think>; none: leave the text alone.", rich_help_panel=OUTPUT)
+    ] = ReasoningParser.auto,
     on_error: Annotated[OnError, typer.Option(help="fail: stop before generating if any input is invalid; "
                                                    "skip: write an error record for it and carry on.",
                                               rich_help_panel=OUTPUT)] = OnError.fail,
     max_errors: Annotated[int, typer.Option(help="Most input errors listed on stderr.", rich_help_panel=OUTPUT)] = 20,
-    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file for `messages` records, "
-                                                          "instead of the tokenizer's.", exists=True, dir_okay=False,
-                                                          rich_help_panel=OUTPUT)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar "
                                                      "\\[default: only when stderr is a terminal].",
                                                      show_default=False, rich_help_panel=OUTPUT)] = None,
@@ -99,8 +206,11 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Most tokens generated per completion.",
                                             rich_help_panel=SAMPLING)] = 256,
     stop: Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable); not included in the text.",
+                                                      metavar="TEXT",
                                                       show_default=False, rich_help_panel=SAMPLING)] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Sampling seed; the i-th of n completions uses seed+i.",
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed of every record without its own seed (the "
+                                                "i-th of n completions uses seed+i). Not --engine-seed, which only "
+                                                "seeds requests that have no seed at all.",
                                                 show_default=False, rich_help_panel=SAMPLING)] = None,
     ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos", help="Keep generating past EOS.",
                                                        show_default=False, rich_help_panel=SAMPLING)] = None,
@@ -117,14 +227,18 @@ def generate(
     ({"custom_id", "method", "url", "body"}). Exit codes: 0 all answered, 1 some failed, 2 usage or
     input errors, 130 interrupted (run again with --resume).
     """
-    from llmcli.cli.generate import GenerateOptions, run_generate
+    from llmcli.cli.generate import GenerateOptions, UsageError, run_generate
     from llmcli.sampling_params import SamplingParams
+
+    template_kwargs: Optional[dict] = chat_template_kwargs  # type: ignore[assignment]  # parsed by its callback
 
     sampling = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, stop=stop or None, seed=seed,
                                       ignore_eos=ignore_eos, n=n).items() if v is not None}
     opts = GenerateOptions(
-        input=input, output=output, engine=engine, sampling=sampling, resume=resume or force_resume,
+        input=input if input is not None else (input_option or ""), output=output, strict=strict,
+        chat_template_kwargs=template_kwargs, reasoning_parser=reasoning_parser.value,
+        include_metrics=include_metrics, engine=engine, sampling=sampling, resume=resume or force_resume,
         force_resume=force_resume, overwrite=overwrite,
         ordered=not unordered, on_error=on_error.value, include_token_ids=include_token_ids,
         chat_template=chat_template, max_errors_shown=max_errors, progress=progress, quiet=quiet,
@@ -132,13 +246,17 @@ def generate(
         distributed_backend=distributed_backend.value if distributed_backend is not None else None)
 
     def run() -> int:
+        if input is None and input_option is None:
+            raise UsageError("no input file: give IN (- for stdin) or -i/--input")
+        if input is not None and input_option is not None:
+            raise UsageError("the input file is given twice (IN and -i/--input); give one")
         SamplingParams(**sampling)  # a bad flag is a usage error, not one error per record
         return run_generate(opts, _console())
 
     _guarded(run)
 
 
-@app.command()
+@app.command(cls=Command)
 @with_engine_options
 def bench(
     num_prompts: Annotated[int, typer.Option(help="Requests in the timed run.", rich_help_panel="Workload")] = 256,
@@ -171,7 +289,7 @@ def bench(
     _guarded(run)
 
 
-@app.command("probe-memory")
+@app.command("probe-memory", cls=Command)
 @with_engine_options
 def probe_memory(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.",

@@ -15,12 +15,14 @@ from llmcli.cli.io.lock import OutputLock, OutputLocked
 from llmcli.cli.io.output_checks import OutputError, check_output, describe_write_failure
 from llmcli.cli.io.prepare import Preparer, PreparedRequest
 from llmcli.models.hub import load_tokenizer
-from llmcli.cli.io.records import InputRecord, mark_duplicates, parse_line
+from llmcli.cli.io.fields import UnknownFieldReport
+from llmcli.cli.io.reasoning import choose_parser
+from llmcli.cli.io.records import InputRecord, did_you_mean, mark_duplicates, parse_line
 from llmcli.cli.io.resume import ResumeError, ResumeState, scan_output
 from llmcli.cli.io.source import read_lines, source_name
 from llmcli.cli.io.writer import OutputWriteError, RecordWriter, open_sink, reserve_stdout
 from llmcli.cli.progress import GenerateProgress, GenerateSummary, say, summary_table
-from llmcli.cli.runner import Runner, StopFlag
+from llmcli.cli.runner import Runner, StopFlag, token_budget
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -48,6 +50,17 @@ class GenerateOptions:
     data_parallel_size: int = 1  # engine replicas fed from this one input
     distributed_backend: str | None = None  # "local" (processes on this machine) | "ray"; None: ray with an address
     ray_address: str | None = None  # an existing Ray cluster (implies "ray")
+    strict: bool = False  # unknown record fields are input errors instead of warnings
+    chat_template_kwargs: dict[str, Any] | None = None  # --chat-template-kwargs (records' own win per key)
+    reasoning_parser: str = "auto"  # "auto" | "qwen3" | "none"
+    include_metrics: bool = False
+
+
+def _template_of(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one is what chat records use
+        template = template.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _check_output(opts: GenerateOptions) -> ResumeState:
@@ -118,6 +131,25 @@ def _read_records(opts: GenerateOptions) -> list[InputRecord]:
     except OSError as exc:
         raise UsageError(f"cannot read IN {opts.input}: {exc.strerror or exc}") from None
     return [parse_line(line) for line in lines]
+
+
+def _check_fields(records: list[InputRecord], strict: bool, console: Console, source: str, quiet: bool) -> None:
+    """Unknown fields: one warning per field name (with its lines), or with --strict an error per record."""
+    report = UnknownFieldReport()
+    for rec in records:
+        if rec.error is not None or not rec.unknown:
+            continue
+        if strict:
+            name = rec.unknown[0]
+            hint = did_you_mean(name)
+            rec.prompt = None
+            rec.fail(name, "unknown field (--strict)" + (f'; did you mean "{hint}"?' if hint else ""))
+            continue
+        for name in rec.unknown:
+            report.add(name, rec.line, did_you_mean(name))
+    if not quiet:
+        for message in report.messages(source):
+            say(console, message)
 
 
 def _report_errors(console: Console, source: str, bad: list[InputRecord], cap: int) -> None:
@@ -215,9 +247,12 @@ def _generate(opts: GenerateOptions, console: Console) -> int:
         tokenizer = load_tokenizer(config.model_path, config.tokenizer)
     except Exception as exc:  # only an explicit --tokenizer raises
         raise UsageError(f"--tokenizer {config.tokenizer} could not be loaded: {exc}") from None
-    preparer = Preparer(tokenizer, config.max_model_len, config.hf_config.vocab_size, opts.sampling, chat_template)
-    items: list[PreparedRequest | InputRecord] = [preparer.prepare(r) or r for r in todo]
+    preparer = Preparer(tokenizer, config.max_model_len, config.hf_config.vocab_size, opts.sampling, chat_template,
+                        opts.chat_template_kwargs)
+    reasoning = choose_parser(opts.reasoning_parser, chat_template or _template_of(tokenizer))
     source = source_name(opts.input)
+    _check_fields(todo, opts.strict, console, source, opts.quiet)
+    items: list[PreparedRequest | InputRecord] = preparer.prepare_all(todo)
     bad = [r for r in todo if r.error is not None]
     if bad and opts.on_error == "fail":
         # Nothing is generated from a malformed input: every problem is listed before the engine starts.
@@ -228,6 +263,9 @@ def _generate(opts: GenerateOptions, console: Console) -> int:
     if bad and not opts.quiet:
         _report_errors(console, source, bad, opts.max_errors_shown)
         say(console, f"{len(bad)} invalid records get error records in OUT")
+    if not opts.quiet and reasoning is not None and opts.reasoning_parser == "auto":
+        say(console, f"reasoning parser {reasoning}: the chat template uses <think>, so thinking goes to "
+                     "reasoning_content (--reasoning-parser none keeps it in the text)")
     if not opts.quiet:
         earlier = f", {resumed.errors} of them by error records" if resumed.errors else ""
         say(console, f"{len(todo)} records to run ({len(records) - len(todo)} already answered in OUT{earlier})")
@@ -252,7 +290,8 @@ def _generate(opts: GenerateOptions, console: Console) -> int:
             if opts.on_error == "fail":
                 say(console, f"{len(too_big)} records can never fit the KV cache; nothing was generated")
                 return EXIT_USAGE
-        code = _run(opts, console, engine, config, items, fp, len(records) - len(todo), started, source, stdout)
+        code = _run(opts, console, engine, config, items, fp, len(records) - len(todo), started, source, stdout,
+                    reasoning)
         # A resume finishes the run that wrote error records: it fails as that run did.
         return EXIT_FAILED if code == EXIT_OK and resumed.errors else code
     finally:
@@ -277,17 +316,20 @@ def _close_writer(writer: RecordWriter, failure: OutputWriteError | None) -> Out
 
 
 def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, items: list,
-         fp: Fingerprint, skipped: int, started: float, source: str, stdout: Any) -> int:
+         fp: Fingerprint, skipped: int, started: float, source: str, stdout: Any, reasoning: str | None) -> int:
     gen_started = time.perf_counter()
     show = not opts.quiet and (opts.progress if opts.progress is not None else console.is_terminal)
     _start_output(opts, fp)
     writer = RecordWriter(open_sink(opts.output, stdout), ordered=opts.ordered)
     failure: OutputWriteError | None = None
     window = 2 * config.max_num_seqs * opts.data_parallel_size  # enough waiting work for every replica
+    budget = sum(sum(token_budget(i, config.max_model_len)) for i in items if isinstance(i, PreparedRequest))
     try:
-        with StopFlag() as stop, GenerateProgress(len(items), console, enabled=show) as progress:
-            runner = Runner(engine, writer, progress, model=opts.engine["model"],
-                            include_token_ids=opts.include_token_ids, window=window, stop=stop)
+        with StopFlag() as stop, GenerateProgress(len(items), console, enabled=show, tokens_total=budget,
+                                                  started=gen_started) as progress:
+            runner = Runner(engine, writer, progress, model=opts.engine["model"], max_model_len=config.max_model_len,
+                            include_token_ids=opts.include_token_ids, window=window, stop=stop,
+                            include_metrics=opts.include_metrics, reasoning=reasoning)
             counts = runner.run(items)
     except BrokenPipeError:
         say(console, "output closed before every record was written")
@@ -307,7 +349,8 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
         console.print(summary_table(GenerateSummary(
             total=len(items), answered=counts.answered, failed=counts.failed, skipped=skipped,
             prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens,
-            wall_s=time.perf_counter() - started, generate_s=time.perf_counter() - gen_started,
+            # The progress display's clock stopped with the last record: its final rates are these.
+            wall_s=time.perf_counter() - started, generate_s=progress.state.elapsed_s,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             preemptions=stats.num_preemptions, interrupted=counts.interrupted)))
     if counts.interrupted:

@@ -24,8 +24,10 @@ class Knob:
     name: str  # the Config field
     type: Any
     help: str
+    default: str = ""  # shown in --help; Config holds the real default (a test keeps them equal)
     flag: str = ""  # defaults to --name-with-dashes
-    short: str = ""  # an extra short alias, e.g. -tp
+    aliases: tuple[str, ...] = ()  # other spellings, e.g. vLLM's name and a short form
+    choices: tuple[str, ...] = ()  # shown and checked as choices
 
     @property
     def option(self) -> str:
@@ -38,47 +40,95 @@ class Knob:
 
 
 ENGINE_KNOBS = (
-    Knob("max_num_batched_tokens", int, "Most tokens computed in one engine step (prefill chunks plus decodes)."),
-    Knob("max_num_seqs", int, "Most sequences running at once."),
-    Knob("max_model_len", int, "Longest sequence, prompt plus output "
-                               "\\[default: the model's max_position_embeddings, at most 40960]."),
-    Knob("gpu_memory_utilization", float, "Share of GPU memory llmcli may use for weights, activations and KV cache."),
-    Knob("tensor_parallel_size", int, "Ranks to shard the model over: GPUs on CUDA, processes on CPU.", short="-tp"),
-    Knob("enforce_eager", bool, "Run without CUDA graphs."),
-    Knob("kvcache_block_size", int, "Tokens per KV-cache block."),
-    Knob("num_kvcache_blocks", int, "Use exactly this many KV blocks instead of sizing the pool from free memory."),
+    Knob("max_num_batched_tokens", int, "Most tokens computed in one engine step (prefill chunks plus decodes).",
+         "16384"),
+    Knob("max_num_seqs", int, "Most sequences running at once.", "512"),
+    Knob("max_model_len", int, "Longest sequence, prompt plus output.",
+         "the model's max_position_embeddings, at most 40960"),
+    Knob("gpu_memory_utilization", float, "Share of GPU memory llmcli may use for weights, activations and KV cache.",
+         "0.9"),
+    Knob("tensor_parallel_size", int, "Ranks to shard the model over: GPUs on CUDA, processes on CPU.", "1",
+         aliases=("-tp",)),
+    Knob("enforce_eager", bool, "Run without CUDA graphs.", "off"),
+    Knob("kvcache_block_size", int, "Tokens per KV-cache block.", "256", aliases=("--block-size",)),
+    Knob("num_kvcache_blocks", int, "Use exactly this many KV blocks instead of sizing the pool from free memory.",
+         "sized from free memory", aliases=("--num-gpu-blocks-override",)),
     Knob("kv_cache_memory_gib", float, "Give the KV cache exactly this many GiB instead of sizing it from "
-                                       "free memory."),
-    Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens."),
-    Knob("device", str, "auto, cuda or cpu."),
-    Knob("dtype", str, "auto, float32, bfloat16 or float16 \\[default: the checkpoint's on GPU, float32 on CPU]."),
-    Knob("attention_backend", str, "auto, torch, triton or flash-attn."),
-    Knob("load_format", str, "auto, safetensors, or dummy (random weights from config.json alone, for benchmarks)."),
-    Knob("seed", int, "Engine seed; requests without their own --seed draw from it.", flag="--engine-seed"),
-    Knob("tokenizer", str, "Tokenizer folder or hub id, when it is not the model's."),
+                                       "free memory.", "sized from free memory; on CPU 4 GiB or less"),
+    Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens.", "on"),
+    Knob("device", str, "Where the engine runs.", "auto: cuda if visible, else cpu",
+         choices=("auto", "cuda", "cpu")),
+    Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",
+         choices=("auto", "float32", "bfloat16", "float16", "float", "half")),  # vLLM's names too
+    Knob("attention_backend", str, "Attention kernels.", "auto: flash-attn if installed, else triton; torch on CPU",
+         choices=("auto", "torch", "triton", "flash-attn")),
+    Knob("load_format", str, "dummy: random weights from config.json alone, for benchmarks.", "auto",
+         choices=("auto", "safetensors", "dummy")),
+    Knob("seed", int, "Engine seed: requests with no seed of their own (record field or generate's --seed) "
+                      "draw their sampling noise from it.", "0", flag="--engine-seed"),
+    Knob("tokenizer", str, "Tokenizer folder or hub id, when it is not the model's.", "the model's"),
 )
 
 
+def _choice_enum(knob: Knob) -> type[enum.Enum]:
+    return enum.Enum(knob.name.title().replace("_", ""), {c: c for c in knob.choices}, type=str)  # type: ignore
+
+
 def _knob_parameter(knob: Knob) -> inspect.Parameter:
-    decls = [f"{knob.option}/--no-{knob.option[2:]}" if knob.type is bool else knob.option]
-    if knob.short:
-        decls.append(knob.short)
-    option = typer.Option(*decls, help=knob.help, rich_help_panel=ENGINE_PANEL, show_default=False)
+    decls = [f"{knob.option}/--no-{knob.option[2:]}" if knob.type is bool else knob.option, *knob.aliases]
+    kind = _choice_enum(knob) if knob.choices else knob.type
+    help_text = knob.help + (f" \\[default: {knob.default}]" if knob.default else "")
+    option = typer.Option(*decls, help=help_text, rich_help_panel=ENGINE_PANEL, show_default=False,
+                          metavar="PATH" if knob.name == "tokenizer" else None)
     return inspect.Parameter(knob.param, inspect.Parameter.KEYWORD_ONLY, default=None,
-                             annotation=Annotated[Optional[knob.type], option])
+                             annotation=Annotated[Optional[kind], option])
 
 
 # -- --config FILE.toml ----------------------------------------------------------
-def _flag_to_param(ctx: typer.Context) -> dict[str, str]:
+def _flag_to_param(command: Any) -> dict[str, str]:
     """TOML keys are flag names without dashes in front: 'max-num-seqs' or 'max_num_seqs'."""
     table = {}
-    for param in ctx.command.params:
+    for param in command.params:
         for opt in list(param.opts) + list(getattr(param, "secondary_opts", [])):
             if opt.startswith("--") and not opt.startswith("--no-"):
                 table[opt[2:].replace("-", "_")] = param.name
         if param.param_type_name == "argument":
             table[param.name] = param.name
     return table
+
+
+def _toml_defaults(path: Path, data: dict[str, Any], command: str, own: Any, commands: dict[str, Any]) -> dict:
+    """The defaults ``data`` gives ``command``; a key or table no command knows is an error for every command."""
+    known = _flag_to_param(own)
+    defaults, unknown = {}, []
+    for key, item in data.items():
+        if isinstance(item, dict):
+            if commands and key not in commands:
+                raise typer.BadParameter(f"{path}: unknown table [{key}] (tables: "
+                                         f"{', '.join('[' + c + ']' for c in sorted(commands))})")
+            if key == command or not commands:
+                continue
+            # Another command's table: not applied here, but a typo in it is still a typo.
+            theirs = _flag_to_param(commands[key])
+            bad = [k for k in item if theirs.get(k.replace("-", "_")) in (None, "config")]
+            if bad:
+                raise typer.BadParameter(f"{path}: unknown key(s) in [{key}]: {', '.join(sorted(bad))}")
+            continue
+        name = known.get(key.replace("-", "_"))
+        if name is None or name == "config":
+            unknown.append(key)
+        else:
+            defaults[name] = item
+    section = data.get(command, {})
+    for key, item in (section.items() if isinstance(section, dict) else ()):
+        name = known.get(key.replace("-", "_"))
+        if name is None or name == "config":
+            unknown.append(f"[{command}] {key}")
+        else:
+            defaults[name] = item
+    if unknown:
+        raise typer.BadParameter(f"{path}: unknown key(s) for `llmcli {command}`: {', '.join(sorted(unknown))}")
+    return defaults
 
 
 def load_toml_defaults(ctx: typer.Context, value: Optional[Path]) -> Optional[Path]:
@@ -89,20 +139,9 @@ def load_toml_defaults(ctx: typer.Context, value: Optional[Path]) -> Optional[Pa
         data = tomllib.loads(Path(value).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise typer.BadParameter(f"cannot read {value}: {exc}") from None
-    command = ctx.info_name or ""
-    flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    section = data.get(command, {})
-    flat.update(section if isinstance(section, dict) else {})
-    known = _flag_to_param(ctx)
-    defaults, unknown = {}, []
-    for key, item in flat.items():
-        name = known.get(key.replace("-", "_"))
-        if name is None or name == "config":
-            unknown.append(key)
-        else:
-            defaults[name] = item
-    if unknown:
-        raise typer.BadParameter(f"{value}: unknown key(s) for `llmcli {command}`: {', '.join(sorted(unknown))}")
+    group = ctx.parent.command if ctx.parent is not None else None
+    commands = dict(getattr(group, "commands", {}) or {})
+    defaults = _toml_defaults(Path(value), data, ctx.info_name or "", ctx.command, commands)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
@@ -114,6 +153,7 @@ ConfigOption = Annotated[Optional[Path], typer.Option(
 
 ModelOption = Annotated[str, typer.Option(
     "--model", "-m", help="Model folder (config.json, *.safetensors, tokenizer) or Hugging Face hub id.",
+    metavar="MODEL",
     rich_help_panel=ENGINE_PANEL, show_default=False)]
 
 
@@ -163,7 +203,7 @@ def with_engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         for knob in ENGINE_KNOBS:
             value = kwargs.pop(knob.param)
             if value is not None:
-                engine[knob.name] = value
+                engine[knob.name] = value.value if isinstance(value, enum.Enum) else value
         return func(*args, engine=engine, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + added)

@@ -56,21 +56,36 @@ def report_dict(r: MemoryReport, knobs: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _title(r: MemoryReport) -> str:
+    if r.device == "cpu":
+        return f"llmcli probe-memory: CPU, {r.dtype}"
+    return f"llmcli probe-memory: {r.device_name}, {r.dtype}"
+
+
+def _sequences(n: float) -> str:
+    # Whole sequences are what fits at once; a fraction below one still says how far from one it is.
+    return f"{math.floor(n):,}" if n >= 1 else f"{n:.2f}"
+
+
 def render(r: MemoryReport, hint: str | None, console: Console) -> None:
+    cpu = r.device == "cpu"
     rows = [
         ("device memory", _gib(r.total_bytes)),
-        ("budget for llmcli", _gib(r.budget_bytes)),
+        # On CPU nothing is sized from a share of memory: the budget is the KV cache's alone.
+        ("KV-cache budget" if cpu else "budget for llmcli", _gib(r.budget_bytes)),
         ("weights", _gib(r.weights_bytes)),
-        ("activation peak (warm-up)", _gib(r.activation_peak_bytes)),
-        ("CUDA-graph pool", _gib(r.cuda_graph_bytes)),
-        ("other (context, allocator)", _gib(r.other_bytes)),
+        # The CPU allocator has no peak counter, so the warm-up measures nothing there.
+        ("activation peak (warm-up)", "n/a" if cpu and r.activation_peak_bytes == 0 else
+         _gib(r.activation_peak_bytes)),
+        ("CUDA-graph pool", "n/a" if cpu else _gib(r.cuda_graph_bytes)),
+        ("other (context, allocator)", "n/a" if cpu and r.other_bytes == 0 else _gib(r.other_bytes)),
         ("KV bytes per token", f"{r.kv_bytes_per_token:,}"),
         ("KV bytes per block", f"{r.kv_bytes_per_block:,} ({r.block_size} tokens)"),
         ("KV blocks", f"{r.num_blocks:,} ({_gib(r.num_blocks * r.kv_bytes_per_block)})"),
         ("tokens the cache holds", f"{r.cache_tokens:,}"),
-        (f"sequences of max_model_len={r.max_model_len:,} at once", f"{r.max_concurrent_full_seqs:.2f}"),
+        (f"sequences of max_model_len={r.max_model_len:,} at once", _sequences(r.max_concurrent_full_seqs)),
     ]
-    console.print(key_value_table(f"llmcli probe-memory: {r.device_name} ({r.device}, {r.dtype})", rows))
+    console.print(key_value_table(_title(r), rows))
     for note in r.notes:
         say(console, f"note: {note}")
     if hint:

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
 
 def say(console: Console, text: str) -> None:
@@ -24,74 +24,108 @@ def _human(x: float) -> str:
     return f"{x:.0f}"
 
 
-class _Rates:
-    """Token rates over the last few seconds (a cumulative average would hide slow-downs)."""
+def _clock(seconds: float) -> str:
+    s = max(0, int(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
-    def __init__(self, window_s: float = 5.0) -> None:
-        self.window_s = window_s
-        self.samples: deque[tuple[float, int, int]] = deque()
 
-    def add(self, prompt_tokens: int, generated: int) -> tuple[float, float]:
-        now = time.monotonic()
-        self.samples.append((now, prompt_tokens, generated))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
-            self.samples.popleft()
-        t0, p0, g0 = self.samples[0]
-        dt = now - t0
-        return ((prompt_tokens - p0) / dt, (generated - g0) / dt) if dt > 0 else (0.0, 0.0)
+@dataclass
+class ProgressState:
+    """What one frame shows. Token progress is generated tokens plus the unused budget of finished
+    completions (one that stops at EOS early is done), against the run's whole budget."""
+
+    records_total: int
+    tokens_total: int  # sum over completions of max_tokens (or what max_model_len leaves)
+    records_done: int = 0
+    unused_tokens: int = 0
+    generated: int = 0
+    prompt_done: int = 0  # prompt tokens processed (computed or served by the prefix cache)
+    running: int = 0
+    waiting: int = 0  # the engine's queue plus the run's requests not yet handed to it
+    kv_usage: float = 0.0
+    elapsed_s: float = 0.0
+    finished: bool = False
+
+    @property
+    def tokens_done(self) -> int:
+        return min(self.tokens_total, self.generated + self.unused_tokens)
+
+
+def frame(st: ProgressState) -> Table:
+    """Two lines that fit 80 columns: the bar with token progress and times, then requests, rates, queues."""
+    fraction = st.tokens_done / st.tokens_total if st.tokens_total else (1.0 if st.finished else 0.0)
+    if st.finished:
+        times = f"{_clock(st.elapsed_s)} " + ("done" if st.records_done >= st.records_total else "stopped")
+    elif st.tokens_done > 0:
+        times = f"{_clock(st.elapsed_s)} eta {_clock(st.elapsed_s * (1 - fraction) / max(fraction, 1e-9))}"
+    else:
+        times = f"{_clock(st.elapsed_s)} eta -:--:--"
+    elapsed = max(st.elapsed_s, 1e-9)
+    top = Table.grid(expand=True, padding=(0, 1))
+    top.add_column(no_wrap=True)
+    top.add_column(ratio=1)
+    top.add_column(no_wrap=True, justify="right")
+    top.add_row("[bold]generate", ProgressBar(total=1.0, completed=fraction),
+                f"{fraction:4.0%} {_human(st.tokens_done)}/{_human(st.tokens_total)} tok  {times}")
+    line = (f"req {st.records_done}/{st.records_total}  prompt {_human(st.prompt_done / elapsed)} tok/s  "
+            f"gen {_human(st.generated / elapsed)} tok/s  run {st.running}  wait {st.waiting}  KV {st.kv_usage:.0%}")
+    grid = Table.grid()
+    grid.add_row(top)
+    grid.add_row(Text(line, no_wrap=True, overflow="ellipsis"))
+    return grid
 
 
 class GenerateProgress:
-    """Live bar: requests done / total, prompt and generation tok/s, running / waiting, KV use, times.
+    """Live two-line display on stderr; rates are averages since generation started, as in the summary.
 
     Disabled, it does nothing, so the runner calls it unconditionally.
     """
 
-    def __init__(self, total: int, console: Console, enabled: bool) -> None:
+    def __init__(self, total: int, console: Console, enabled: bool, tokens_total: int = 0,
+                 started: float | None = None) -> None:
         self.enabled = enabled
-        self._rates = _Rates()
-        self._last_refresh = 0.0
-        self._progress = Progress(
-            TextColumn("[bold]generate"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[rates]}"),
-            TextColumn("{task.fields[queue]}"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=console,
-            transient=False,
-            disable=not enabled,
-        )
-        self._task = self._progress.add_task("generate", total=total, rates="", queue="")
+        self.state = ProgressState(records_total=total, tokens_total=tokens_total)
+        self._started = time.perf_counter() if started is None else started
+        self._live = Live(console=console, get_renderable=self._render, refresh_per_second=4,
+                          transient=False, redirect_stdout=False, redirect_stderr=False) if enabled else None
+
+    def _render(self) -> Table:
+        if not self.state.finished:
+            self.state.elapsed_s = time.perf_counter() - self._started
+        return frame(self.state)
 
     def __enter__(self) -> "GenerateProgress":
-        if self.enabled:
-            self._progress.start()
+        if self._live is not None:
+            self._live.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            self._progress.stop()
+        if self._live is not None:
+            self._live.stop()
+            if not self._live.console.is_terminal:
+                self._live.console.line()  # Rich ends the frame with a newline on terminals only
 
-    def advance(self, n: int = 1) -> None:
-        if self.enabled:
-            self._progress.advance(self._task, n)
+    def advance(self, n: int = 1, unused_tokens: int = 0) -> None:
+        """``n`` records written; ``unused_tokens`` of the budget will never be generated."""
+        self.state.records_done += n
+        self.state.unused_tokens += unused_tokens
 
-    def update(self, stats: Any) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last_refresh < 0.2:  # stats are cheap, but re-rendering every step is not
-            return
-        self._last_refresh = now
-        prompt_rate, gen_rate = self._rates.add(stats.prefill_tokens_computed, stats.generated_tokens)
-        self._progress.update(
-            self._task,
-            rates=f"prompt {_human(prompt_rate)} tok/s · gen {_human(gen_rate)} tok/s",
-            queue=f"run {stats.num_running} · wait {stats.num_waiting} · KV {stats.kv_cache_usage:.0%}",
-        )
+    def update(self, stats: Any, pending: int = 0) -> None:
+        st = self.state
+        st.generated = stats.generated_tokens
+        # Admitted prompt tokens (what the summary counts) once they are processed, not when queued.
+        st.prompt_done = min(stats.prompt_tokens, stats.prefill_tokens_computed + stats.prefix_cache_hit_tokens)
+        st.running, st.waiting, st.kv_usage = stats.num_running, stats.num_waiting + pending, stats.kv_cache_usage
+
+    def finish(self, stats: Any, pending: int = 0) -> None:
+        """The last frame: the final counters, and the clock stopped."""
+        self.update(stats, pending)
+        if not pending and not stats.num_running and not stats.num_waiting:
+            self.state.prompt_done = stats.prompt_tokens
+        self.state.elapsed_s = time.perf_counter() - self._started
+        self.state.finished = True
+        if self._live is not None:
+            self._live.refresh()
 
 
 @dataclass

@@ -15,8 +15,15 @@ from llmcli.cli.io.writer import RecordWriter
 
 
 class ProgressSink(Protocol):
-    def advance(self, n: int = 1) -> None: ...
-    def update(self, stats: Any) -> None: ...
+    def advance(self, n: int = 1, unused_tokens: int = 0) -> None: ...
+    def update(self, stats: Any, pending: int = 0) -> None: ...
+    def finish(self, stats: Any, pending: int = 0) -> None: ...
+
+
+def token_budget(item: PreparedRequest, max_model_len: int) -> list[int]:
+    """Most tokens each completion of ``item`` can generate: max_tokens, or what max_model_len leaves."""
+    room = max(0, max_model_len - len(item.prompt_token_ids))
+    return [room if p.max_tokens is None else min(p.max_tokens, room) for p in item.params]
 
 
 @dataclass
@@ -66,22 +73,28 @@ class Runner:
     """
 
     def __init__(self, engine: Any, writer: RecordWriter, progress: ProgressSink, *, model: str,
-                 include_token_ids: bool, window: int, stop: StopFlag) -> None:
+                 include_token_ids: bool, window: int, stop: StopFlag, include_metrics: bool = False,
+                 reasoning: str | None = None, max_model_len: int = 0) -> None:
         self.engine = engine
         self.writer = writer
         self.progress = progress
         self.model = model
         self.include_token_ids = include_token_ids
+        self.include_metrics = include_metrics
+        self.reasoning = reasoning
         self.window = max(1, window)
         self.stop = stop
         self.counts = RunCounts()
         self._groups: dict[int, list[RequestOutput | None]] = {}
         self._requests: dict[int, PreparedRequest] = {}
         self._inflight = 0
+        self._pending_seqs = 0  # completions of the run not yet handed to the engine
+        self.max_model_len = max_model_len
 
     def run(self, items: list[PreparedRequest | InputRecord]) -> RunCounts:
         """Answer every item (its position in ``items`` is its output order)."""
         pending = deque(enumerate(items))
+        self._pending_seqs = sum(len(i.params) for i in items if isinstance(i, PreparedRequest))
         try:
             while not self.stop.requested:
                 self._admit(pending)
@@ -91,7 +104,7 @@ class Runner:
                     continue
                 for out in self.engine.step():
                     self._collect(out)
-                self.progress.update(self.engine.stats)
+                self.progress.update(self.engine.stats, self._pending_seqs)
         except KeyboardInterrupt:
             self.stop.requested, self.stop.signal_name = True, "SIGINT"
         except Exception:
@@ -103,6 +116,7 @@ class Runner:
             self.counts.interrupted, self.counts.signal_name = True, self.stop.signal_name
             # Finished work is final even if an earlier record is not: keep it, --resume fills the gaps.
             self.writer.drain()
+        self.progress.finish(self.engine.stats, self._pending_seqs)
         return self.counts
 
     def _admit(self, pending: deque) -> None:
@@ -111,12 +125,13 @@ class Runner:
             if isinstance(item, InputRecord):
                 self._write_error(position, item)
                 continue
+            self._pending_seqs -= len(item.params)
             try:
                 for i, params in enumerate(item.params):
                     self.engine.add_request(item.prompt_token_ids, params, request_id=f"{position}.{i}")
             except RequestRejected as exc:  # can never run with this model or KV pool
                 item.record.fail(item.record.prompt_field(), str(exc))
-                self._write_error(position, item.record)
+                self._write_error(position, item.record, unused=sum(self._budget(item)))
                 continue  # siblings added before the rejection finish unseen: _collect ignores them
             self._groups[position] = [None] * len(item.params)
             self._requests[position] = item
@@ -130,15 +145,21 @@ class Runner:
             return
         group[index] = out
         self._inflight -= 1
+        item = self._requests[position]
+        self.progress.advance(0, unused_tokens=max(0, self._budget(item)[index] - len(out.token_ids)))
         if all(o is not None for o in group):
-            item = self._requests.pop(position)
+            del self._requests[position]
             del self._groups[position]
-            record = result_record(item.record, group, model=self.model, include_token_ids=self.include_token_ids)
+            record = result_record(item.record, group, model=self.model, include_token_ids=self.include_token_ids,
+                                   include_metrics=self.include_metrics, reasoning=self.reasoning)
             self.writer.put(position, record)
             self.counts.answered += 1
             self.progress.advance(1)
 
-    def _write_error(self, position: int, rec: InputRecord) -> None:
+    def _budget(self, item: PreparedRequest) -> list[int]:
+        return token_budget(item, self.max_model_len)
+
+    def _write_error(self, position: int, rec: InputRecord, unused: int = 0) -> None:
         self.writer.put(position, error_record(rec))
         self.counts.failed += 1
-        self.progress.advance(1)
+        self.progress.advance(1, unused_tokens=unused)

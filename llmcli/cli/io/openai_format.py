@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
+from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
 
 
@@ -20,10 +21,13 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def _choice(index: int, out: RequestOutput, chat: bool) -> dict[str, Any]:
+def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None) -> dict[str, Any]:
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": None, "finish_reason": out.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if reasoning is not None:  # as vLLM's chat completions carry it, beside the content
+            split = split_reasoning(reasoning, out.text)
+            message = {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": out.finish_reason}
     return {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
 
 
@@ -36,15 +40,16 @@ def _line(rec: InputRecord, status: int, body: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str) -> dict[str, Any]:
-    """The batch output line answering ``rec`` with its n completions."""
+def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str,
+                  reasoning: str | None = None) -> dict[str, Any]:
+    """The batch output line answering ``rec`` with its n completions (text completions are never split)."""
     chat = rec.openai.chat
     body = {
         "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(i, out, chat) for i, out in enumerate(outputs)],
+        "choices": [_choice(i, out, chat, reasoning) for i, out in enumerate(outputs)],
         "usage": _usage(outputs),
     }
     return _line(rec, 200, body)

@@ -5,30 +5,51 @@ from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
 from llmcli.cli.io.openai_format import openai_error, openai_result
+from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
 
 
-def _completion(out: RequestOutput, include_token_ids: bool) -> dict[str, Any]:
-    item: dict[str, Any] = {"text": out.text, "finish_reason": out.finish_reason}
+def _metrics(out: RequestOutput) -> dict[str, Any]:
+    first = out.first_token_time
+    return {
+        "time_to_first_token_s": round(first - out.arrival_time, 6) if first is not None else None,
+        "total_time_s": round(out.finish_time - out.arrival_time, 6),
+        "cached_prompt_tokens": out.num_cached_prompt_tokens,
+    }
+
+
+def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bool,
+                reasoning: str | None) -> dict[str, Any]:
+    split = split_reasoning(reasoning, out.text)
+    item: dict[str, Any] = {"text": split.content}
+    if reasoning is not None:
+        item["reasoning_content"] = split.reasoning
+    item["finish_reason"] = out.finish_reason
     if include_token_ids:
         item["token_ids"] = list(out.token_ids)
+    if include_metrics:
+        item["metrics"] = _metrics(out)
     return item
 
 
-def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str,
-                  include_token_ids: bool = False) -> dict[str, Any]:
-    """The output line for ``rec``; ``outputs`` are its n completions in index order."""
+def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str, include_token_ids: bool = False,
+                  include_metrics: bool = False, reasoning: str | None = None) -> dict[str, Any]:
+    """The output line for ``rec``; ``outputs`` are its n completions in index order.
+
+    ``reasoning`` names the reasoning parser (None: the text is left whole)."""
     if rec.openai is not None:
-        return openai_result(rec, outputs, model)
+        return openai_result(rec, outputs, model, reasoning=reasoning)
     line: dict[str, Any] = {"id": rec.out_id}
     if len(outputs) == 1:
-        line.update(_completion(outputs[0], include_token_ids))
+        line.update(_completion(outputs[0], include_token_ids, include_metrics, reasoning))
     else:
-        line["choices"] = [{"index": i, **_completion(o, include_token_ids)} for i, o in enumerate(outputs)]
-    line["usage"] = {
-        "prompt_tokens": len(outputs[0].prompt_token_ids),
-        "completion_tokens": sum(len(o.token_ids) for o in outputs),
-    }
+        line["choices"] = [{"index": i, **_completion(o, include_token_ids, include_metrics, reasoning)}
+                           for i, o in enumerate(outputs)]
+    if include_token_ids:
+        line["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
+    prompt = len(outputs[0].prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in outputs)
+    line["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     return line
 
 

@@ -23,13 +23,24 @@ class Preparer:
     """Encodes prompts and builds sampling settings: CLI defaults overridden by per-record fields."""
 
     def __init__(self, tokenizer: Any | None, max_model_len: int, vocab_size: int,
-                 defaults: dict[str, Any], chat_template: str | None = None) -> None:
+                 defaults: dict[str, Any], chat_template: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.defaults = defaults
         self.chat_template = chat_template
         self._longest_token: int | None = None
+        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs; a record's own keys win
+        self._rendered: dict[int, list[int]] = {}  # id(record) -> chat prompt ids rendered in a batch
+
+    def prepare_all(self, records: list[InputRecord]) -> list[PreparedRequest | InputRecord]:
+        """``prepare`` for each record (the request, or the record with its error), chat templates in batches."""
+        self._render_chats([r for r in records if r.error is None and r.kind == "messages"])
+        try:
+            return [self.prepare(r) or r for r in records]
+        finally:
+            self._rendered.clear()
 
     def prepare(self, rec: InputRecord) -> PreparedRequest | None:
         """The request for ``rec``, or None after recording the problem in ``rec.error``."""
@@ -68,7 +79,7 @@ class Preparer:
             raise FieldProblem(name, "the model has no tokenizer; give prompt_token_ids instead")
         elif rec.kind == "messages":
             self._check_bytes(sum(len(m["content"].encode()) for m in rec.prompt), name)
-            ids = self._chat(rec.prompt, name)
+            ids = self._rendered.get(id(rec)) or self._chat(rec.prompt, name, self._kwargs_of(rec))
         else:
             self._check_bytes(len(rec.prompt.encode()), name)
             # As the engine does: the text is the whole prompt, no special tokens added around it.
@@ -92,13 +103,40 @@ class Preparer:
             raise FieldProblem(name, f"prompt is {size} bytes, too long for max_model_len={self.max_model_len} "
                                      f"at any tokenization (no token is longer than {self._longest_token} bytes)")
 
-    def _chat(self, messages: list[dict[str, Any]], name: str) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+    def _kwargs_of(self, rec: InputRecord) -> dict[str, Any]:
+        return {**self.template_kwargs, **(rec.chat_template_kwargs or {})}
+
+    def _template_args(self, extra: dict[str, Any]) -> dict[str, Any]:
+        # The template's own variables go in as keyword arguments (enable_thinking=False, ...), after ours.
+        kwargs: dict[str, Any] = {**extra, "add_generation_prompt": True, "tokenize": False}
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
+        return kwargs
+
+    def _chat(self, messages: list[dict[str, Any]], name: str, extra: dict[str, Any]) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+            text = self.tokenizer.apply_chat_template(messages, **self._template_args(extra))
         except Exception as exc:  # jinja errors, or a tokenizer without a template
             raise FieldProblem(name, f"the chat template failed: {exc}") from None
         # The template already wrote any BOS it wants; do not let encode add another.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _render_chats(self, records: list[InputRecord]) -> None:
+        """Render and encode chat prompts a batch per distinct set of template kwargs.
+
+        A batch the template fails on is left to ``_chat``, record by record, so the error names its line.
+        """
+        if self.tokenizer is None or not records:
+            return
+        groups: dict[str, list[InputRecord]] = {}
+        for rec in records:
+            groups.setdefault(repr(sorted(self._kwargs_of(rec).items())), []).append(rec)
+        for group in groups.values():
+            try:
+                texts = self.tokenizer.apply_chat_template([r.prompt for r in group],
+                                                           **self._template_args(self._kwargs_of(group[0])))
+                encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            except Exception:  # noqa: BLE001 - one bad record; each is tried alone in prepare()
+                continue
+            for rec, ids in zip(group, encoded):
+                self._rendered[id(rec)] = list(ids)

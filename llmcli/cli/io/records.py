@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import orjson
 
+from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.source import RawLine
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -57,6 +58,8 @@ class InputRecord:
     prompt: Any = None  # str | list[dict] | list[int], by kind
     sampling: dict[str, Any] = field(default_factory=dict)  # per-record overrides, type-checked
     openai: OpenAIRequest | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    unknown: list[str] = field(default_factory=list)  # fields llmcli does not know (dotted), ignored
     error: RecordError | None = None
 
     def fail(self, field_name: str | None, message: str) -> None:
@@ -184,7 +187,40 @@ def _check_text(text: Any, name: str) -> str:
     return text
 
 
+def _known(openai_body: bool) -> set[str]:
+    # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
+    if openai_body:
+        return {"messages", "prompt", "chat_template_kwargs", *OPENAI_BODY_EXTRA, *_SAMPLING_CHECKS}
+    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS}
+
+
+def did_you_mean(name: str) -> str | None:
+    """The known field closest to an unknown (dotted) one, if any is close."""
+    import difflib
+
+    body = name.startswith("body.")
+    bare = name[5:] if body else name
+    match = difflib.get_close_matches(bare, sorted(_known(openai_body=body)), n=1, cutoff=0.75)
+    return (("body." if body else "") + match[0]) if match else None
+
+
+def _aliased(obj: dict[str, Any], prefix: str) -> dict[str, Any]:
+    try:
+        return resolve_aliases(obj)
+    except AliasConflict as exc:
+        raise FieldProblem(prefix + exc.alias, str(exc)) from None
+
+
+def _template_kwargs(src: dict[str, Any], name: str) -> dict[str, Any] | None:
+    value = src.get("chat_template_kwargs")
+    if value is not None and not isinstance(value, dict):
+        raise FieldProblem(name, f"must be an object, got {_type_name(value)}")
+    return value
+
+
 def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
+    rec.unknown = unknown_fields(obj, _known(openai_body=False))
+    obj = _aliased(obj, "")
     present = [f for f in PROMPT_FIELDS if f in obj]
     if not present:
         raise FieldProblem("prompt", "missing: give one of prompt, messages, prompt_token_ids")
@@ -203,6 +239,7 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     else:
         rec.prompt = _check_token_ids(value, "prompt_token_ids")
     rec.sampling = _take_sampling(obj, "")
+    rec.chat_template_kwargs = _template_kwargs(obj, "chat_template_kwargs")
 
 
 def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
@@ -216,17 +253,15 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise FieldProblem("body", f"must be an object, got {_type_name(body)}")
+    rec.unknown = (unknown_fields(obj, ("custom_id", "method", "url", "body"))
+                   + unknown_fields(body, _known(openai_body=True), prefix="body."))
+    body = _aliased(body, "body.")
     if rec.openai.chat:
         rec.kind, rec.prompt = "messages", _check_messages(body.get("messages"), "body.messages")
     else:
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
-    sampling = _take_sampling(body, "body.")
-    if "max_completion_tokens" in body and "max_tokens" not in sampling:
-        value = body["max_completion_tokens"]
-        if not (value is None or _is_int(value)):
-            raise FieldProblem("body.max_completion_tokens", f"must be an integer or null, got {_type_name(value)}")
-        sampling["max_tokens"] = value
-    rec.sampling = sampling
+    rec.sampling = _take_sampling(body, "body.")
+    rec.chat_template_kwargs = _template_kwargs(body, "body.chat_template_kwargs")
 
 
 def _openai_prompt(prompt: Any) -> tuple[str, Any]:
