@@ -59,6 +59,10 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time = 0.0
+        # logprobs, when asked for: (logprob, rank, top ids, top logprobs) per generated / prompt token
+        self.token_logprobs: list[tuple[float, int, list[int], list[float]]] = []
+        self.prompt_logprob_entries: list[tuple[float, int, list[int], list[float]]] = []
+        self.prompt_logprobs_done = 0  # prompt positions whose next-token logprobs are computed
 
     def __len__(self) -> int:
         return len(self.token_ids)

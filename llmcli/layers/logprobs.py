@@ -1,0 +1,44 @@
+"""Log probabilities on the device: the chosen token's and the top k, from the raw logits.
+
+"Raw" is the model's own distribution, ``log_softmax(logits)``, before penalties,
+temperature and the top-k / top-p / min-p filters (vLLM's default). Nothing of
+size vocab leaves the device: per row one logsumexp, one top-k and one gather.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLogprobs:
+    """Per row: the target token's logprob and rank (1 = likeliest), and the k likeliest tokens."""
+
+    logprobs: torch.Tensor  # [R] float32
+    ranks: torch.Tensor  # [R] int64
+    top_ids: torch.Tensor  # [R, k] int64
+    top_logprobs: torch.Tensor  # [R, k] float32
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TokenLogprobs:
+    """Logprobs of ``targets`` [R] under ``logits`` [R, V], and the top ``k`` (k may be 0)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(1, targets[:, None]).squeeze(1)
+    ranks = (logits > chosen[:, None]).sum(dim=-1) + 1
+    if k > 0:
+        top_values, top_ids = logits.topk(k, dim=-1)
+    else:
+        top_values = logits.new_zeros(logits.shape[0], 0)
+        top_ids = targets.new_zeros(logits.shape[0], 0)
+    return TokenLogprobs(chosen - lse, ranks, top_ids, top_values - lse[:, None])
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits,
+                           chunk: int = 1024) -> TokenLogprobs:
+    """``token_logprobs`` over many rows of hidden states, ``chunk`` rows of logits at a time (prompts)."""
+    parts = [token_logprobs(compute_logits(hidden[i:i + chunk]), targets[i:i + chunk], k)
+             for i in range(0, hidden.shape[0], chunk)]
+    return TokenLogprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                           ("logprobs", "ranks", "top_ids", "top_logprobs")))
