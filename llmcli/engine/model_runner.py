@@ -36,24 +36,17 @@ class LaunchedStep:
                  extras: StepExtras | None = None) -> None:
         self.sampled_seqs = sampled_seqs
         self.extras = extras
-        self._host = None
-        self._extra_host: list[torch.Tensor] = []
         self._done = None
-        more = extras.device_tensors() if extras is not None and tokens is not None else []
-        if tokens is None:
-            self._host = []
-        elif tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            for t in more:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                self._extra_host.append(host)
+        device = ([tokens] if tokens is not None else []) + (extras.device_tensors() if extras is not None else [])
+        if device and device[0].is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
+            for h, t in zip(host, device):
+                h.copy_(t, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
-        else:
-            self._host = tokens
-            self._extra_host = more
+            device = host
+        self._host: list[int] | torch.Tensor = device.pop(0) if tokens is not None else []
+        self._extra_host = device
 
     def token_ids(self) -> list[int]:
         if self._done is not None:
@@ -254,6 +247,8 @@ class ModelRunner:
         with self.timer.phase("sample"):
             if logits is None:
                 token_ids = None
+                if extras is not None:  # a prompt chunk that samples nothing may still want prompt logprobs
+                    extras.compute_logprobs(None, None, hidden, self.model.compute_logits)
             else:
                 raw = logits
                 if extras is not None:

@@ -79,9 +79,9 @@ class StepExtras:
             tables.add(rows, input_ids[input_rows])
         return tables.apply(logits, self.pen_logit_rows, self.pen_rows, *self.pen_settings)
 
-    def compute_logprobs(self, raw_logits: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
-                         compute_logits) -> None:
-        if self.lp_rows is not None:
+    def compute_logprobs(self, raw_logits: torch.Tensor | None, token_ids: torch.Tensor | None,
+                         hidden: torch.Tensor, compute_logits) -> None:
+        if self.lp_rows is not None and raw_logits is not None:
             self.sampled = token_logprobs(raw_logits[self.lp_rows], token_ids[self.lp_rows], self.lp_k)
         if self.prompt_rows is not None:
             self.prompt = chunked_token_logprobs(hidden[self.prompt_rows], self.prompt_targets, self.prompt_k,
