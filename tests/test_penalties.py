@@ -101,7 +101,7 @@ def test_greedy_repetition_penalty_matches_transformers_generate(tiny_model, hf_
 def test_greedy_presence_and_frequency_match_a_reference_loop(tiny_model, hf_oracle):
     """Decoding step by step on transformers' logits with the OpenAI definitions applied in Python."""
     ps = prompts([5, 33], seed=5)
-    settings = [(0.0, 1.5), (1.2, 0.6)]
+    settings = [(0.0, -2.0), (-2.0, 0.5)]  # negative: the tiny model rarely repeats on its own
     llm = make_llm(tiny_model)
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=pres,
                              frequency_penalty=freq) for pres, freq in settings]
