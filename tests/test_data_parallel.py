@@ -181,7 +181,7 @@ class ScriptedPool:
 
 
 def answer(request_id) -> RequestOutput:
-    return RequestOutput(request_id=request_id, prompt_token_ids=[1], token_ids=[2], text="x", finish_reason="length")
+    return RequestOutput.single(request_id=request_id, prompt_token_ids=[1], token_ids=[2], text="x", finish_reason="length")
 
 
 def test_failover_resends_unanswered_requests_and_drops_duplicates(tiny_model):

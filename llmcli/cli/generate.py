@@ -152,6 +152,10 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
         say(console, f"{len(bad)} invalid records get error records in OUT")
     if not opts.quiet:
         say(console, f"{len(todo)} records to run ({len(records) - len(todo)} already answered in OUT)")
+        applied = {k: v for k, v in config.sampling_defaults.items() if k not in opts.sampling}
+        if applied:
+            say(console, "the model's generation_config.json sets " + ", ".join(f"{k}={v}" for k, v in applied.items())
+                + " for records that leave them unset (--generation-config ignore: llmcli's neutral defaults)")
     if not todo:
         if opts.output != "-":
             Path(opts.output).touch()  # an empty input still leaves the OUT a script expects

@@ -56,6 +56,10 @@ ENGINE_KNOBS = (
     Knob("load_format", str, "auto, safetensors, or dummy (random weights from config.json alone, for benchmarks)."),
     Knob("seed", int, "Engine seed; requests without their own --seed draw from it.", flag="--engine-seed"),
     Knob("tokenizer", str, "Tokenizer folder or hub id, when it is not the model's."),
+    Knob("generation_config", str, "auto: sampling fields that neither a record nor a flag sets take the model's "
+                                   "generation_config.json values (temperature, top_p, top_k, min_p, "
+                                   "repetition_penalty), as vLLM does; ignore: llmcli's neutral defaults "
+                                   "\\[default: auto]."),
 )
 
 

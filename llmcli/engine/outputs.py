@@ -58,6 +58,14 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
+    @classmethod
+    def single(cls, request_id: Any, prompt_token_ids: list[int], token_ids: list[int], text: str,
+               finish_reason: str | None, stop_reason: str | int | None = None, **metrics: Any) -> "RequestOutput":
+        """One completion, built from the flat fields this class had before it was vLLM-shaped."""
+        return cls(request_id, None, list(prompt_token_ids),
+                   [CompletionOutput(0, text, list(token_ids), finish_reason, stop_reason)],
+                   metrics=RequestMetrics(**metrics))
+
     # -- the first completion and the metrics, under the names this class had before --------------
     @property
     def text(self) -> str:

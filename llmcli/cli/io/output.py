@@ -4,14 +4,17 @@ from __future__ import annotations
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
+from llmcli.cli.io.logprobs_format import plain_logprobs, plain_prompt_logprobs
 from llmcli.cli.io.openai_format import openai_error, openai_result
 from llmcli.cli.io.records import InputRecord
 
 
-def _completion(out: RequestOutput, include_token_ids: bool) -> dict[str, Any]:
+def _completion(out: RequestOutput, include_token_ids: bool, logprobs_k: int | None) -> dict[str, Any]:
     item: dict[str, Any] = {"text": out.text, "finish_reason": out.finish_reason}
     if include_token_ids:
         item["token_ids"] = list(out.token_ids)
+    if logprobs_k is not None and out.logprobs is not None:
+        item["logprobs"] = plain_logprobs(out.token_ids, out.logprobs, logprobs_k)
     return item
 
 
@@ -21,10 +24,15 @@ def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str,
     if rec.openai is not None:
         return openai_result(rec, outputs, model)
     line: dict[str, Any] = {"id": rec.out_id}
+    k = rec.sampling.get("logprobs")
     if len(outputs) == 1:
-        line.update(_completion(outputs[0], include_token_ids))
+        line.update(_completion(outputs[0], include_token_ids, k))
     else:
-        line["choices"] = [{"index": i, **_completion(o, include_token_ids)} for i, o in enumerate(outputs)]
+        line["choices"] = [{"index": i, **_completion(o, include_token_ids, k)} for i, o in enumerate(outputs)]
+    prompt_k = rec.sampling.get("prompt_logprobs")
+    if prompt_k is not None and outputs[0].prompt_logprobs is not None:
+        line["prompt_logprobs"] = plain_prompt_logprobs(outputs[0].prompt_token_ids, outputs[0].prompt_logprobs,
+                                                        prompt_k)
     line["usage"] = {
         "prompt_tokens": len(outputs[0].prompt_token_ids),
         "completion_tokens": sum(len(o.token_ids) for o in outputs),

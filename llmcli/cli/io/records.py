@@ -115,6 +115,11 @@ _SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "n": (_is_int, "an integer"),
+    "logprobs": (lambda v: v is None or _is_int(v), "an integer from 0 to 20 or null"),
+    "prompt_logprobs": (lambda v: v is None or _is_int(v), "an integer from 0 to 20 or null"),
+    "repetition_penalty": (_is_number, "a number"),
+    "presence_penalty": (_is_number, "a number"),
+    "frequency_penalty": (_is_number, "a number"),
 }
 SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
 
@@ -218,15 +223,29 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
         raise FieldProblem("body", f"must be an object, got {_type_name(body)}")
     if rec.openai.chat:
         rec.kind, rec.prompt = "messages", _check_messages(body.get("messages"), "body.messages")
+        sampling = _take_sampling({k: v for k, v in body.items() if k != "logprobs"}, "body.")
+        sampling.update(_chat_logprobs(body))
     else:
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
-    sampling = _take_sampling(body, "body.")
+        sampling = _take_sampling(body, "body.")
     if "max_completion_tokens" in body and "max_tokens" not in sampling:
         value = body["max_completion_tokens"]
         if not (value is None or _is_int(value)):
             raise FieldProblem("body.max_completion_tokens", f"must be an integer or null, got {_type_name(value)}")
         sampling["max_tokens"] = value
     rec.sampling = sampling
+
+
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """Chat completions ask with ``logprobs: true`` and ``top_logprobs: k``; plain records with ``logprobs: k``."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise FieldProblem("body.logprobs", f"must be true or false, got {_type_name(wanted)} {_short(wanted)}")
+    if top is not None and not _is_int(top):
+        raise FieldProblem("body.top_logprobs", f"must be an integer from 0 to 20, got {_type_name(top)}")
+    if top is not None and not wanted:
+        raise FieldProblem("body.top_logprobs", "needs \"logprobs\": true")
+    return {"logprobs": top or 0} if wanted else {}
 
 
 def _openai_prompt(prompt: Any) -> tuple[str, Any]:
