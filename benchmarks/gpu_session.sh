@@ -4,6 +4,7 @@
 #   e2e     tests/test_gpu_e2e.py (bf16 greedy agreement with transformers) and the triton kernel tests
 #   bench   benchmarks/bench_vs_hf.py, extra args in BENCH_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), extra args in TP_ARGS
+#   logprobs  benchmarks/logprobs_cost.py: bench workload with and without logprobs=5 (issue 15: cost <= 10%)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -26,6 +27,7 @@ for stage in "$@"; do
     e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e.log" ;;
     kernels) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -5 ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
+    logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
   esac
 done

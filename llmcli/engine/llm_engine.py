@@ -8,7 +8,8 @@ from typing import Any
 
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
-from llmcli.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from llmcli.engine.logprob_outputs import LazyLogprobs, TokenText
+from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence
@@ -45,7 +46,7 @@ class LLMEngine:
         # Host work of step N+1 overlaps the device's step N (tests turn it off to compare with the plain loop).
         self.overlap = True
         self.inflight: InflightStep | None = None
-        self._token_text: dict[int, str] = {}  # decoded logprob tokens
+        self._token_text = TokenText(self.tokenizer)  # decodes logprob tokens, once per id
 
     def _start_runner(self, config: Config) -> Any:
         if config.tensor_parallel_size > 1:
@@ -157,32 +158,17 @@ class LLMEngine:
             finish_reason=seq.finish_reason or "length", stop_reason=seq.stop_reason)
         if seq.params.logprobs is not None:
             entries = seq.token_logprobs[:len(completion.token_ids)]
-            completion.logprobs = [self._position(token, entry) for token, entry in zip(completion.token_ids, entries)]
+            completion.logprobs = LazyLogprobs(completion.token_ids, entries, self._token_text)
             completion.cumulative_logprob = sum(entry[0] for entry in entries)
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [self._position(token, entry) for token, entry
-                                        in zip(prompt_ids[1:], seq.prompt_logprob_entries)]
+            prompt_logprobs = LazyLogprobs(prompt_ids[1:], seq.prompt_logprob_entries, self._token_text,
+                                           leading_none=True)
         metrics = RequestMetrics(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                                  finish_time=seq.finish_time, num_cached_prompt_tokens=seq.num_cached_tokens)
         return RequestOutput(request_id=seq.request_id, prompt=None, prompt_token_ids=prompt_ids,
                              outputs=[completion], prompt_logprobs=prompt_logprobs, metrics=metrics)
-
-    def _position(self, token: int, entry: tuple[float, int, list[int], list[float]]) -> dict[int, Logprob]:
-        """vLLM's per-position shape: the chosen token first, then the top k (which may include it)."""
-        logprob, rank, top_ids, top_logprobs = entry
-        out = {token: Logprob(logprob, rank, self._decode(token))}
-        for i, (tid, lp) in enumerate(zip(top_ids, top_logprobs)):
-            if tid not in out:
-                out[tid] = Logprob(lp, i + 1, self._decode(tid))
-        return out
-
-    def _decode(self, token: int) -> str | None:
-        text = self._token_text.get(token)
-        if text is None and self.tokenizer is not None:
-            text = self._token_text[token] = self.tokenizer.decode([token])
-        return text
 
     def shutdown(self) -> None:
         close = getattr(self.model_runner, "shutdown", None)

@@ -15,6 +15,7 @@ from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.step_inputs import StepInputs, Uploader, all_greedy, prepare_decode, prepare_prefill, prepare_sampling
 from llmcli.kernels import make_backend
 from llmcli.kernels.backend import AttentionMetadata
+from llmcli.layers.logprobs import token_logprobs
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
 from llmcli.models import build_model
@@ -215,6 +216,7 @@ class ModelRunner:
                     log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
             self._sample_dummy(logits, use_filters=False)
             self._sample_dummy(logits, use_filters=True)
+            token_logprobs(logits, logits.argmax(dim=-1), 1)  # compiles the logprobs pass too
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

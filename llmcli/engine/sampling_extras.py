@@ -82,7 +82,10 @@ class StepExtras:
     def compute_logprobs(self, raw_logits: torch.Tensor | None, token_ids: torch.Tensor | None,
                          hidden: torch.Tensor, compute_logits) -> None:
         if self.lp_rows is not None and raw_logits is not None:
-            self.sampled = token_logprobs(raw_logits[self.lp_rows], token_ids[self.lp_rows], self.lp_k)
+            if len(self.lp_row_list) == raw_logits.shape[0]:  # every row asks: no gather
+                self.sampled = token_logprobs(raw_logits, token_ids, self.lp_k)
+            else:
+                self.sampled = token_logprobs(raw_logits[self.lp_rows], token_ids[self.lp_rows], self.lp_k)
         if self.prompt_rows is not None:
             self.prompt = chunked_token_logprobs(hidden[self.prompt_rows], self.prompt_targets, self.prompt_k,
                                                  compute_logits)

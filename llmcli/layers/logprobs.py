@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmcli.layers.compile import compile_on_cuda
+
 
 @dataclass
 class TokenLogprobs:
@@ -21,18 +23,26 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor  # [R, k] float32
 
 
+@compile_on_cuda
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor):
+    """One fused pass on CUDA: logsumexp, the target's logprob and its rank (no float32 copy of the logits)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    chosen = x.gather(1, targets[:, None]).squeeze(1)
+    ranks = (x > chosen[:, None]).sum(dim=-1) + 1
+    return chosen - lse, ranks, lse
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TokenLogprobs:
     """Logprobs of ``targets`` [R] under ``logits`` [R, V], and the top ``k`` (k may be 0)."""
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    chosen = logits.gather(1, targets[:, None]).squeeze(1)
-    ranks = (logits > chosen[:, None]).sum(dim=-1) + 1
+    chosen, ranks, lse = _target_logprobs(logits, targets)
     if k > 0:
-        top_values, top_ids = logits.topk(k, dim=-1)
+        top_values, top_ids = logits.topk(k, dim=-1)  # in the logits' own dtype: the order is the same
+        top_logprobs = top_values.float() - lse[:, None]
     else:
-        top_values = logits.new_zeros(logits.shape[0], 0)
+        top_logprobs = lse.new_zeros(logits.shape[0], 0)
         top_ids = targets.new_zeros(logits.shape[0], 0)
-    return TokenLogprobs(chosen - lse, ranks, top_ids, top_values - lse[:, None])
+    return TokenLogprobs(chosen, ranks, top_ids, top_logprobs)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits,
