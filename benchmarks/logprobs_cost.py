@@ -72,7 +72,8 @@ def main() -> None:
     print("| --- | --- | --- |")
     for key, label in (("off", "no logprobs"), ("on", f"logprobs={args.logprobs}")):
         print(f"| {label} | {best[key]:,.0f} | {', '.join(f'{e:.2f}' for e, _ in results[key])} |")
-    print(f"| reading every logprob back as vLLM-shaped dicts (after the run) | {min(BUILD_S[1:] or BUILD_S):.2f} s | |")
+    built = min(BUILD_S[1:] or BUILD_S)
+    print(f"| reading every logprob back as vLLM-shaped dicts (after the run) | {built:.2f} s | |")
     verdict = "PASS" if ratio >= 0.9 else "FAIL"
     print(f"| ratio | {ratio:.3f} ({(1 - ratio) * 100:.1f}% cost; bar: at most 10%) | {verdict} |")
     llm.shutdown()

@@ -117,3 +117,20 @@ def test_greedy_presence_and_frequency_match_a_reference_loop(tiny_model, hf_ora
         assert out.token_ids == ids[len(p):]
     plain = llm.generate(ps, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert [o.token_ids for o in plain] != [o.token_ids for o in outs]  # else the test proves nothing
+
+
+def test_preemption_keeps_counts_and_logprobs(tiny_model):
+    """A pool too small for the batch preempts and recomputes sequences; their penalty counts (kept on the
+    device across the recompute) and logprobs must come out as in a run with room for everything."""
+    ps = prompts([40, 60, 25, 50, 35, 45, 30, 55], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.4,
+                            frequency_penalty=-0.5, logprobs=2, prompt_logprobs=1)
+    roomy = make_llm(tiny_model).generate(ps, params)
+    tight = make_llm(tiny_model, num_kvcache_blocks=12, max_num_batched_tokens=24)
+    outs = tight.generate(ps, params)
+    assert tight.engine.stats.num_preemptions > 0
+    for a, b in zip(roomy, outs):
+        assert a.token_ids == b.token_ids
+        assert [sorted(p) for p in a.outputs[0].logprobs] == [sorted(p) for p in b.outputs[0].logprobs]
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        assert [p and sorted(p) for p in a.prompt_logprobs] == [p and sorted(p) for p in b.prompt_logprobs]

@@ -83,12 +83,15 @@ def generate(
                                                      show_default=False, rich_help_panel=OUTPUT)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, summary or notes on stderr "
                                         "(errors are still reported).", rich_help_panel=OUTPUT)] = False,
-    temperature: Annotated[Optional[float], typer.Option(help="0 is greedy. \\[default: the model's generation_config.json, else 1.0]", show_default=False,
-                                                         rich_help_panel=SAMPLING)] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling mass. \\[default: generation_config.json, else 1.0, off]",
-                                                   show_default=False, rich_help_panel=SAMPLING)] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="Keep the k likeliest tokens. \\[default: generation_config.json, else -1, off]",
-                                                 show_default=False, rich_help_panel=SAMPLING)] = None,
+    temperature: Annotated[Optional[float], typer.Option(
+        help="0 is greedy. \\[default: the model's generation_config.json, else 1.0]", show_default=False,
+        rich_help_panel=SAMPLING)] = None,
+    top_p: Annotated[Optional[float], typer.Option(
+        help="Nucleus sampling mass. \\[default: generation_config.json, else 1.0, off]", show_default=False,
+        rich_help_panel=SAMPLING)] = None,
+    top_k: Annotated[Optional[int], typer.Option(
+        help="Keep the k likeliest tokens. \\[default: generation_config.json, else -1, off]", show_default=False,
+        rich_help_panel=SAMPLING)] = None,
     min_p: Annotated[Optional[float], typer.Option(help="Drop tokens below min_p times the top probability. "
                                                    "\\[default: generation_config.json, else 0, off]",
                                                    show_default=False, rich_help_panel=SAMPLING)] = None,

@@ -127,6 +127,8 @@ class StepLogprobs:
 def plan_extras(seqs: list[Sequence], sampled: list[Sequence], uploader, penalty_rows: PenaltyRows,
                 ) -> StepExtras | None:
     """The extras of one step over ``seqs`` (scheduled, in input order) of which ``sampled`` sample."""
+    if not any(s.wants_extras for s in seqs):
+        return None
     wants_lp = [s.params.logprobs is not None for s in sampled]
     wants_pen = [s.params.has_penalties for s in sampled]
     wants_prompt = any(s.params.prompt_logprobs is not None and s.prompt_logprobs_done < s.num_prompt_tokens - 1
