@@ -59,8 +59,11 @@ class PenaltyTables:
 
     def apply(self, logits: torch.Tensor, logit_rows: torch.Tensor, rows: torch.Tensor, repetition: torch.Tensor,
               presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-        """``logits`` with rows ``logit_rows`` penalised by table rows ``rows`` (a new float32 tensor)."""
-        out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
-        out[logit_rows] = apply_penalties(out[logit_rows], self.seen[rows], self.counts[rows], repetition,
-                                          presence, frequency)
+        """A copy of ``logits`` with rows ``logit_rows`` penalised by table rows ``rows``.
+
+        The maths runs in float32; the result keeps the logits' dtype, so the sampler sees the kernels it
+        compiled at start-up."""
+        out = logits.clone()
+        out[logit_rows] = apply_penalties(logits[logit_rows], self.seen[rows], self.counts[rows], repetition,
+                                          presence, frequency).to(logits.dtype)
         return out
