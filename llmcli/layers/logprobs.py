@@ -46,8 +46,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Token
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits,
-                           chunk: int = 1024) -> TokenLogprobs:
-    """``token_logprobs`` over many rows of hidden states, ``chunk`` rows of logits at a time (prompts)."""
+                           chunk: int = 256) -> TokenLogprobs:
+    """``token_logprobs`` over many rows of hidden states, ``chunk`` rows of logits at a time (prompts).
+
+    A chunk's logits stay below what start-up measured for the sampler (``max_num_seqs`` rows), so a long
+    prompt cannot push the step past the memory the KV pool left free."""
     parts = [token_logprobs(compute_logits(hidden[i:i + chunk]), targets[i:i + chunk], k)
              for i in range(0, hidden.shape[0], chunk)]
     return TokenLogprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in
