@@ -104,3 +104,17 @@ def test_logprobs_range_is_checked():
         SamplingParams(logprobs=21)
     with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_chunked_prompt_rows_match_one_pass():
+    from llmcli.layers.logprobs import chunked_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(20, 8, generator=g), torch.randn(50, 8, generator=g)
+    targets = torch.randint(0, 50, (20,), generator=g)
+    got = chunked_token_logprobs(hidden, targets, 4, lambda h: h @ weight.T, chunk=7)
+    ref = torch.log_softmax(hidden @ weight.T, dim=-1)
+    assert torch.allclose(got.logprobs, ref.gather(1, targets[:, None]).squeeze(1), atol=1e-5)
+    assert torch.equal(got.top_ids, ref.topk(4).indices)
+    assert torch.allclose(got.top_logprobs, ref.topk(4).values, atol=1e-5)
+    assert torch.equal(got.ranks, (ref > ref.gather(1, targets[:, None])).sum(-1) + 1)
