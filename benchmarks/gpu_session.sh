@@ -6,6 +6,7 @@
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), extra args in TP_ARGS
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
 #   stopped-rank  benchmarks/stopped_rank_gpu.py: SIGSTOP of a TP=2 rank, heartbeat limit 5 s (needs 2 GPUs)
+#   logprobs  benchmarks/logprobs_cost.py: bench workload with and without logprobs=5 (issue 15: cost <= 10%)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -29,6 +30,7 @@ for stage in "$@"; do
     kernels) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -5 ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     stopped-rank) timeout 330 python3 benchmarks/stopped_rank_gpu.py 2>&1 | tee "$OUT/stopped_rank.log" ;;
+    logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
   esac

@@ -16,6 +16,7 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
           "float": torch.float32}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+GENERATION_CONFIGS = ("auto", "ignore")
 
 
 class ConfigError(ValueError):
@@ -47,15 +48,18 @@ class Config:
     load_format: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
+    generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
 
     # Filled in by __post_init__ (not user knobs).
     hf_config: Any = field(default=None, repr=False)
     model_path: Path | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict, repr=False)  # empty with "ignore"
 
     def __post_init__(self) -> None:
-        from llmcli.models.hub import load_generation_eos, load_hf_config, resolve_model_path
+        from llmcli.models.hub import (load_generation_defaults, load_generation_eos, load_hf_config,
+                                       resolve_model_path)
 
         self._check_simple_fields()
         self.device = self._resolve_device()
@@ -65,6 +69,8 @@ class Config:
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = load_hf_config(self.model_path)
         self.eos_token_ids = load_generation_eos(self.model_path, self.hf_config)
+        if self.generation_config == "auto":
+            self.sampling_defaults = load_generation_defaults(self.model_path)
         self.torch_dtype = self._resolve_dtype()
         self._check_model_len()
 
@@ -95,6 +101,9 @@ class Config:
             raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.load_format not in LOAD_FORMATS:
             raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
+                                                  "for fields a request leaves unset) or 'ignore'")
         if not isinstance(self.seed, int):
             raise self._fail("seed", "must be an integer")
 
@@ -157,5 +166,5 @@ class Config:
     @classmethod
     def knob_names(cls) -> list[str]:
         """The user-facing field names (what ``LLM(**kwargs)`` accepts)."""
-        derived = {"hf_config", "model_path", "torch_dtype", "eos_token_ids"}
+        derived = {"hf_config", "model_path", "torch_dtype", "eos_token_ids", "sampling_defaults"}
         return [f.name for f in fields(cls) if f.name not in derived and f.name != "model"]

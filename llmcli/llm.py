@@ -1,17 +1,24 @@
-"""LLM: the Python API, ``LLM(model, **knobs).generate(prompts, params)``."""
+"""LLM: the Python API, ``LLM(model, **knobs).generate(prompts, params)`` and ``.chat(messages, params)``."""
 from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
 from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
-from llmcli.engine.outputs import RequestOutput
+from llmcli.engine.outputs import CompletionOutput, RequestOutput
 from llmcli.engine.sequence import RequestRejected
 from llmcli.sampling_params import SamplingParams
 
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
+
+
+def _is_single(prompts: Any) -> bool:
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                and isinstance(prompts[0], int))
+
 
 class LLM:
-    """Offline generation over a batch of prompts (text or token ids)."""
+    """Offline generation over a batch of prompts (text or token ids, bare or in vLLM's dict forms)."""
 
     def __init__(self, model: str, **knobs: Any) -> None:
         self.engine = LLMEngine(Config(model, **knobs))
@@ -20,33 +27,92 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams holding the model's generation_config.json values (none with generation_config='ignore')."""
+        return SamplingParams(**self.engine.config.sampling_defaults)
+
     def generate(
         self,
-        prompts: Seq[str] | Seq[list[int]] | str,
+        prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in prompt order; each has ``text``, ``token_ids`` and ``finish_reason``."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        """One RequestOutput per prompt, in prompt order, each with ``n`` completions in ``.outputs``."""
+        if _is_single(prompts):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        texts, token_ids = [], []
+        for i, prompt in enumerate(prompts):
+            text, ids = self._prompt(prompt, i)
+            texts.append(text)
+            token_ids.append(ids)
         # Every prompt is checked before any is queued, so a rejected one leaves the engine untouched.
-        token_ids = [self.engine.encode(prompt) for prompt in prompts]
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             try:
-                self.engine.check_fits(ids, p)
+                self.engine.check_fits(ids, p.with_defaults(self.engine.config.sampling_defaults))
             except RequestRejected as exc:
                 raise RequestRejected(f"prompt {i}: {exc}") from None
-        results: dict[int, RequestOutput] = {}
         for i, (ids, p) in enumerate(zip(token_ids, params)):
-            self.engine.add_request(ids, p, request_id=i)
+            for j in range(p.n):
+                # the j-th completion of a seeded request uses seed + j, as the command line does
+                one = p.replace(n=1, seed=None if p.seed is None else p.seed + j)
+                self.engine.add_request(ids, one, request_id=(i, j))
+        done: dict[tuple[int, int], RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                results[out.request_id] = out
-        return [results[i] for i in range(len(prompts))]
+                done[out.request_id] = out
+        return [self._gather(i, texts[i], [done[(i, j)] for j in range(p.n)]) for i, p in enumerate(params)]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content}) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.engine.config.model} has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **(chat_template_kwargs or {}))
+            # the template already wrote any special tokens it wants
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params)
+
+    def _prompt(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:
+        """The prompt's text (when given as text) and its token ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.engine.encode(prompt["prompt"])
+            raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids', "
+                             f"got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            return prompt, self.engine.encode(prompt)
+        return None, list(prompt)
+
+    @staticmethod
+    def _gather(i: int, text: str | None, parts: list[RequestOutput]) -> RequestOutput:
+        """The n single-completion outputs of prompt ``i`` as one RequestOutput."""
+        first = parts[0]
+        outputs = [CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.stop_reason, o.outputs[0].logprobs,
+                                    o.outputs[0].cumulative_logprob) for j, o in enumerate(parts)]
+        metrics = first.metrics
+        metrics.first_token_time = min((o.metrics.first_token_time for o in parts
+                                        if o.metrics.first_token_time is not None), default=None)
+        metrics.finish_time = max(o.metrics.finish_time for o in parts)
+        return RequestOutput(request_id=i, prompt=text, prompt_token_ids=first.prompt_token_ids, outputs=outputs,
+                             prompt_logprobs=first.prompt_logprobs, metrics=metrics)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

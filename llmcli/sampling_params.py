@@ -1,13 +1,19 @@
 """Per-request sampling settings, validated when they are made."""
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 class SamplingParamsError(ValueError):
     """A sampling setting is out of range; the message names the field."""
+
+
+# Fields a model's generation_config.json may supply when the request leaves them unset, and the neutral
+# value each takes when neither sets it.
+MODEL_DEFAULTABLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -18,12 +24,22 @@ class SamplingParams:
     ``top_p=1`` and ``min_p=0`` switch those filters off. ``max_tokens=None``
     generates until EOS, a stop condition or ``max_model_len``. ``seed`` makes a
     request reproducible whatever it is batched with.
+
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` left
+    unset (``None``) take the model's generation_config.json values when the engine
+    runs with ``generation_config="auto"``, else the neutral values above; reading them
+    before that gives the neutral value. ``logprobs=k`` / ``prompt_logprobs=k`` (0-20)
+    return each generated / prompt token's log probability and the k likeliest
+    alternatives, from the model's raw distribution (before penalties and temperature).
+    ``repetition_penalty`` scales the logits of tokens seen in the prompt or output
+    (HF semantics); ``presence_penalty`` / ``frequency_penalty`` subtract from tokens
+    generated so far (OpenAI semantics).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     max_tokens: int | None = 16
     ignore_eos: bool = False
     stop: list[str] | None = None
@@ -32,42 +48,85 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.unset = frozenset(name for name in MODEL_DEFAULTABLE if getattr(self, name) is None)
+        for name in self.unset:
+            setattr(self, name, MODEL_DEFAULTABLE[name])
         self._check()
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with ``changes``; fields still unset here stay unset (``dataclasses.replace`` would set them)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        values.update({name: None for name in self.unset})
+        values.update(changes)
+        return SamplingParams(**values)
+
+    def with_defaults(self, defaults: dict[str, Any]) -> "SamplingParams":
+        """Unset fields take ``defaults`` (the model's generation config); the result has none unset."""
+        chosen = {name: defaults[name] for name in self.unset if name in defaults}
+        if not chosen and not self.unset:
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        values.update(chosen)
+        return SamplingParams(**values)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def _check(self) -> None:
         def bad(field_name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"SamplingParams.{field_name}: {why} (got {getattr(self, field_name)!r})")
 
-        for f in dataclasses.fields(self):
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):  # NaN passes every range check
                 raise bad(f.name, "must be a finite number")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
-        ):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1, or None for 'until the context is full'")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise bad("seed", "must be a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer from 0 to {MAX_LOGPROBS}, or None for none")
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a number > 0 (1 is off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be a number from -2 to 2 (0 is off)")
 
     @property
     def greedy(self) -> bool:

@@ -25,7 +25,7 @@ def rec_of(obj, number: int = 1):
 
 
 def fake_output(rid="0.0", prompt=(1, 2, 3), tokens=(7, 8), text="hi", reason="length"):
-    return RequestOutput(request_id=rid, prompt_token_ids=list(prompt), token_ids=list(tokens), text=text,
+    return RequestOutput.single(request_id=rid, prompt_token_ids=list(prompt), token_ids=list(tokens), text=text,
                          finish_reason=reason)
 
 

@@ -181,7 +181,7 @@ class ScriptedPool:
 
 
 def answer(request_id) -> RequestOutput:
-    return RequestOutput(request_id=request_id, prompt_token_ids=[1], token_ids=[2], text="x", finish_reason="length")
+    return RequestOutput.single(request_id=request_id, prompt_token_ids=[1], token_ids=[2], text="x", finish_reason="length")
 
 
 def test_failover_resends_unanswered_requests_and_drops_duplicates(tiny_model):
@@ -283,6 +283,24 @@ def test_two_local_replicas_match_one(tiny_model, inputs, one_replica, tmp_path)
     assert [line["id"] for line in got] == [line["id"] for line in one_replica["mixed"]]  # input order
     assert got == one_replica["mixed"]  # text, token ids, finish_reason, usage: all identical
     assert b"18 / 18" in result.stderr  # the summary counts every record once
+
+
+def test_logprobs_and_penalties_travel_from_replicas(tiny_model, tmp_path):
+    """Replicas ship vLLM-shaped outputs (logprobs built in the replica before pickling) to the driver."""
+    records = [{"id": i, "prompt_token_ids": [5 + i, 17, 42, 99][: 2 + i % 3], "logprobs": 2, "prompt_logprobs": 1,
+                "repetition_penalty": 1.3, "presence_penalty": -1.0} for i in range(6)]
+    inp = write_jsonl(tmp_path / "in.jsonl", records)
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    run(command(tiny_model, inp, one))
+    run(command(tiny_model, inp, two, "--data-parallel-size", "2"))
+    got, want = lines_of(two), lines_of(one)
+    assert [line["token_ids"] for line in got] == [line["token_ids"] for line in want]
+    for a, b in zip(got, want):
+        assert len(a["logprobs"]) == len(a["token_ids"]) and len(a["prompt_logprobs"]) == len(records[a["id"]][
+            "prompt_token_ids"])
+        assert [e["token_id"] for e in a["logprobs"]] == a["token_ids"]
+        assert [e["logprob"] for e in a["logprobs"]] == pytest.approx([e["logprob"] for e in b["logprobs"]],
+                                                                        abs=1e-5)
 
 
 def test_local_replica_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica, tmp_path):

@@ -257,6 +257,31 @@ def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, hf_oracle):
         assert_same_tokens(hf_oracle, model, prompts, results[2], results[1], "TP=2 vs TP=1")
 
 
+def test_tp2_logprobs_and_penalties_match_tp1(tp_model):
+    """Rank 0 alone applies penalties and computes logprobs (from the gathered logits); prompt_logprobs
+    would need every rank's help and is refused with a clear error."""
+    from llmcli.engine.sequence import RequestRejected
+
+    prompts = random_prompts([4, 30, 70], seed=24)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3,
+                            repetition_penalty=1.5, frequency_penalty=-0.5)
+    results = {}
+    for tp in (1, 2):
+        llm = make_llm(tp_model, tp)
+        try:
+            results[tp] = llm.generate(prompts, params)
+            if tp == 2:
+                with pytest.raises(RequestRejected, match="prompt_logprobs is not supported with tensor"):
+                    llm.generate(prompts[:1], SamplingParams(max_tokens=2, prompt_logprobs=1))
+        finally:
+            llm.shutdown()
+    for one, two in zip(results[1], results[2]):
+        assert one.token_ids == two.token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert list(a) == list(b)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
 # --------------------------------------------------------------------------
 # failures
 # --------------------------------------------------------------------------

@@ -118,7 +118,8 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     ctx = args.breakdown_context or mean_prompt
     steps, warm = args.breakdown_steps, args.breakdown_warmup
     rng = random.Random(args.seed + 2)
-    params = SamplingParams(temperature=args.temperature, max_tokens=warm + steps + 3, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
+                            max_tokens=warm + steps + 3, ignore_eos=True)
     for i in range(batch):
         engine.add_request([rng.randrange(facts["vocab"]) for _ in range(ctx)], params, request_id=f"probe-{i}")
     preempt0 = getattr(engine.stats, "num_preemptions", 0)

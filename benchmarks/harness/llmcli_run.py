@@ -76,7 +76,9 @@ def llmcli_generate(llm: Any, prompts: list[list[int]], outs: list[int], tempera
                     device: str) -> tuple[float, list[int]]:
     from llmcli import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
+    # filters explicit: the model's generation_config.json (top_k 20, top_p 0.95) would change the workload
+    params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
+                             max_tokens=o, ignore_eos=True) for o in outs]
     sync(device)
     t = time.perf_counter()
     results = llm.generate(prompts, params)

@@ -194,15 +194,28 @@ def generate(
                                                      show_default=False, rich_help_panel=OUTPUT)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, summary or notes on stderr "
                                         "(errors are still reported).", rich_help_panel=OUTPUT)] = False,
-    temperature: Annotated[Optional[float], typer.Option(help="0 is greedy. \\[default: 1.0]", show_default=False,
-                                                         rich_help_panel=SAMPLING)] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling mass. \\[default: 1.0, off]",
-                                                   show_default=False, rich_help_panel=SAMPLING)] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="Keep the k likeliest tokens. \\[default: -1, off]",
-                                                 show_default=False, rich_help_panel=SAMPLING)] = None,
+    temperature: Annotated[Optional[float], typer.Option(
+        help="0 is greedy. \\[default: the model's generation_config.json, else 1.0]", show_default=False,
+        rich_help_panel=SAMPLING)] = None,
+    top_p: Annotated[Optional[float], typer.Option(
+        help="Nucleus sampling mass. \\[default: generation_config.json, else 1.0, off]", show_default=False,
+        rich_help_panel=SAMPLING)] = None,
+    top_k: Annotated[Optional[int], typer.Option(
+        help="Keep the k likeliest tokens. \\[default: generation_config.json, else -1, off]", show_default=False,
+        rich_help_panel=SAMPLING)] = None,
     min_p: Annotated[Optional[float], typer.Option(help="Drop tokens below min_p times the top probability. "
-                                                   "\\[default: 0, off]", show_default=False,
-                                                   rich_help_panel=SAMPLING)] = None,
+                                                   "\\[default: generation_config.json, else 0, off]",
+                                                   show_default=False, rich_help_panel=SAMPLING)] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(
+        help="Divide positive (multiply negative) logits of tokens already in the prompt or output; >1 "
+             "discourages repeats. \\[default: generation_config.json, else 1.0, off]", show_default=False,
+        rich_help_panel=SAMPLING)] = None,
+    presence_penalty: Annotated[Optional[float], typer.Option(
+        help="Subtract from the logit of every token generated so far, -2 to 2. \\[default: 0, off]",
+        show_default=False, rich_help_panel=SAMPLING)] = None,
+    frequency_penalty: Annotated[Optional[float], typer.Option(
+        help="Subtract this times its count from each generated token's logit, -2 to 2. \\[default: 0, off]",
+        show_default=False, rich_help_panel=SAMPLING)] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens generated per completion.",
                                             rich_help_panel=SAMPLING)] = 256,
     stop: Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable); not included in the text.",
@@ -234,7 +247,9 @@ def generate(
 
     sampling = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, stop=stop or None, seed=seed,
-                                      ignore_eos=ignore_eos, n=n).items() if v is not None}
+                                      ignore_eos=ignore_eos, n=n, repetition_penalty=repetition_penalty,
+                                      presence_penalty=presence_penalty,
+                                      frequency_penalty=frequency_penalty).items() if v is not None}
     opts = GenerateOptions(
         input=input if input is not None else (input_option or ""), output=output, strict=strict,
         chat_template_kwargs=template_kwargs, reasoning_parser=reasoning_parser.value,

@@ -86,7 +86,9 @@ def run_timed(engine: Any, requests: list[tuple[list[int], int]], temperature: f
     """All requests at once, as an offline batch; returns their outputs and the wall time."""
     start = time.perf_counter()
     for i, (ids, n_out) in enumerate(requests):
-        params = SamplingParams(temperature=temperature, max_tokens=n_out, ignore_eos=True)
+        # every filter explicit: the workload stays the same whatever generation_config.json says
+        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
+                                max_tokens=n_out, ignore_eos=True)
         engine.add_request(ids, params, request_id=f"bench-{i}")
     outputs = _drain(engine)
     return outputs, time.perf_counter() - start

@@ -269,6 +269,10 @@ def _generate(opts: GenerateOptions, console: Console) -> int:
     if not opts.quiet:
         earlier = f", {resumed.errors} of them by error records" if resumed.errors else ""
         say(console, f"{len(todo)} records to run ({len(records) - len(todo)} already answered in OUT{earlier})")
+        applied = {k: v for k, v in config.sampling_defaults.items() if k not in opts.sampling}
+        if applied:
+            say(console, "the model's generation_config.json sets " + ", ".join(f"{k}={v}" for k, v in applied.items())
+                + " for records that leave them unset (--generation-config ignore: llmcli's neutral defaults)")
     if not todo:
         _start_output(opts, fp)
         return EXIT_FAILED if resumed.errors else EXIT_OK

@@ -67,6 +67,10 @@ ENGINE_KNOBS = (
     Knob("seed", int, "Engine seed: requests with no seed of their own (record field or generate's --seed) "
                       "draw their sampling noise from it.", "0", flag="--engine-seed"),
     Knob("tokenizer", str, "Tokenizer folder or hub id, when it is not the model's.", "the model's"),
+    Knob("generation_config", str, "auto: sampling fields that neither a record nor a flag sets take the model's "
+                                   "generation_config.json values (temperature, top_p, top_k, min_p, "
+                                   "repetition_penalty), as vLLM does; ignore: llmcli's neutral defaults.", "auto",
+         choices=("auto", "ignore")),
 )
 
 

@@ -20,6 +20,9 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
     vocab = config.hf_config.vocab_size
     if max(token_ids) >= vocab or min(token_ids) < 0:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for this model")
+    if params.prompt_logprobs is not None and config.tensor_parallel_size > 1:
+        raise RequestRejected("prompt_logprobs is not supported with tensor parallelism yet "
+                              "(logprobs of generated tokens are)")
     longest = min(n + (params.max_tokens or limit), limit)
     bs, pool = config.kvcache_block_size, num_blocks
     if pool is not None and (longest + bs - 1) // bs > pool:

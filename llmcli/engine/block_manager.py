@@ -67,7 +67,9 @@ class BlockManager:
         """Give ``seq`` blocks for all its tokens; returns how many tokens came from the prefix cache."""
         assert not seq.block_table, "sequence already holds blocks"
         bs = self.block_size
-        prev, cached, hit_possible = 0, 0, self.enable_prefix_caching
+        # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt.
+        prev, cached = 0, 0
+        hit_possible = self.enable_prefix_caching and seq.params.prompt_logprobs is None
         for i in range(seq.num_blocks):
             # A block holding the last token is never reused: one token must be computed to sample from.
             if hit_possible and (i + 1) * bs < seq.num_tokens:

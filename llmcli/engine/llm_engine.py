@@ -4,11 +4,12 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
-from llmcli.engine.outputs import EngineStats, RequestOutput
+from llmcli.engine.logprob_outputs import LazyLogprobs, TokenText
+from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence
@@ -25,7 +26,7 @@ class InflightStep:
     seqs: list[Sequence]
     sampled: list[Sequence]
     indices: list[int]  # where each sampled token goes in its sequence's token_ids
-    token_ids: Callable[[], list[int]]
+    launched: Any  # the model runner's LaunchedStep: token_ids(), logprobs()
 
 
 class LLMEngine:
@@ -45,6 +46,7 @@ class LLMEngine:
         # Host work of step N+1 overlaps the device's step N (tests turn it off to compare with the plain loop).
         self.overlap = True
         self.inflight: InflightStep | None = None
+        self._token_text = TokenText(self.tokenizer)  # decodes logprob tokens, once per id
 
     def _start_runner(self, config: Config) -> Any:
         if config.tensor_parallel_size > 1:
@@ -59,6 +61,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> Sequence:
         token_ids = self.encode(prompt)
+        params = params.with_defaults(self.config.sampling_defaults)
         self.check_fits(token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id, seed)
@@ -103,29 +106,34 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
         sampled = [seq for seq in batch.seqs if seq.samples_this_step]
-        if self.overlap:
-            token_ids = self.model_runner.launch(batch.seqs, batch.is_prefill).token_ids
-        else:
-            tokens = self.model_runner.run(batch.seqs, batch.is_prefill)
-            token_ids = lambda: tokens  # noqa: E731
+        launched = self.model_runner.launch(batch.seqs, batch.is_prefill)
+        if not self.overlap:
+            launched.token_ids()  # the plain loop: wait for the step before anything else
         if batch.is_prefill:
             self.stats.prefill_tokens_computed += batch.num_tokens
         for seq in batch.seqs:
             self.scheduler.step_done(seq)
         indices = [seq.append_pending(row) for row, seq in enumerate(sampled)]
         self.stats.num_steps += 1
-        return InflightStep(batch.seqs, sampled, indices, token_ids)
+        return InflightStep(batch.seqs, sampled, indices, launched)
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         with self.step_timer.phase("wait"):
-            tokens = step.token_ids()
+            tokens = step.launched.token_ids()
         with self.step_timer.phase("postprocess"):
+            logprobs = step.launched.logprobs()
+            if logprobs is not None:
+                for seq, first, entries in logprobs.prompt:
+                    del seq.prompt_logprob_entries[first:]  # a recomputed prompt (after preemption) replaces
+                    seq.prompt_logprob_entries.extend(entries)
             now = time.perf_counter()
             finished = []
-            for seq, index, token in zip(step.sampled, step.indices, tokens):
+            for row, (seq, index, token) in enumerate(zip(step.sampled, step.indices, tokens)):
                 if seq.is_finished:
                     continue  # it stopped a step earlier; this token was computed speculatively
                 seq.resolve(index, token)
+                if logprobs is not None and row in logprobs.sampled:
+                    seq.token_logprobs.append(logprobs.sampled[row])
                 self.stats.generated_tokens += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
@@ -145,18 +153,22 @@ class LLMEngine:
         self.stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.completion_token_ids,
-            text=self.stopper.final_text(seq),
-            finish_reason=seq.finish_reason or "length",
-            num_cached_prompt_tokens=seq.num_cached_tokens,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-            stop_reason=seq.stop_reason,
-        )
+        completion = CompletionOutput(
+            index=0, text=self.stopper.final_text(seq), token_ids=seq.completion_token_ids,
+            finish_reason=seq.finish_reason or "length", stop_reason=seq.stop_reason)
+        if seq.params.logprobs is not None:
+            entries = seq.token_logprobs[:len(completion.token_ids)]
+            completion.logprobs = LazyLogprobs(completion.token_ids, entries, self._token_text)
+            completion.cumulative_logprob = sum(entry[0] for entry in entries)
+        prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None:
+            prompt_logprobs = LazyLogprobs(prompt_ids[1:], seq.prompt_logprob_entries, self._token_text,
+                                           leading_none=True)
+        metrics = RequestMetrics(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+                                 finish_time=seq.finish_time, num_cached_prompt_tokens=seq.num_cached_tokens)
+        return RequestOutput(request_id=seq.request_id, prompt=None, prompt_token_ids=prompt_ids,
+                             outputs=[completion], prompt_logprobs=prompt_logprobs, metrics=metrics)
 
     def shutdown(self) -> None:
         close = getattr(self.model_runner, "shutdown", None)

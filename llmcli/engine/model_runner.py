@@ -10,10 +10,13 @@ from llmcli.config import Config
 from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
+from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs, plan_extras
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.step_inputs import StepInputs, Uploader, all_greedy, prepare_decode, prepare_prefill, prepare_sampling
 from llmcli.kernels import make_backend
 from llmcli.kernels.backend import AttentionMetadata
+from llmcli.layers.logprobs import token_logprobs
+from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
 from llmcli.models import build_model
 from llmcli.models.loader import load_dummy, load_safetensors
@@ -24,26 +27,38 @@ CPU_WARMUP_TOKENS = 256
 
 
 class LaunchedStep:
-    """A step enqueued on the device: which sequences sample, and their tokens once it finishes."""
+    """A step enqueued on the device: which sequences sample, and their tokens once it finishes.
 
-    def __init__(self, sampled_seqs: list[Sequence], tokens: torch.Tensor | None) -> None:
+    The step's logprobs (``extras``), if any were asked for, are copied back with the tokens behind the
+    same event: reading them costs no extra wait.
+    """
+
+    def __init__(self, sampled_seqs: list[Sequence], tokens: torch.Tensor | None,
+                 extras: StepExtras | None = None) -> None:
         self.sampled_seqs = sampled_seqs
-        self._host = None
+        self.extras = extras
         self._done = None
-        if tokens is None:
-            self._host = []
-        elif tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        device = ([tokens] if tokens is not None else []) + (extras.device_tensors() if extras is not None else [])
+        if device and device[0].is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
+            for h, t in zip(host, device):
+                h.copy_(t, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
-        else:
-            self._host = tokens
+            device = host
+        self._host: list[int] | torch.Tensor = device.pop(0) if tokens is not None else []
+        self._extra_host = device
 
     def token_ids(self) -> list[int]:
         if self._done is not None:
             self._done.synchronize()
         return self._host if isinstance(self._host, list) else self._host.tolist()
+
+    def logprobs(self) -> StepLogprobs | None:
+        """The step's logprobs on the host (call after ``token_ids``), or None when none were asked for."""
+        if self.extras is None or not self._extra_host:
+            return None
+        return self.extras.host_results(self._extra_host)
 
 
 class ModelRunner:
@@ -65,6 +80,7 @@ class ModelRunner:
                                     config.kvcache_block_size)
         self.model = self._build_model()
         self.sampler = Sampler()
+        self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, self.device))
         self.uploader = Uploader(self.device)
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -200,6 +216,7 @@ class ModelRunner:
                     log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
             self._sample_dummy(logits, use_filters=False)
             self._sample_dummy(logits, use_filters=True)
+            token_logprobs(logits, logits.argmax(dim=-1), 1)  # compiles the logprobs pass too
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -220,23 +237,35 @@ class ModelRunner:
             inputs = prepare_prefill(seqs, self.uploader) if is_prefill else prepare_decode(seqs, self.uploader)
             greedy = self.rank != 0 or all_greedy(inputs.sampled_seqs)
             sampling = None if greedy else prepare_sampling(inputs.sampled_seqs, self.uploader)
+            # penalties and logprobs (rank 0 samples alone); None when no request of the step asks
+            extras = plan_extras(seqs, inputs.sampled_seqs, self.uploader, self.penalty_rows) if self.rank == 0 \
+                else None
         with self.timer.phase("forward"):
             if inputs.pending_rows is not None:
                 from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
                 inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
-            logits = self._forward(inputs)
+            hidden = self._forward(inputs)
+            logits = self._logits(hidden, inputs)
         with self.timer.phase("sample"):
             if logits is None:
                 token_ids = None
-            elif sampling is None:
-                token_ids = logits.argmax(dim=-1)
+                if extras is not None:  # a prompt chunk that samples nothing may still want prompt logprobs
+                    extras.compute_logprobs(None, None, hidden, self.model.compute_logits)
             else:
-                token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
-                                         sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+                raw = logits
+                if extras is not None:
+                    logits = extras.penalize(logits, inputs.input_ids, self.penalty_rows.tables)
+                if sampling is None:
+                    token_ids = logits.argmax(dim=-1)
+                else:
+                    token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
+                                             sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+                if extras is not None:
+                    extras.compute_logprobs(raw, token_ids, hidden, self.model.compute_logits)
             if self.world > 1 and inputs.sampled_seqs:
                 token_ids = self._share_tokens(token_ids, len(inputs.sampled_seqs))
             self.prev_tokens = token_ids
-            return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None)
+            return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None, extras)
 
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight
@@ -263,13 +292,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of every input row."""
         meta = inputs.metadata
         if self.graphs is not None and not meta.is_prefill and self.graphs.fits(meta.batch_size):
-            hidden = self.graphs.replay(inputs)
-        else:
-            self.backend.prepare(meta)
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            return self.graphs.replay(inputs)
+        self.backend.prepare(meta)
+        return self.model(inputs.input_ids, inputs.positions)
+
+    def _logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits of the sampling rows (rank 0; None elsewhere or when no sequence samples)."""
         if not inputs.sampled_seqs:
             return None
         if inputs.sample_rows is not None:

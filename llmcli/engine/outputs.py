@@ -6,19 +6,102 @@ from typing import Any
 
 
 @dataclass
-class RequestOutput:
-    """One finished request."""
+class Logprob:
+    """One token's log probability under the model's raw distribution, and its rank there (1 = likeliest)."""
 
-    request_id: Any
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token id: Logprob} holding the chosen token and the top-k alternatives (vLLM's shape).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (``SamplingParams.n`` of them per request)."""
+
+    index: int
     text: str
-    finish_reason: str  # "stop" (EOS, stop string or stop token) | "length" (max_tokens or max_model_len)
-    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop string or stop token) | "length" (max_tokens or max_model_len)
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    logprobs: list[PositionLogprobs] | None = None  # one entry per generated token when asked for
+    cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs, when asked for
+
+
+@dataclass
+class RequestMetrics:
+    """When the request arrived, got its first token and finished (``time.perf_counter`` seconds)."""
+
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float = 0.0
-    stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its prompt and its completions, shaped like vLLM's.
+
+    The engine emits one per sequence (one completion); ``LLM.generate`` gathers the
+    ``n`` completions of a prompt into one. ``out["text"]``, ``out.text``,
+    ``out.token_ids`` and ``out.finish_reason`` read the first completion.
+    """
+
+    request_id: Any
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None (no context), as vLLM
+    finished: bool = True
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @classmethod
+    def single(cls, request_id: Any, prompt_token_ids: list[int], token_ids: list[int], text: str,
+               finish_reason: str | None, stop_reason: str | int | None = None, **metrics: Any) -> "RequestOutput":
+        """One completion, built from the flat fields this class had before it was vLLM-shaped."""
+        return cls(request_id, None, list(prompt_token_ids),
+                   [CompletionOutput(0, text, list(token_ids), finish_reason, stop_reason)],
+                   metrics=RequestMetrics(**metrics))
+
+    # -- the first completion and the metrics, under the names this class had before --------------
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        return self.metrics.num_cached_prompt_tokens
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.metrics.first_token_time
+
+    @property
+    def finish_time(self) -> float:
+        return self.metrics.finish_time
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -59,6 +59,12 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time = 0.0
+        # logprobs, when asked for: (logprob, rank, top ids, top logprobs) per generated / prompt token
+        self.token_logprobs: list[tuple[float, int, list[int], list[float]]] = []
+        self.prompt_logprob_entries: list[tuple[float, int, list[int], list[float]]] = []
+        self.prompt_logprobs_done = 0  # prompt positions whose next-token logprobs are computed
+        # one flag for the step's quick test: does this request need anything beside the sampled token?
+        self.wants_extras = params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties
 
     def __len__(self) -> int:
         return len(self.token_ids)

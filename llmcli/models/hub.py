@@ -63,6 +63,21 @@ def load_generation_eos(model_path: Path, hf_config: Any) -> list[int]:
     return ids
 
 
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(model_path: Path) -> dict[str, Any]:
+    """Sampling values of generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty)."""
+    gen = model_path / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        data = json.loads(gen.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {name: data[name] for name in GENERATION_DEFAULT_FIELDS if data.get(name) is not None}
+
+
 def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any | None:
     """The tokenizer (``tokenizer`` if given, else the model folder's), or None when the folder has none."""
     from transformers import AutoTokenizer

@@ -232,3 +232,7 @@ class GroupStep:
     def token_ids(self) -> list[int]:
         with self.group.call("wait for the step's tokens"):
             return self.step.token_ids()
+
+    def logprobs(self) -> Any:
+        """Rank 0's logprobs of the step (read after ``token_ids``, so nothing more to wait for)."""
+        return self.step.logprobs()

@@ -26,7 +26,6 @@ actors on a Ray cluster (``ray_pool``).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
@@ -187,7 +186,7 @@ class DataParallelEngine:
         if request_id in self._outstanding:
             raise ValueError(f"request id {request_id!r} is already running")
         if params.seed is None:  # the draw one LLMEngine would make, in the same order
-            params = dataclasses.replace(params, seed=self._rng.getrandbits(63))
+            params = params.replace(seed=self._rng.getrandbits(63))
         cost = request_cost(len(token_ids), params, self.config.max_model_len)
         self._outstanding[request_id] = (token_ids, params, cost)
         self._route(request_id)

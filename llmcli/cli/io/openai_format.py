@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
+from llmcli.cli.io.logprobs_format import chat_logprobs, completion_logprobs, plain_prompt_logprobs
 from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
 
@@ -21,14 +22,17 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None) -> dict[str, Any]:
+def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None, k: int | None) -> dict[str, Any]:
+    logprobs = None
+    if k is not None and out.logprobs is not None:
+        logprobs = (chat_logprobs if chat else completion_logprobs)(out.token_ids, out.logprobs, k)
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
         if reasoning is not None:  # as vLLM's chat completions carry it, beside the content
             split = split_reasoning(reasoning, out.text)
             message = {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning}
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": out.finish_reason}
-    return {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
+    return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
 
 def _line(rec: InputRecord, status: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -49,9 +53,13 @@ def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(i, out, chat, reasoning) for i, out in enumerate(outputs)],
+        "choices": [_choice(i, out, chat, reasoning, rec.sampling.get("logprobs")) for i, out in enumerate(outputs)],
         "usage": _usage(outputs),
     }
+    prompt_k = rec.sampling.get("prompt_logprobs")
+    if prompt_k is not None and outputs[0].prompt_logprobs is not None:  # vLLM's extension
+        body["prompt_logprobs"] = plain_prompt_logprobs(outputs[0].prompt_token_ids, outputs[0].prompt_logprobs,
+                                                        prompt_k)
     return _line(rec, 200, body)
 
 

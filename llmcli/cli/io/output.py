@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
+from llmcli.cli.io.logprobs_format import plain_logprobs, plain_prompt_logprobs
 from llmcli.cli.io.openai_format import openai_error, openai_result
 from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
@@ -19,7 +20,7 @@ def _metrics(out: RequestOutput) -> dict[str, Any]:
 
 
 def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bool,
-                reasoning: str | None) -> dict[str, Any]:
+                reasoning: str | None, logprobs_k: int | None) -> dict[str, Any]:
     split = split_reasoning(reasoning, out.text)
     item: dict[str, Any] = {"text": split.content}
     if reasoning is not None:
@@ -27,6 +28,8 @@ def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bo
     item["finish_reason"] = out.finish_reason
     if include_token_ids:
         item["token_ids"] = list(out.token_ids)
+    if logprobs_k is not None and out.logprobs is not None:
+        item["logprobs"] = plain_logprobs(out.token_ids, out.logprobs, logprobs_k)
     if include_metrics:
         item["metrics"] = _metrics(out)
     return item
@@ -40,13 +43,18 @@ def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str,
     if rec.openai is not None:
         return openai_result(rec, outputs, model, reasoning=reasoning)
     line: dict[str, Any] = {"id": rec.out_id}
+    k = rec.sampling.get("logprobs")
     if len(outputs) == 1:
-        line.update(_completion(outputs[0], include_token_ids, include_metrics, reasoning))
+        line.update(_completion(outputs[0], include_token_ids, include_metrics, reasoning, k))
     else:
-        line["choices"] = [{"index": i, **_completion(o, include_token_ids, include_metrics, reasoning)}
+        line["choices"] = [{"index": i, **_completion(o, include_token_ids, include_metrics, reasoning, k)}
                            for i, o in enumerate(outputs)]
     if include_token_ids:
         line["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
+    prompt_k = rec.sampling.get("prompt_logprobs")
+    if prompt_k is not None and outputs[0].prompt_logprobs is not None:
+        line["prompt_logprobs"] = plain_prompt_logprobs(outputs[0].prompt_token_ids, outputs[0].prompt_logprobs,
+                                                        prompt_k)
     prompt = len(outputs[0].prompt_token_ids)
     completion = sum(len(o.token_ids) for o in outputs)
     line["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,7 +1,6 @@
 """Turning a parsed record into prompt token ids and SamplingParams, checked against the model."""
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +64,8 @@ class Preparer:
             why = str(exc).split(": ", 1)[-1]
             raise FieldProblem(rec.field_name(name) if name else None, why) from None
         seeds = [None if base.seed is None else base.seed + i for i in range(base.n)]
-        return [dataclasses.replace(base, n=1, seed=seed) for seed in seeds]
+        # replace() keeps unset fields unset: the engine fills them from the model's generation config
+        return [base.replace(n=1, seed=seed) for seed in seeds]
 
     # -- prompt -----------------------------------------------------------------
     def _encode(self, rec: InputRecord) -> list[int]:

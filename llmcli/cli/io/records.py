@@ -118,6 +118,11 @@ _SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "n": (_is_int, "an integer"),
+    "logprobs": (lambda v: v is None or _is_int(v), "an integer from 0 to 20 or null"),
+    "prompt_logprobs": (lambda v: v is None or _is_int(v), "an integer from 0 to 20 or null"),
+    "repetition_penalty": (_is_number, "a number"),
+    "presence_penalty": (_is_number, "a number"),
+    "frequency_penalty": (_is_number, "a number"),
 }
 SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
 
@@ -190,7 +195,7 @@ def _check_text(text: Any, name: str) -> str:
 def _known(openai_body: bool) -> set[str]:
     # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
     if openai_body:
-        return {"messages", "prompt", "chat_template_kwargs", *OPENAI_BODY_EXTRA, *_SAMPLING_CHECKS}
+        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *OPENAI_BODY_EXTRA, *_SAMPLING_CHECKS}
     return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS}
 
 
@@ -258,10 +263,25 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
     body = _aliased(body, "body.")
     if rec.openai.chat:
         rec.kind, rec.prompt = "messages", _check_messages(body.get("messages"), "body.messages")
+        sampling = _take_sampling({k: v for k, v in body.items() if k != "logprobs"}, "body.")
+        sampling.update(_chat_logprobs(body))
     else:
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
-    rec.sampling = _take_sampling(body, "body.")
+        sampling = _take_sampling(body, "body.")
+    rec.sampling = sampling
     rec.chat_template_kwargs = _template_kwargs(body, "body.chat_template_kwargs")
+
+
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """Chat completions ask with ``logprobs: true`` and ``top_logprobs: k``; plain records with ``logprobs: k``."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise FieldProblem("body.logprobs", f"must be true or false, got {_type_name(wanted)} {_short(wanted)}")
+    if top is not None and not _is_int(top):
+        raise FieldProblem("body.top_logprobs", f"must be an integer from 0 to 20, got {_type_name(top)}")
+    if top is not None and not wanted:
+        raise FieldProblem("body.top_logprobs", "needs \"logprobs\": true")
+    return {"logprobs": top or 0} if wanted else {}
 
 
 def _openai_prompt(prompt: Any) -> tuple[str, Any]:

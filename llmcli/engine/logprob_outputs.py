@@ -1,0 +1,71 @@
+"""Logprobs as vLLM hands them out (per position ``{token id: Logprob}``), built when first read.
+
+The step loop keeps each token's logprobs as one flat tuple; turning a long completion
+into thousands of small objects (and decoding every top-k token) costs milliseconds of
+host time per request, which would stall the overlapped loop at the moment the request
+finishes. ``LazyLogprobs`` defers that to the first read, and pickles as a plain list
+(data-parallel replicas build it in their own process before shipping).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from llmcli.engine.outputs import Logprob
+
+Entry = tuple[float, int, list[int], list[float]]  # (logprob, rank, top ids, top logprobs)
+
+
+class TokenText:
+    """One token's text, decoded once per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str | None:
+        text = self.cache.get(token)
+        if text is None and self.tokenizer is not None:
+            text = self.cache[token] = self.tokenizer.decode([token])
+        return text
+
+
+def position(token: int, entry: Entry, text: TokenText) -> dict[int, Logprob]:
+    """The chosen token first, then the top k (which may include it), as vLLM orders them."""
+    logprob, rank, top_ids, top_logprobs = entry
+    out = {token: Logprob(logprob, rank, text(token))}
+    for i, (tid, lp) in enumerate(zip(top_ids, top_logprobs)):
+        if tid not in out:
+            out[tid] = Logprob(lp, i + 1, text(tid))
+    return out
+
+
+class LazyLogprobs(SequenceABC):
+    """A list of positions (``None`` where ``leading_none``: the first prompt token has no context)."""
+
+    def __init__(self, tokens: list[int], entries: list[Entry], text: TokenText, leading_none: bool = False) -> None:
+        self._raw: tuple | None = (tokens, entries, text, leading_none)
+        self._items: list | None = None
+        self._len = len(entries) + leading_none
+
+    def _build(self) -> list:
+        if self._items is None:
+            tokens, entries, text, leading_none = self._raw
+            self._items = ([None] if leading_none else []) + [position(t, e, text) for t, e in zip(tokens, entries)]
+            self._raw = None
+        return self._items
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._build()[index]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SequenceABC) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._build())
+
+    def __reduce__(self):
+        return list, (self._build(),)

@@ -1,0 +1,215 @@
+"""What a step computes beside the sampled tokens: penalties before sampling, logprobs after.
+
+The host side of ``llmcli.layers.penalties`` and ``llmcli.layers.logprobs``: which
+rows of the step want what, planned from the Sequences in one pass, and the
+results put back on the Sequences when the step is read back. A step in which no
+request asks for penalties or logprobs plans nothing and costs one scan of its
+sampling parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmcli.engine.sequence import PENDING_TOKEN, Sequence
+from llmcli.layers.logprobs import TokenLogprobs, chunked_token_logprobs, token_logprobs
+from llmcli.layers.penalties import PenaltyTables
+
+
+class PenaltyRows:
+    """Which row of the penalty tables each penalised sequence owns; rows of finished ones are reused."""
+
+    def __init__(self, tables: PenaltyTables) -> None:
+        self.tables = tables
+        self.owner: dict[int, Sequence] = {}  # row -> sequence
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self.counted: dict[int, int] = {}  # seq_id -> completion tokens already in its counts
+
+    def row(self, seq: Sequence) -> tuple[int, bool]:
+        """The sequence's row, and whether it is new (to be cleared and given the prompt)."""
+        row = self.row_of.get(seq.seq_id)
+        if row is not None:
+            return row, False
+        for r, other in list(self.owner.items()):
+            if other.is_finished:  # device work of a late step on this row runs before the reuse: same stream
+                del self.owner[r], self.row_of[other.seq_id], self.counted[other.seq_id]
+        free = next((r for r in range(self.tables.capacity) if r not in self.owner), None)
+        if free is None:
+            free = self.tables.capacity
+            self.tables.reserve(free + 1)
+        self.owner[free], self.row_of[seq.seq_id], self.counted[seq.seq_id] = seq, free, 0
+        return free, True
+
+
+@dataclass
+class StepExtras:
+    """One step's plan (device tensors) and, after launch, its results on the device."""
+
+    # penalties: logit rows, their table rows, the per-row settings
+    pen_logit_rows: torch.Tensor | None = None
+    pen_rows: torch.Tensor | None = None
+    pen_settings: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    start: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # new rows; prompt (row, id) pairs
+    add_known: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, id) of host-known new tokens
+    add_from_input: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, input row): in-flight tokens
+    # logprobs of sampled tokens: which sampled rows, and k (the largest asked in the step)
+    lp_rows: torch.Tensor | None = None
+    lp_row_list: list[int] = field(default_factory=list)
+    lp_ks: list[int] = field(default_factory=list)
+    lp_k: int = 0
+    # prompt logprobs: per sequence (seq, first target position, count, k); hidden rows and targets
+    prompt_parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_k: int = 0
+    # results on the device
+    sampled: TokenLogprobs | None = None
+    prompt: TokenLogprobs | None = None
+
+    def penalize(self, logits: torch.Tensor, input_ids: torch.Tensor, tables: PenaltyTables) -> torch.Tensor:
+        if self.pen_rows is None:
+            return logits
+        if self.start is not None:
+            tables.start(*self.start)
+        if self.add_known is not None:
+            tables.add(*self.add_known)
+        if self.add_from_input is not None:
+            rows, input_rows = self.add_from_input
+            tables.add(rows, input_ids[input_rows])
+        return tables.apply(logits, self.pen_logit_rows, self.pen_rows, *self.pen_settings)
+
+    def compute_logprobs(self, raw_logits: torch.Tensor | None, token_ids: torch.Tensor | None,
+                         hidden: torch.Tensor, compute_logits) -> None:
+        if self.lp_rows is not None and raw_logits is not None:
+            if len(self.lp_row_list) == raw_logits.shape[0]:  # every row asks: no gather
+                self.sampled = token_logprobs(raw_logits, token_ids, self.lp_k)
+            else:
+                self.sampled = token_logprobs(raw_logits[self.lp_rows], token_ids[self.lp_rows], self.lp_k)
+        if self.prompt_rows is not None:
+            self.prompt = chunked_token_logprobs(hidden[self.prompt_rows], self.prompt_targets, self.prompt_k,
+                                                 compute_logits)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Everything to copy back with the step's tokens, in the order ``host_results`` reads it."""
+        out: list[torch.Tensor] = []
+        for part in (self.sampled, self.prompt):
+            if part is not None:
+                out += [part.logprobs, part.ranks, part.top_ids, part.top_logprobs]
+        return out
+
+    def host_results(self, host: list[torch.Tensor]) -> "StepLogprobs":
+        """The copied-back tensors as plain lists, per sampled row and per prompt part."""
+        result = StepLogprobs()
+        if self.sampled is not None:
+            lps, ranks, ids, tops = (t.tolist() for t in host[:4])
+            host = host[4:]
+            for i, (row, k) in enumerate(zip(self.lp_row_list, self.lp_ks)):
+                result.sampled[row] = (lps[i], ranks[i], ids[i][:k], tops[i][:k])
+        if self.prompt is not None:
+            lps, ranks, ids, tops = (t.tolist() for t in host[:4])
+            at = 0
+            for seq, first, count, k in self.prompt_parts:
+                entries = [(lps[j], ranks[j], ids[j][:k], tops[j][:k]) for j in range(at, at + count)]
+                result.prompt.append((seq, first, entries))
+                at += count
+        return result
+
+
+@dataclass
+class StepLogprobs:
+    """Host copies: sampled row -> (logprob, rank, top ids, top logprobs); prompt parts per sequence."""
+
+    sampled: dict[int, tuple[float, int, list[int], list[float]]] = field(default_factory=dict)
+    prompt: list[tuple[Sequence, int, list[tuple[float, int, list[int], list[float]]]]] = field(default_factory=list)
+
+
+def plan_extras(seqs: list[Sequence], sampled: list[Sequence], uploader, penalty_rows: PenaltyRows,
+                ) -> StepExtras | None:
+    """The extras of one step over ``seqs`` (scheduled, in input order) of which ``sampled`` sample."""
+    if not any(s.wants_extras for s in seqs):
+        return None
+    wants_lp = [s.params.logprobs is not None for s in sampled]
+    wants_pen = [s.params.has_penalties for s in sampled]
+    wants_prompt = any(s.params.prompt_logprobs is not None and s.prompt_logprobs_done < s.num_prompt_tokens - 1
+                       for s in seqs)
+    if not (any(wants_lp) or any(wants_pen) or wants_prompt):
+        return None
+    extras = StepExtras()
+    last_input_row, offset = {}, 0
+    for s in seqs:
+        offset += s.num_scheduled_tokens
+        last_input_row[s.seq_id] = offset - 1
+    if any(wants_pen):
+        _plan_penalties(extras, sampled, wants_pen, last_input_row, uploader, penalty_rows)
+    if any(wants_lp):
+        rows = [i for i, w in enumerate(wants_lp) if w]
+        extras.lp_row_list, extras.lp_ks = rows, [sampled[i].params.logprobs for i in rows]
+        extras.lp_k = max(extras.lp_ks)
+        (extras.lp_rows,) = uploader.upload(torch.int64, rows)
+    if wants_prompt:
+        _plan_prompt(extras, seqs, uploader)
+    return extras
+
+
+def _plan_penalties(extras: StepExtras, sampled: list[Sequence], wants: list[bool], last_input_row: dict,
+                    uploader, penalty_rows: PenaltyRows) -> None:
+    logit_rows, rows, reps, pres, freqs = [], [], [], [], []
+    new_rows, prompt_rows, prompt_ids, known_rows, known_ids, flight_rows, flight_inputs = [], [], [], [], [], [], []
+    for i, (seq, want) in enumerate(zip(sampled, wants)):
+        if not want:
+            continue
+        row, new = penalty_rows.row(seq)
+        if new:
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            new_rows.append(row)
+            prompt_rows += [row] * len(prompt)
+            prompt_ids += prompt
+        done, total = penalty_rows.counted[seq.seq_id], seq.num_completion_tokens
+        if total > done:
+            fresh = seq.token_ids[seq.num_prompt_tokens + done:]
+            # the sequence's last token is its last input of this step: take it from the device, where an
+            # in-flight token already is
+            known = fresh[:-1]
+            known_rows += [row] * len(known)
+            known_ids += known
+            flight_rows.append(row)
+            flight_inputs.append(last_input_row[seq.seq_id])
+            assert PENDING_TOKEN not in known, "only a sequence's last token can be in flight"
+            penalty_rows.counted[seq.seq_id] = total
+        logit_rows.append(i)
+        rows.append(row)
+        p = seq.params
+        reps.append(p.repetition_penalty)
+        pres.append(p.presence_penalty)
+        freqs.append(p.frequency_penalty)
+    ints = uploader.upload(torch.int64, logit_rows, rows, new_rows, prompt_rows, prompt_ids, known_rows, known_ids,
+                           flight_rows, flight_inputs)
+    extras.pen_logit_rows, extras.pen_rows = ints[0], ints[1]
+    extras.pen_settings = tuple(uploader.upload(torch.float32, reps, pres, freqs))
+    if new_rows:
+        extras.start = (ints[2], ints[3], ints[4])
+    if known_rows:
+        extras.add_known = (ints[5], ints[6])
+    if flight_rows:
+        extras.add_from_input = (ints[7], ints[8])
+
+
+def _plan_prompt(extras: StepExtras, seqs: list[Sequence], uploader) -> None:
+    """Rows of prompt positions whose next token is a prompt token (the last one's is sampled instead)."""
+    hidden_rows, targets, offset = [], [], 0
+    for seq in seqs:
+        k = seq.params.prompt_logprobs
+        start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+        if k is not None:
+            first = max(start, seq.prompt_logprobs_done)
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if last > first:
+                hidden_rows += range(offset + first - start, offset + last - start)
+                targets += seq.token_ids[first + 1:last + 1]
+                extras.prompt_parts.append((seq, first, last - first, k))
+                extras.prompt_k = max(extras.prompt_k, k)
+                seq.prompt_logprobs_done = last
+        offset += n
+    if hidden_rows:
+        extras.prompt_rows, extras.prompt_targets = uploader.upload(torch.int64, hidden_rows, targets)
