@@ -7,6 +7,7 @@ from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
 from llmcli.engine.outputs import RequestOutput
 from llmcli.engine.sequence import RequestRejected
+from llmcli.engine.structured.grammar import GrammarError
 from llmcli.sampling_params import SamplingParams
 
 
@@ -40,6 +41,8 @@ class LLM:
                 self.engine.check_fits(ids, p)
             except RequestRejected as exc:
                 raise RequestRejected(f"prompt {i}: {exc}") from None
+            except GrammarError as exc:
+                raise GrammarError(f"prompt {i}: structured_outputs: {exc}") from None
         results: dict[int, RequestOutput] = {}
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             self.engine.add_request(ids, p, request_id=i)

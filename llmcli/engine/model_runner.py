@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -15,11 +16,13 @@ from llmcli.engine.step_inputs import StepInputs, Uploader, all_greedy, prepare_
 from llmcli.kernels import make_backend
 from llmcli.kernels.backend import AttentionMetadata
 from llmcli.layers.sampler import Sampler
+from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model
 from llmcli.models.loader import load_dummy, load_safetensors
 from llmcli.models.qwen3 import head_dim_of
 
 log = logging.getLogger("llmcli")
+MaskSource = Callable[[], Any]  # returns a numpy int32 token bitmask for the step's sampled rows, or None
 CPU_WARMUP_TOKENS = 256
 
 
@@ -204,17 +207,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def run(self, seqs: list[Sequence], is_prefill: bool, before_sample: MaskSource | None = None,
+            ) -> list[int] | None:
         """Compute one step and wait for it; the sampled token of each sampling sequence (rank 0 only)."""
-        step = self.launch(seqs, is_prefill)
+        step = self.launch(seqs, is_prefill, before_sample)
         return step.token_ids() if self.rank == 0 else None
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep:
+    def launch(self, seqs: list[Sequence], is_prefill: bool, before_sample: MaskSource | None = None,
+               ) -> LaunchedStep:
         """Enqueue one step on the device and return at once; ``token_ids()`` on the result waits for it.
 
         A decoding sequence whose last token is still in flight (``pending_row >= 0``) takes it straight
         from the previous launch's sampled tokens on the device, so the host never waits between steps.
+        ``before_sample`` (structured outputs) is called once the forward is enqueued: while the device runs
+        it, the host may read back the previous step and build this step's token bitmask (a [rows, words]
+        int32 array, or None), which is applied to the logits before sampling.
         """
         with self.timer.phase("prepare"):
             inputs = prepare_prefill(seqs, self.uploader) if is_prefill else prepare_decode(seqs, self.uploader)
@@ -225,7 +233,10 @@ class ModelRunner:
                 from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
                 inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
             logits = self._forward(inputs)
+        mask = before_sample() if before_sample is not None and logits is not None else None
         with self.timer.phase("sample"):
+            if mask is not None:
+                logits = apply_token_bitmask(logits, self._upload_mask(mask))
             if logits is None:
                 token_ids = None
             elif sampling is None:
@@ -237,6 +248,10 @@ class ModelRunner:
                 token_ids = self._share_tokens(token_ids, len(inputs.sampled_seqs))
             self.prev_tokens = token_ids
             return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None)
+
+    def _upload_mask(self, mask: Any) -> torch.Tensor:
+        host = torch.from_numpy(mask)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight
