@@ -58,6 +58,7 @@ class InputRecord:
     sampling: dict[str, Any] = field(default_factory=dict)  # per-record overrides, type-checked
     openai: OpenAIRequest | None = None
     error: RecordError | None = None
+    structured_field: str | None = None  # the field that gave sampling["structured_outputs"], as written
 
     def fail(self, field_name: str | None, message: str) -> None:
         self.error = RecordError(self.line, field_name, message)
@@ -203,6 +204,15 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     else:
         rec.prompt = _check_token_ids(value, "prompt_token_ids")
     rec.sampling = _take_sampling(obj, "")
+    _take_structured(rec, obj, "")
+
+
+def _take_structured(rec: InputRecord, src: dict[str, Any], prefix: str) -> None:
+    from llmcli.cli.io.structured_fields import take_structured
+
+    spec, rec.structured_field = take_structured(src, prefix)
+    if spec is not None:
+        rec.sampling["structured_outputs"] = spec
 
 
 def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
@@ -227,6 +237,7 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
             raise FieldProblem("body.max_completion_tokens", f"must be an integer or null, got {_type_name(value)}")
         sampling["max_tokens"] = value
     rec.sampling = sampling
+    _take_structured(rec, body, "body.")
 
 
 def _openai_prompt(prompt: Any) -> tuple[str, Any]:
