@@ -4,6 +4,8 @@
 #   e2e     tests/test_gpu_e2e.py (bf16 greedy agreement with transformers) and the triton kernel tests
 #   bench   benchmarks/bench_vs_hf.py, extra args in BENCH_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), extra args in TP_ARGS
+#   structured  benchmarks/structured_bench.py: bench workload unconstrained / one JSON schema / 64 schemas
+#           (needs .whl/llguidance-*.whl), extra args in STRUCTURED_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -27,6 +29,8 @@ for stage in "$@"; do
     kernels) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -5 ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 \
+      | tee "$OUT/structured.log" ;;
   esac
 done
 echo "=== done $(date -u +%H:%M:%S)"
