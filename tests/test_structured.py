@@ -250,3 +250,13 @@ def test_data_parallel_replicas_compile_their_own_grammars(tmp_path, tiny_model)
     assert proc.returncode == 0, proc.stderr
     assert [r["text"] for r in two] == [r["text"] for r in one]  # seeded: the replica does not matter
     assert two[-1]["text"] in ("left", "right")
+
+
+def test_a_grammar_completed_by_the_last_allowed_token_is_a_stop(llm):
+    params = constrained(temperature=0, choice=["positive", "negative"], max_tokens=50)
+    free = llm.generate(PROMPTS[0], params)[0]
+    exact = llm.generate(PROMPTS[0], constrained(temperature=0, choice=["positive", "negative"],
+                                                 max_tokens=len(free.token_ids)))[0]
+    assert exact.finish_reason == "stop" and exact.text == free.text
+    short = llm.generate(PROMPTS[0], constrained(temperature=0, choice=["positive", "negative"], max_tokens=1))[0]
+    assert len(free.token_ids) == 1 or short.finish_reason == "length"

@@ -165,7 +165,8 @@ class LLMEngine:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 done = self.stopper.check(seq, index)
-                if seq.matcher is not None and not done:
+                # a grammar completed by the last token allowed by max_tokens still counts as a stop
+                if seq.matcher is not None and seq.finish_reason != "stop":
                     reason = self.structured.accept(seq, token)
                     if reason is not None:
                         seq.finish_reason, done = reason, True
@@ -181,7 +182,7 @@ class LLMEngine:
 
     def _refresh_queue_stats(self) -> None:
         self.stats.num_running = len(self.scheduler.running)
-        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.num_waiting = len(self.scheduler.waiting) + (self.structured.num_compiling if self.structured else 0)
         self.stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
 
     def _output(self, seq: Sequence) -> RequestOutput:
