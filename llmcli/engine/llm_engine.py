@@ -148,7 +148,7 @@ class LLMEngine:
                 self._finished_early += self._finish(self.inflight)
                 self.inflight = None
             with self.step_timer.phase("mask"):
-                return self.structured.fill(sampled)
+                return self.structured.fill(sampled, pinned=self.config.device == "cuda")
         return fill
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
@@ -157,6 +157,7 @@ class LLMEngine:
         with self.step_timer.phase("postprocess"):
             now = time.perf_counter()
             finished = []
+            ends = self.structured.accept(step.sampled, tokens) if self.structured is not None else {}
             for seq, index, token in zip(step.sampled, step.indices, tokens):
                 if seq.is_finished:
                     continue  # it stopped a step earlier; this token was computed speculatively
@@ -166,10 +167,8 @@ class LLMEngine:
                     seq.first_token_time = now
                 done = self.stopper.check(seq, index)
                 # a grammar completed by the last token allowed by max_tokens still counts as a stop
-                if seq.matcher is not None and seq.finish_reason != "stop":
-                    reason = self.structured.accept(seq, token)
-                    if reason is not None:
-                        seq.finish_reason, done = reason, True
+                if seq.seq_id in ends and seq.finish_reason != "stop":
+                    seq.finish_reason, done = ends[seq.seq_id], True
                 if done:
                     seq.truncate(index + 1)
                     seq.finish_time = now

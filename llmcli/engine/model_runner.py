@@ -22,7 +22,7 @@ from llmcli.models.loader import load_dummy, load_safetensors
 from llmcli.models.qwen3 import head_dim_of
 
 log = logging.getLogger("llmcli")
-MaskSource = Callable[[], Any]  # returns a numpy int32 token bitmask for the step's sampled rows, or None
+MaskSource = Callable[[], Any]  # returns the int32 token bitmask (host) of the step's sampled rows, or None
 CPU_WARMUP_TOKENS = 256
 
 
@@ -222,7 +222,7 @@ class ModelRunner:
         from the previous launch's sampled tokens on the device, so the host never waits between steps.
         ``before_sample`` (structured outputs) is called once the forward is enqueued: while the device runs
         it, the host may read back the previous step and build this step's token bitmask (a [rows, words]
-        int32 array, or None), which is applied to the logits before sampling.
+        int32 tensor in pinned memory on CUDA, or None), which is applied to the logits before sampling.
         """
         with self.timer.phase("prepare"):
             inputs = prepare_prefill(seqs, self.uploader) if is_prefill else prepare_decode(seqs, self.uploader)
@@ -249,9 +249,8 @@ class ModelRunner:
             self.prev_tokens = token_ids
             return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None)
 
-    def _upload_mask(self, mask: Any) -> torch.Tensor:
-        host = torch.from_numpy(mask)
-        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+    def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
 
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight

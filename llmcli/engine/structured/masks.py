@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+import torch
 
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.structured.grammar import load_llguidance
@@ -23,19 +23,34 @@ class ConstrainedBatch:
 
     def __init__(self, vocab_size: int) -> None:
         self.width = (vocab_size + 31) // 32
-        self._executor: Any = None
+        self._pool: Any = None
 
-    def fill(self, seqs: list[Sequence]) -> np.ndarray | None:
-        """The [len(seqs), width] bitmask, or None when no row is constrained (nothing to apply)."""
+    def fill(self, seqs: list[Sequence], pinned: bool = False) -> torch.Tensor | None:
+        """The [len(seqs), width] int32 bitmask, or None when no row is constrained (nothing to apply).
+
+        ``pinned``: written straight into page-locked memory (PyTorch's caching host allocator hands the block
+        out again only after the copy reading it has run), so it crosses to the device in one copy.
+        """
         rows = [(seq.matcher, row) for row, seq in enumerate(seqs) if seq.matcher is not None and not seq.is_finished]
         if not rows:
             return None
-        mask = np.full((len(seqs), self.width), -1, dtype=np.int32)
+        mask = torch.full((len(seqs), self.width), -1, dtype=torch.int32, pin_memory=pinned)
+        row_bytes, base = self.width * 4, mask.data_ptr()
         if len(rows) < PARALLEL_ROWS:
             for matcher, row in rows:
-                matcher.unsafe_compute_mask_ptr(mask[row].ctypes.data, self.width * 4)
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
             return mask
-        if self._executor is None:
-            self._executor = load_llguidance().LLExecutor()
-        self._executor.unsafe_compute_mask_ptr(rows, mask.ctypes.data, self.width * 4, len(seqs))
+        self._executor.unsafe_compute_mask_ptr(rows, base, row_bytes, len(seqs))
         return mask
+
+    def accept(self, pairs: list[tuple[Any, int]]) -> list[bool]:
+        """Each matcher consumes its token (many at once on the thread pool); False where it refused."""
+        if len(pairs) < PARALLEL_ROWS:
+            return [matcher.consume_token(token) for matcher, token in pairs]
+        return self._executor.consume_token_par(pairs)
+
+    @property
+    def _executor(self) -> Any:
+        if self._pool is None:
+            self._pool = load_llguidance().LLExecutor()
+        return self._pool

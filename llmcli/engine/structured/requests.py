@@ -6,7 +6,7 @@ import logging
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-import numpy as np
+import torch
 
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.structured.compiler import GrammarCompiler
@@ -45,20 +45,24 @@ class StructuredRequests:
             seq.matcher = future.result().deep_copy()
         return [seq for seq, _ in done]
 
-    def fill(self, seqs: list[Sequence]) -> np.ndarray | None:
-        return self.masks.fill(seqs)
+    def fill(self, seqs: list[Sequence], pinned: bool) -> torch.Tensor | None:
+        return self.masks.fill(seqs, pinned)
 
-    @staticmethod
-    def accept(seq: Sequence, token: int) -> str | None:
-        """Advance ``seq``'s matcher by its new token; a finish reason if the grammar ends the request here."""
-        matcher = seq.matcher
-        if not matcher.consume_token(token):
-            # The mask allows only tokens the matcher takes, so this is a bug, not bad input: end the
-            # request rather than let it go on unconstrained.
-            log.warning("request %r: token %d broke its grammar (%s); it ends here", seq.request_id, token,
-                        matcher.get_error())
-            return "abort"
-        return "stop" if matcher.is_stopped() else None
+    def accept(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, str]:
+        """Advance each constrained sequence's matcher by its new token; the finish reason (by ``seq_id``) of
+        those whose grammar ends the request there."""
+        pairs = [(seq, token) for seq, token in zip(seqs, tokens) if seq.matcher is not None and not seq.is_finished]
+        ends: dict[int, str] = {}
+        for (seq, token), ok in zip(pairs, self.masks.accept([(seq.matcher, token) for seq, token in pairs])):
+            if not ok:
+                # The mask allows only tokens the matcher takes, so this is a bug, not bad input: end the
+                # request rather than let it go on unconstrained.
+                log.warning("request %r: token %d broke its grammar (%s); it ends here", seq.request_id, token,
+                            seq.matcher.get_error())
+                ends[seq.seq_id] = "abort"
+            elif seq.matcher.is_stopped():
+                ends[seq.seq_id] = "stop"
+        return ends
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
