@@ -57,6 +57,7 @@ def build(regular_tokens: int = REGULAR_TOKENS, seed: int = 0):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)  # Qwen's order: <|endoftext|> 151643, <|im_start|> 151644, <|im_end|> 151645
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=SPECIALS, model_max_length=1 << 20)
 
