@@ -225,6 +225,7 @@ def test_cli_invalid_constraints_name_file_line_field(tmp_path, tiny_model):
     assert proc.returncode == 2 and "--response-format" in proc.stderr and "bad.json" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
 def test_tensor_parallel_masks_on_rank_zero(tmp_path):
     from tiny_qwen3 import write_tiny_qwen3
@@ -240,6 +241,7 @@ def test_tensor_parallel_masks_on_rank_zero(tmp_path):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+@pytest.mark.slow
 def test_data_parallel_replicas_compile_their_own_grammars(tmp_path, tiny_model):
     lines = [{"id": i, "prompt": PROMPTS[i % 5], "seed": i, "max_tokens": 300, "response_format": {
         "type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i]}}} for i in range(6)]
