@@ -262,3 +262,30 @@ def test_a_grammar_completed_by_the_last_allowed_token_is_a_stop(llm):
     assert exact.finish_reason == "stop" and exact.text == free.text
     short = llm.generate(PROMPTS[0], constrained(temperature=0, choice=["positive", "negative"], max_tokens=1))[0]
     assert len(free.token_ids) == 1 or short.finish_reason == "length"
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts(llm):
+    from llmcli.engine.sequence import Sequence
+    from llmcli.engine.structured import ConstrainedBatch, GrammarCompiler
+
+    tok, eos = llm.tokenizer, llm.engine.eos_token_ids
+    vocab = llm.engine.config.hf_config.vocab_size
+    compiler = GrammarCompiler(tok, eos, vocab)
+    try:
+        seq = Sequence([1, 2], SamplingParams(), 16)
+        seq.matcher = compiler.submit(StructuredOutputsParams(regex="[0-9]{1,3}")).result().deep_copy()
+        masks = ConstrainedBatch(vocab)
+
+        def allowed() -> set[int]:
+            row = masks.fill([seq])[0].tolist()
+            return {t for t in range(vocab) if (row[t // 32] >> (t % 32)) & 1}
+
+        digit = tok.convert_tokens_to_ids("7")
+        start = allowed()
+        assert digit in start and not start & set(eos)
+        assert seq.matcher.consume_token(digit)
+        after_one = allowed()
+        assert digit in after_one and set(eos) <= after_one  # complete, and may go on
+        assert all(re.fullmatch("[0-9]+", tok.decode([t])) for t in after_one - set(eos))
+    finally:
+        compiler.shutdown()
