@@ -7,6 +7,8 @@
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
 #   stopped-rank  benchmarks/stopped_rank_gpu.py: SIGSTOP of a TP=2 rank, heartbeat limit 5 s (needs 2 GPUs)
 #   logprobs  benchmarks/logprobs_cost.py: bench workload with and without logprobs=5 (issue 15: cost <= 10%)
+#   structured  benchmarks/structured_bench.py: bench workload unconstrained / one JSON schema / 64 schemas
+#           (needs .whl/llguidance-*.whl), extra args in STRUCTURED_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -33,6 +35,8 @@ for stage in "$@"; do
     logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
+    structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 \
+      | tee "$OUT/structured.log" ;;
   esac
 done
 echo "=== done $(date -u +%H:%M:%S)"

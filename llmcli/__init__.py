@@ -1,10 +1,10 @@
 """llmcli: offline batch generation with LLMs on a paged-attention engine of its own."""
 from __future__ import annotations
 
-from llmcli.sampling_params import SamplingParams
+from llmcli.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -7,6 +7,7 @@ from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
 from llmcli.engine.outputs import CompletionOutput, RequestOutput
 from llmcli.engine.sequence import RequestRejected
+from llmcli.engine.structured.grammar import GrammarError
 from llmcli.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
@@ -55,6 +56,8 @@ class LLM:
                 self.engine.check_fits(ids, p.with_defaults(self.engine.config.sampling_defaults))
             except RequestRejected as exc:
                 raise RequestRejected(f"prompt {i}: {exc}") from None
+            except GrammarError as exc:
+                raise GrammarError(f"prompt {i}: structured_outputs: {exc}") from None
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             for j in range(p.n):
                 # the j-th completion of a seeded request uses seed + j, as the command line does

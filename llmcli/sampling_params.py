@@ -1,6 +1,7 @@
 """Per-request sampling settings, validated when they are made."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -14,6 +15,56 @@ class SamplingParamsError(ValueError):
 # value each takes when neither sets it.
 MODEL_DEFAULTABLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the completion's text; give exactly one field (vLLM's name and fields).
+
+    ``json``: a JSON schema (dict or JSON text); ``json_object=True``: any JSON object; ``regex``: the whole
+    completion matches it; ``choice``: the completion is one of these strings; ``grammar``: a Lark grammar
+    (llguidance's dialect; ``start`` is the top rule). Plain data, so it travels to data-parallel replicas.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError("SamplingParams.structured_outputs: give exactly one of json, regex, choice, "
+                                      f"grammar, json_object (got {', '.join(given) or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as exc:
+                raise SamplingParamsError(f"SamplingParams.structured_outputs: json is not valid JSON ({exc})") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise SamplingParamsError("SamplingParams.structured_outputs: json must be a JSON schema object")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingParamsError("SamplingParams.structured_outputs: choice must be a non-empty list of "
+                                          "non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"SamplingParams.structured_outputs: {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+    @property
+    def key(self) -> str:
+        """Canonical text of the constraint: equal constraints share one compiled grammar."""
+        value = True if self.json_object else getattr(self, self.kind)
+        return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass
@@ -53,6 +104,7 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured_outputs: StructuredOutputsParams | None = None
     unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +112,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.unset = frozenset(name for name in MODEL_DEFAULTABLE if getattr(self, name) is None)
         for name in self.unset:
             setattr(self, name, MODEL_DEFAULTABLE[name])
@@ -127,6 +181,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_number(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, "must be a number from -2 to 2 (0 is off)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -229,6 +229,13 @@ def generate(
                                                        show_default=False, rich_help_panel=SAMPLING)] = None,
     n: Annotated[Optional[int], typer.Option("--n", help="Completions per input. \\[default: 1]",
                                              show_default=False, rich_help_panel=SAMPLING)] = None,
+    response_format: Annotated[Optional[Path], typer.Option(
+        help="JSON file holding an OpenAI response_format ({\"type\": \"json_schema\", ...} or json_object): the "
+             "default constraint of every record.", exists=True, dir_okay=False, show_default=False,
+        rich_help_panel=SAMPLING)] = None,
+    json_schema: Annotated[Optional[Path], typer.Option(
+        help="JSON schema file every completion must follow (records may override it).", exists=True,
+        dir_okay=False, show_default=False, rich_help_panel=SAMPLING)] = None,
     data_parallel_size: DataParallelSizeOption = 1,
     distributed_backend: DistributedBackendOption = None,
     ray_address: RayAddressOption = None,
@@ -265,6 +272,11 @@ def generate(
             raise UsageError("no input file: give IN (- for stdin) or -i/--input")
         if input is not None and input_option is not None:
             raise UsageError("the input file is given twice (IN and -i/--input); give one")
+        from llmcli.cli.io.structured_fields import default_constraint
+
+        constraint = default_constraint(response_format, json_schema)
+        if constraint is not None:
+            sampling["structured_outputs"] = constraint
         SamplingParams(**sampling)  # a bad flag is a usage error, not one error per record
         return run_generate(opts, _console())
 

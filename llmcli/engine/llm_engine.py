@@ -47,6 +47,8 @@ class LLMEngine:
         self.overlap = True
         self.inflight: InflightStep | None = None
         self._token_text = TokenText(self.tokenizer)  # decodes logprob tokens, once per id
+        self.structured: Any = None  # StructuredRequests, made at the first constrained request
+        self._finished_early: list[RequestOutput] = []  # the previous step, read back before this step's sampling
 
     def _start_runner(self, config: Config) -> Any:
         if config.tensor_parallel_size > 1:
@@ -65,17 +67,32 @@ class LLMEngine:
         self.check_fits(token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id, seed)
-        self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self._structured().add(seq)  # joins the scheduler once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
         self.stats.prompt_tokens += len(token_ids)
         return seq
 
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if this request can never run on this engine."""
         check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks)
+        if params.structured_outputs is not None:
+            from llmcli.engine.structured import check_constraint
 
+            check_constraint(params.structured_outputs)  # GrammarError
+
+    def _structured(self) -> Any:
+        if self.structured is None:
+            from llmcli.engine.structured.requests import StructuredRequests
+
+            self.structured = StructuredRequests(self.tokenizer, self.eos_token_ids,
+                                                 self.config.hf_config.vocab_size)
+        return self.structured
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.inflight is not None
+        return self.scheduler.has_unfinished() or self.inflight is not None or \
+            (self.structured is not None and self.structured.num_compiling > 0)
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -87,6 +104,10 @@ class LLMEngine:
         """
         timer = self.step_timer
         start = time.perf_counter()
+        if self.structured is not None and self.structured.num_compiling:
+            idle = not self.scheduler.has_unfinished() and self.inflight is None
+            for seq in self.structured.ready(block=idle):
+                self.scheduler.add(seq)
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
@@ -95,7 +116,8 @@ class LLMEngine:
             timer.steps[timer.kind] += 1
             timer.tokens[timer.kind] += batch.num_tokens
             launched = self._launch(batch)
-        finished = self._finish(self.inflight) if self.inflight is not None else []
+        finished, self._finished_early = self._finished_early, []
+        finished += self._finish(self.inflight) if self.inflight is not None else []
         self.inflight = launched
         if launched is not None and not self.overlap:
             finished += self._finish(launched)
@@ -106,7 +128,8 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
         sampled = [seq for seq in batch.seqs if seq.samples_this_step]
-        launched = self.model_runner.launch(batch.seqs, batch.is_prefill)
+        masks = self._mask_source(sampled) if any(seq.matcher is not None for seq in sampled) else None
+        launched = self.model_runner.launch(batch.seqs, batch.is_prefill, masks)
         if not self.overlap:
             launched.token_ids()  # the plain loop: wait for the step before anything else
         if batch.is_prefill:
@@ -116,6 +139,18 @@ class LLMEngine:
         indices = [seq.append_pending(row) for row, seq in enumerate(sampled)]
         self.stats.num_steps += 1
         return InflightStep(batch.seqs, sampled, indices, launched)
+
+    def _mask_source(self, sampled: list[Sequence]) -> Callable[[], Any]:
+        """This step's token bitmask, built while the device runs its forward: the mask depends on the
+        previous step's tokens, so that step is read back and finished first (its outputs are returned by
+        this ``step()``), then every matcher is current. The forward itself stays overlapped."""
+        def fill() -> Any:
+            if self.inflight is not None:
+                self._finished_early += self._finish(self.inflight)
+                self.inflight = None
+            with self.step_timer.phase("mask"):
+                return self.structured.fill(sampled, pinned=self.config.device == "cuda")
+        return fill
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         with self.step_timer.phase("wait"):
@@ -128,6 +163,7 @@ class LLMEngine:
                     seq.prompt_logprob_entries.extend(entries)
             now = time.perf_counter()
             finished = []
+            ends = self.structured.accept(step.sampled, tokens) if self.structured is not None else {}
             for row, (seq, index, token) in enumerate(zip(step.sampled, step.indices, tokens)):
                 if seq.is_finished:
                     continue  # it stopped a step earlier; this token was computed speculatively
@@ -137,7 +173,11 @@ class LLMEngine:
                 self.stats.generated_tokens += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                if self.stopper.check(seq, index):
+                done = self.stopper.check(seq, index)
+                # a grammar completed by the last token allowed by max_tokens still counts as a stop
+                if seq.seq_id in ends and seq.finish_reason != "stop":
+                    seq.finish_reason, done = ends[seq.seq_id], True
+                if done:
                     seq.truncate(index + 1)
                     seq.finish_time = now
                     self.scheduler.finish(seq)
@@ -149,7 +189,7 @@ class LLMEngine:
 
     def _refresh_queue_stats(self) -> None:
         self.stats.num_running = len(self.scheduler.running)
-        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.num_waiting = len(self.scheduler.waiting) + (self.structured.num_compiling if self.structured else 0)
         self.stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -171,6 +211,8 @@ class LLMEngine:
                              outputs=[completion], prompt_logprobs=prompt_logprobs, metrics=metrics)
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
         close = getattr(self.model_runner, "shutdown", None)
         if close is not None:
             close()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -18,11 +19,13 @@ from llmcli.kernels.backend import AttentionMetadata
 from llmcli.layers.logprobs import token_logprobs
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
+from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model
 from llmcli.models.loader import load_dummy, load_safetensors
 from llmcli.models.qwen3 import head_dim_of
 
 log = logging.getLogger("llmcli")
+MaskSource = Callable[[], Any]  # returns the int32 token bitmask (host) of the step's sampled rows, or None
 CPU_WARMUP_TOKENS = 256
 
 
@@ -221,17 +224,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def run(self, seqs: list[Sequence], is_prefill: bool, before_sample: MaskSource | None = None,
+            ) -> list[int] | None:
         """Compute one step and wait for it; the sampled token of each sampling sequence (rank 0 only)."""
-        step = self.launch(seqs, is_prefill)
+        step = self.launch(seqs, is_prefill, before_sample)
         return step.token_ids() if self.rank == 0 else None
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep:
+    def launch(self, seqs: list[Sequence], is_prefill: bool, before_sample: MaskSource | None = None,
+               ) -> LaunchedStep:
         """Enqueue one step on the device and return at once; ``token_ids()`` on the result waits for it.
 
         A decoding sequence whose last token is still in flight (``pending_row >= 0``) takes it straight
         from the previous launch's sampled tokens on the device, so the host never waits between steps.
+        ``before_sample`` (structured outputs) is called once the forward is enqueued: while the device runs
+        it, the host may read back the previous step and build this step's token bitmask (a [rows, words]
+        int32 tensor in pinned memory on CUDA, or None), which is applied to the logits before sampling.
         """
         with self.timer.phase("prepare"):
             inputs = prepare_prefill(seqs, self.uploader) if is_prefill else prepare_decode(seqs, self.uploader)
@@ -246,6 +254,7 @@ class ModelRunner:
                 inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
             hidden = self._forward(inputs)
             logits = self._logits(hidden, inputs)
+        mask = before_sample() if before_sample is not None and logits is not None else None
         with self.timer.phase("sample"):
             if logits is None:
                 token_ids = None
@@ -255,6 +264,8 @@ class ModelRunner:
                 raw = logits
                 if extras is not None:
                     logits = extras.penalize(logits, inputs.input_ids, self.penalty_rows.tables)
+                if mask is not None:  # after penalties: a disallowed token stays disallowed
+                    logits = apply_token_bitmask(logits, self._upload_mask(mask))
                 if sampling is None:
                     token_ids = logits.argmax(dim=-1)
                 else:
@@ -266,6 +277,9 @@ class ModelRunner:
                 token_ids = self._share_tokens(token_ids, len(inputs.sampled_seqs))
             self.prev_tokens = token_ids
             return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None, extras)
+
+    def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
 
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight

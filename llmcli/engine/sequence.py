@@ -56,6 +56,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.text: str | None = None  # set when a stop string cut the text
         self.stop_scan_pos = 0  # where the next stop-string search starts in the decoded completion
+        self.matcher: Any = None  # a constrained request's llguidance matcher, once its grammar is compiled
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time = 0.0

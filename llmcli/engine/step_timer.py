@@ -6,12 +6,13 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator
 
-HOST_PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+HOST_PHASES = ("schedule", "prepare", "forward", "mask", "sample", "postprocess")
 
 
 class StepTimer:
-    """Phases: schedule, prepare (inputs to tensors), forward (model launch), sample (sampler launch and the
-    token read-back copy), wait (for the previous step's tokens), postprocess. With the overlapped loop
+    """Phases: schedule, prepare (inputs to tensors), forward (model launch), mask (structured outputs: token
+    bitmasks filled on the host), sample (sampler launch and the token read-back copy), wait (for the previous
+    step's tokens), postprocess. With the overlapped loop
     the launches return at once unless something on the host blocks."""
 
     def __init__(self) -> None:

@@ -205,7 +205,7 @@ class Group:
         # in_call is set before the check: the watchdog records a death first and reads in_call second,
         # so either this check sees the death or the watchdog sees the call (and enforces the grace period)
         self.call_number += 1
-        self.in_call = what
+        outer, self.in_call = self.in_call, what  # nested: a constrained step reads the last one back mid-launch
         try:
             self.check()
             yield
@@ -222,7 +222,7 @@ class Group:
             self.broken = f"rank 0 raised {type(exc).__name__} during {what}"
             raise
         finally:
-            self.in_call = None
+            self.in_call = outer
 
     # -- teardown ---------------------------------------------------------------
     def teardown(self) -> None:

@@ -169,7 +169,7 @@ class TensorParallelRunner:
     def memory_report(self) -> Any:
         return self._runner.memory_report
 
-    def launch(self, seqs: list, is_prefill: bool) -> "GroupStep":
+    def launch(self, seqs: list, is_prefill: bool, before_sample: Any = None) -> "GroupStep":
         """Broadcast the step to every worker and enqueue rank 0's shard; like ``ModelRunner.launch``.
 
         The workers' steps never wait for the host: the tokens each step samples reach them on the
@@ -182,11 +182,12 @@ class TensorParallelRunner:
             # the control plane's cost counts as input preparation in the engine's step timer
             with timer.phase("prepare") if timer is not None else contextlib.nullcontext():
                 group.channel.post("run", (is_prefill, pack_step(seqs, is_prefill)), group.check_alive)
-            return GroupStep(self._runner.launch(seqs, is_prefill), group)
+            # token masks (structured outputs) are built here on rank 0, where sampling happens
+            return GroupStep(self._runner.launch(seqs, is_prefill, before_sample), group)
 
-    def run(self, seqs: list, is_prefill: bool) -> list[int]:
+    def run(self, seqs: list, is_prefill: bool, before_sample: Any = None) -> list[int]:
         """Compute one step on every rank and return rank 0's sampled tokens."""
-        return self.launch(seqs, is_prefill).token_ids()
+        return self.launch(seqs, is_prefill, before_sample).token_ids()
 
     def shutdown(self) -> None:
         runner, self._runner = self._runner, None

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcli.cli.io.records import FieldProblem, InputRecord
+from llmcli.cli.io.structured_fields import NO_CONSTRAINT
+from llmcli.cli.io.structured_fields import check as check_constraint
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -56,6 +58,10 @@ class Preparer:
     # -- sampling ---------------------------------------------------------------
     def _params(self, rec: InputRecord) -> list[SamplingParams]:
         merged = {**self.defaults, **rec.sampling}
+        if merged.get("structured_outputs") == NO_CONSTRAINT:
+            merged["structured_outputs"] = None
+        elif "structured_outputs" in rec.sampling:
+            check_constraint(rec.sampling["structured_outputs"], rec.structured_field)
         try:
             base = SamplingParams(**merged)
         except SamplingParamsError as exc:

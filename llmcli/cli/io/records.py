@@ -61,6 +61,7 @@ class InputRecord:
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     unknown: list[str] = field(default_factory=list)  # fields llmcli does not know (dotted), ignored
     error: RecordError | None = None
+    structured_field: str | None = None  # the field that gave sampling["structured_outputs"], as written
 
     def fail(self, field_name: str | None, message: str) -> None:
         self.error = RecordError(self.line, field_name, message)
@@ -192,11 +193,16 @@ def _check_text(text: Any, name: str) -> str:
     return text
 
 
+# constraint fields, parsed by cli/io/structured_fields.py
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 def _known(openai_body: bool) -> set[str]:
     # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
     if openai_body:
-        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *OPENAI_BODY_EXTRA, *_SAMPLING_CHECKS}
-    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS}
+        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", "response_format", *OPENAI_BODY_EXTRA,
+                *_SAMPLING_CHECKS}
+    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS}
 
 
 def did_you_mean(name: str) -> str | None:
@@ -245,6 +251,15 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
         rec.prompt = _check_token_ids(value, "prompt_token_ids")
     rec.sampling = _take_sampling(obj, "")
     rec.chat_template_kwargs = _template_kwargs(obj, "chat_template_kwargs")
+    _take_structured(rec, obj, "")
+
+
+def _take_structured(rec: InputRecord, src: dict[str, Any], prefix: str) -> None:
+    from llmcli.cli.io.structured_fields import take_structured
+
+    spec, rec.structured_field = take_structured(src, prefix)
+    if spec is not None:
+        rec.sampling["structured_outputs"] = spec
 
 
 def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
@@ -270,6 +285,7 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
         sampling = _take_sampling(body, "body.")
     rec.sampling = sampling
     rec.chat_template_kwargs = _template_kwargs(body, "body.chat_template_kwargs")
+    _take_structured(rec, body, "body.")
 
 
 def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:

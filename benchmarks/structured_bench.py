@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""What structured outputs cost: the bench workload unconstrained, under one JSON schema, and under 64 schemas.
+
+The workload is ``llmcli bench``'s (random prompt ids, lengths uniform in [100, 1024] in and out, temperature
+0.6, seed 0) on dummy weights. Constrained requests follow a schema whose array needs 1000 items, so every
+request, like the unconstrained ones (EOS ignored), generates exactly its output length and the three runs
+produce the same number of tokens. Reported: output tokens/s and its ratio to the unconstrained run, the
+grammar compile times (per distinct schema, on the compiler's threads, and the one-off tokenizer tables),
+and the engine's step timer for decode steps: ``wait`` (the host waiting for the device: large when the host
+is hidden behind the device), ``mask`` (filling token bitmasks on the host) and the host total.
+
+Dummy weights have no tokenizer and the GPU machine has no Qwen tokenizer offline, so a byte-level BPE
+tokenizer of Qwen3's size (151,646 ids) is built first (benchmarks/full_size_tokenizer.py, ~10 s).
+
+    python benchmarks/structured_bench.py                    # GPU: Qwen3-0.6B, 256 requests
+    python benchmarks/structured_bench.py --device cpu --smoke   # a CPU smoke run on the tiny model
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from llmcli import SamplingParams, StructuredOutputsParams  # noqa: E402
+from llmcli.cli.bench import Workload, make_requests  # noqa: E402
+from llmcli.config import Config  # noqa: E402
+from llmcli.engine.llm_engine import LLMEngine  # noqa: E402
+
+WS = {"whitespace_flexible": False}
+
+
+def schema(i: int) -> dict:
+    """The i-th distinct schema: the same shape, its own field names and bounds. Never finishes early."""
+    item = {"type": "object", "additionalProperties": False,
+            "properties": {f"name_{i}": {"type": "string", "maxLength": 12},
+                           f"qty_{i}": {"type": "integer", "minimum": 0, "maximum": 1000 + i},
+                           "tags": {"type": "array", "items": {"enum": ["new", "used", f"kind{i}"]}, "maxItems": 3},
+                           "price": {"type": "number", "minimum": 0}},
+            "required": [f"name_{i}", f"qty_{i}", "tags"]}
+    return {"type": "object", "properties": {"records": {"type": "array", "items": item, "minItems": 1000}},
+            "required": ["records"], "additionalProperties": False}
+
+
+def run(engine: LLMEngine, requests: list, temperature: float, schemas: list[dict] | None) -> dict:
+    engine.step_timer.reset()
+    start = time.perf_counter()
+    for i, (ids, n_out) in enumerate(requests):
+        constraint = None if schemas is None else StructuredOutputsParams(json=schemas[i % len(schemas)])
+        engine.add_request(ids, SamplingParams(temperature=temperature, max_tokens=n_out, ignore_eos=True, seed=i,
+                                               structured_outputs=constraint), request_id=i)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.token_ids) for o in outs)
+    want = sum(n for _, n in requests)
+    decode = engine.step_timer.summary().get("decode", {})
+    return {"requests": len(outs), "output_tokens": n_out, "expected_tokens": want, "elapsed_s": elapsed,
+            "output_tok_s": n_out / elapsed, "finish": sorted({o.finish_reason for o in outs}),
+            "decode_steps": decode.get("steps", 0), "wait_ms": decode.get("wait_ms", 0.0),
+            "mask_ms": decode.get("mask_ms", 0.0), "host_ms": decode.get("host_ms", 0.0)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(REPO / "configs" / "Qwen3-0.6B"))
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: build the full-size one)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--smoke", action="store_true", help="tiny model, few short requests (CPU)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--schemas", type=int, default=64)
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "structured.json"))
+    args = p.parse_args()
+    w = Workload(num_prompts=args.num_prompts)
+    knobs: dict = {"device": args.device}
+    if args.smoke:
+        args.model, args.tokenizer = str(REPO / "examples" / "tiny-qwen3"), args.tokenizer or None
+        w = Workload(num_prompts=min(args.num_prompts, 8), input_len=(8, 32), output_len=(16, 48))
+        args.schemas = min(args.schemas, 4)
+        knobs.update(enforce_eager=True, max_model_len=256)
+    else:
+        knobs["load_format"] = "dummy"
+        if args.tokenizer is None:
+            from full_size_tokenizer import save
+
+            start = time.perf_counter()
+            args.tokenizer = str(save(Path(tempfile.mkdtemp()) / "tokenizer"))
+            print(f"built the full-size tokenizer in {time.perf_counter() - start:.1f} s", flush=True)
+    if args.tokenizer:
+        knobs["tokenizer"] = args.tokenizer
+    config = Config(args.model, **knobs)
+    engine = LLMEngine(config)
+    requests = make_requests(w, config.hf_config.vocab_size, set(config.eos_token_ids))
+    result: dict = {"model": args.model, "device": config.device, "workload": vars(w) | {"schemas": args.schemas}}
+    try:
+        # warm-up: tokenizer tables, the mask kernel's compilation, one schema (not one of the timed ones)
+        start = time.perf_counter()
+        warm = make_requests(Workload(num_prompts=4, input_len=(16, 16), output_len=(8, 8), seed=1),
+                             config.hf_config.vocab_size, set(config.eos_token_ids))
+        run(engine, warm, 1.0, [schema(10_000)])
+        result["warmup_s"] = time.perf_counter() - start
+        result["unconstrained"] = run(engine, requests, w.temperature, None)
+        print("unconstrained", json.dumps(result["unconstrained"]), flush=True)
+        compiled = set(engine.structured.compiler.compile_seconds)
+        result["one_schema"] = run(engine, requests, w.temperature, [schema(0)])
+        print("one schema", json.dumps(result["one_schema"]), flush=True)
+        result["many_schemas"] = run(engine, requests, w.temperature, [schema(i + 1) for i in range(args.schemas)])
+        print(f"{args.schemas} schemas", json.dumps(result["many_schemas"]), flush=True)
+        seconds = [s for k, s in engine.structured.compiler.compile_seconds.items() if k not in compiled]
+        result["compile_ms"] = {"count": len(seconds), "mean": 1e3 * sum(seconds) / len(seconds),
+                                "max": 1e3 * max(seconds)}
+    finally:
+        engine.shutdown()
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    base = result["unconstrained"]["output_tok_s"]
+    ok = all(result[k]["output_tokens"] == result[k]["expected_tokens"]
+             for k in ("unconstrained", "one_schema", "many_schemas"))
+    print(f"\n| run | output tok/s | vs unconstrained | decode ms/step: wait | mask | host |\n|---|---|---|---|---|---|")
+    for key, label in (("unconstrained", "unconstrained"), ("one_schema", "one JSON schema"),
+                       ("many_schemas", f"{args.schemas} distinct schemas")):
+        r = result[key]
+        print(f"| {label} | {r['output_tok_s']:,.0f} | {r['output_tok_s'] / base:.3f} | {r['wait_ms']:.2f} | "
+              f"{r['mask_ms']:.2f} | {r['host_ms']:.2f} |")
+    c = result["compile_ms"]
+    print(f"\nschema compile: {c['count']} schemas, mean {c['mean']:.1f} ms, max {c['max']:.1f} ms "
+          f"(warm-up incl. tokenizer tables and the first compile: {result['warmup_s']:.1f} s); "
+          f"every request produced its full length: {ok}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

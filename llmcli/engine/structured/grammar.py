@@ -1,0 +1,58 @@
+"""From a StructuredOutputsParams to llguidance's grammar text, and checking it without a tokenizer."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmcli.sampling_params import StructuredOutputsParams
+
+INSTALL_HINT = "structured outputs need llguidance: pip install 'llguidance>=1.0'"
+# JSON is written as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace lets a
+# model pad forever; a schema's own "x-guidance" options still win over these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A schema, regex, choice list or grammar that cannot be compiled; the message says why."""
+
+
+def load_llguidance() -> Any:
+    try:
+        import llguidance as llg
+    except ImportError:  # pragma: no cover - it is a dependency; a broken install still gets a clear message
+        raise GrammarError(INSTALL_HINT) from None
+    return llg
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar for ``spec`` (not yet checked)."""
+    matcher = load_llguidance().LLMatcher
+    kind = spec.kind
+    if kind == "json_object":
+        return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "json":
+        return matcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return matcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        # Lark string literals take JSON's escapes.
+        return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+    return matcher.grammar_from_lark(spec.grammar)
+
+
+_checked: dict[str, str] = {}  # canonical key -> "" or the error; a batch repeats few distinct constraints
+
+
+def check_constraint(spec: StructuredOutputsParams) -> None:
+    """Raise GrammarError if ``spec`` cannot be compiled (cached per distinct constraint; no tokenizer needed)."""
+    error = _checked.get(spec.key)
+    if error is None:
+        try:
+            error = load_llguidance().LLMatcher.validate_grammar(grammar_text(spec))
+        except (ValueError, TypeError) as exc:
+            error = str(exc) or type(exc).__name__
+        if len(_checked) < 65536:
+            _checked[spec.key] = error
+    if error:
+        text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+        raise GrammarError(text if len(text) <= 300 else text[:297] + "...")

@@ -1,0 +1,68 @@
+"""The engine's side of structured outputs: requests wait for their grammar, then their matchers follow
+every accepted token and fill each step's mask."""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
+
+import torch
+
+from llmcli.engine.sequence import Sequence
+from llmcli.engine.structured.compiler import GrammarCompiler
+from llmcli.engine.structured.grammar import GrammarError
+from llmcli.engine.structured.masks import ConstrainedBatch
+
+log = logging.getLogger("llmcli")
+
+
+class StructuredRequests:
+    """Constrained requests before the scheduler sees them (grammar compiling) and after (matchers)."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> None:
+        self.compiler = GrammarCompiler(tokenizer, eos_token_ids, vocab_size)
+        self.masks = ConstrainedBatch(vocab_size)
+        self.compiling: list[tuple[Sequence, Any]] = []
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self.compiling)
+
+    def add(self, seq: Sequence) -> None:
+        self.compiling.append((seq, self.compiler.submit(seq.params.structured_outputs)))
+
+    def ready(self, block: bool) -> list[Sequence]:
+        """The requests whose grammar is compiled, each with its own matcher; ``block``: wait for one first
+        (when nothing else could run, so that the step loop does not spin)."""
+        if block and self.compiling:
+            wait([f for _, f in self.compiling], timeout=5.0, return_when=FIRST_COMPLETED)
+        done, self.compiling = ([(s, f) for s, f in self.compiling if f.done()],
+                                [(s, f) for s, f in self.compiling if not f.done()])
+        for seq, future in done:
+            error = future.exception()
+            if error is not None:
+                raise GrammarError(f"request {seq.request_id!r}: its constraint failed to compile: {error}")
+            seq.matcher = future.result().deep_copy()
+        return [seq for seq, _ in done]
+
+    def fill(self, seqs: list[Sequence], pinned: bool) -> torch.Tensor | None:
+        return self.masks.fill(seqs, pinned)
+
+    def accept(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, str]:
+        """Advance each constrained sequence's matcher by its new token; the finish reason (by ``seq_id``) of
+        those whose grammar ends the request there."""
+        pairs = [(seq, token) for seq, token in zip(seqs, tokens) if seq.matcher is not None and not seq.is_finished]
+        ends: dict[int, str] = {}
+        for (seq, token), ok in zip(pairs, self.masks.accept([(seq.matcher, token) for seq, token in pairs])):
+            if not ok:
+                # The mask allows only tokens the matcher takes, so this is a bug, not bad input: end the
+                # request rather than let it go on unconstrained.
+                log.warning("request %r: token %d broke its grammar (%s); it ends here", seq.request_id, token,
+                            seq.matcher.get_error())
+                ends[seq.seq_id] = "abort"
+            elif seq.matcher.is_stopped():
+                ends[seq.seq_id] = "stop"
+        return ends
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()
