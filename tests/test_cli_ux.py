@@ -114,7 +114,7 @@ def test_reasoning_parser_auto_detection():
 
 
 def test_reasoning_content_in_output_records():
-    out = RequestOutput("0.0", [1, 2], [5, 6, 7], "<think>\nplan\n</think>\n\nanswer", "stop")
+    out = RequestOutput.single("0.0", [1, 2], [5, 6, 7], "<think>\nplan\n</think>\n\nanswer", "stop")
     plain = result_record(rec_of({"messages": HI}), [out], model="m", reasoning="qwen3")
     assert (plain["reasoning_content"], plain["text"]) == ("plan", "answer")
     chat = rec_of({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": HI}})
@@ -351,7 +351,7 @@ def test_progress_in_a_real_terminal(tiny_model, tmp_path):
 
 # -- item 9: output record extras ----------------------------------------------------------
 def test_plain_records_with_totals_prompt_ids_and_metrics():
-    out = RequestOutput("0.0", [1, 2, 3], [7, 8], "hi", "length", num_cached_prompt_tokens=2,
+    out = RequestOutput.single("0.0", [1, 2, 3], [7, 8], "hi", "length", num_cached_prompt_tokens=2,
                         arrival_time=100.0, first_token_time=100.25, finish_time=101.5)
     line = result_record(rec_of({"prompt": "a", "id": "q"}), [out], model="m", include_token_ids=True,
                          include_metrics=True)
