@@ -171,7 +171,7 @@ def test_compact_form_rebuilds_the_same_step_inputs():
         s.num_computed_tokens, s.num_scheduled_tokens = s.num_tokens - 1, 1
         s.block_table = [7 + b for b in range(s.num_blocks)]
     packed = pack_step(seqs, False)
-    assert all(len(p) == 4 and p[1] == 5 for p in packed)  # the last token, not the history
+    assert all(len(p) == 6 and p[1] == 5 for p in packed)  # the last token, not the history
     a, b = prepare_decode(seqs, CPU), prepare_decode(unpack_step(packed, False, BLOCK), CPU)
     for name in ("input_ids", "positions"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -193,6 +193,13 @@ def test_prefill_with_prefix_matches_torch(shape, dtype):
     check_prefill(prefix, q_lens, shape, dtype, paged=True)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_prefill_mixed_step_matches_torch(shape):
+    """A mixed step: decode rows (1-token chunks over long contexts) beside a prompt chunk without prefix."""
+    bs = shape[3]
+    check_prefill([bs + 5, 3, 2 * bs, 0, 70], [1, 1, 1, 60, 1], shape, torch.float32, paged=True)
+
+
 @pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[4:])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_varlen_matches_torch(shape, dtype):
@@ -273,6 +280,99 @@ def test_engine_on_triton_backend_matches_hf(tiny_model, hf_oracle, run_factory)
     check_against_hf(run, hf_oracle, prompts, max_new=12)
     check_against_hf(run, hf_oracle, prompts, max_new=12)  # now the shared prefix comes from the cache
     assert run.llm.engine.stats.prefix_cache_hit_tokens >= 32 * len(prompts)
+
+
+# -- the decode CUDA-graph path, replayed eagerly on the CPU ---------------------------------------------
+class EagerGraph:
+    """Stands in for a captured CUDA graph: a replay runs the captured body again into the same output."""
+
+    def __init__(self, run, output):
+        self.run, self.output = run, output
+
+    def replay(self):
+        self.output.copy_(self.run())
+
+    def reset(self):
+        pass
+
+
+def eager_decode_graphs(runner, sample_in_graph):
+    from llmcli.engine.cuda_graphs import DecodeGraphs
+
+    class EagerDecodeGraphs(DecodeGraphs):
+        def _capture(self, bs, pool):
+            output = self._body(bs)
+            return EagerGraph(lambda: self._body(bs), output), output, None
+
+    return EagerDecodeGraphs(runner.model, runner.backend, runner.config, runner.device, sample_in_graph)
+
+
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+@pytest.mark.parametrize("sample_in_graph", [False, True])
+def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample_in_graph):
+    """Staged inputs, in-flight tokens taken inside the graph, padding rows, block tables gathered on the
+    device, and (sample_in_graph) the lm_head and one-pass sampler in the graph: HF's greedy tokens."""
+    run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
+                      max_num_batched_tokens=64)
+    runner = run.llm.engine.model_runner
+    runner.graphs = eager_decode_graphs(runner, sample_in_graph)
+    assert runner.graphs.batch_sizes == [1, 2, 4]
+    prompts = random_prompts([45, 9, 30], seed=405)  # 3 rows in the graph of 4; blocks of 16 fill up on the way
+    check_against_hf(run, hf_oracle, prompts, max_new=8)
+    assert run.llm.engine.step_timer.steps["decode"] >= 7
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU stand-in for CUDA graphs; the GPU captures real ones")
+def test_sampling_inside_the_decode_graph_draws_what_the_sampler_draws(tiny_model, run_factory):
+    """Seeded temperature sampling: the graph's one-pass sampler gets the same seeds and steps as the sampler
+    outside it, so the draws agree (up to a float32 near-tie now and then)."""
+    from llmcli import SamplingParams
+
+    prompts = random_prompts([45, 9, 30], seed=406)
+    params = [SamplingParams(temperature=1.0, min_p=0.02, max_tokens=8, ignore_eos=True, seed=10 + i)
+              for i in range(len(prompts))]
+    outs = {}
+    for in_graph in (False, True):
+        run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32",
+                          max_num_seqs=4, max_num_batched_tokens=64)
+        runner = run.llm.engine.model_runner
+        runner.graphs = eager_decode_graphs(runner, in_graph)
+        outs[in_graph] = [list(o["token_ids"]) for o in run.llm.generate(prompts, params)]
+    same = sum(a == b for x, y in zip(outs[False], outs[True]) for a, b in zip(x, y))
+    assert same >= 0.8 * sum(len(x) for x in outs[False]), outs
+
+
+# -- thin-M GEMMs (decode_gemm = triton / triton-silu) ----------------------------------------------------
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (5, 200, 130), (33, 128, 64), (70, 256, 192)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thin_gemm_and_fused_silu_mul_match_torch(m, k, n, dtype):
+    from llmcli.kernels.triton_gemm import linear, silu_mul_linear
+    from llmcli.layers.activation import silu_and_mul
+
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    w = (torch.randn(2 * n, k, device=DEVICE) / k ** 0.5).to(dtype)
+    ref = (x.float() @ w.float().T).to(dtype)  # rounded to the model dtype, as cuBLAS's output is
+    assert rel_err(linear(x, w), ref) <= TOL[dtype]
+    assert rel_err(silu_mul_linear(x, w), silu_and_mul(ref)) <= 2 * TOL[dtype]
+
+
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+@pytest.mark.parametrize("mode", ["triton-silu", "triton"])
+def test_engine_with_triton_decode_gemms_matches_hf(tiny_model, hf_oracle, run_factory, mode):
+    """Every GEMM of at most 256 rows (decode, short prefill chunks) through the Triton thin-M kernels."""
+    prompts = random_prompts([3, 45, 20, 300], seed=404)
+    run = run_factory(tiny_model, decode_gemm=mode, max_num_batched_tokens=64)
+    check_against_hf(run, hf_oracle, prompts, max_new=8)
+
+
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+def test_engine_mixed_steps_on_triton_backend_matches_hf(tiny_model, hf_oracle, run_factory):
+    """Decode rows riding along with prompt chunks through the Triton paged prefill kernel."""
+    prompts = random_prompts([3, 45, 20, 70, 9], seed=403)
+    run = run_factory(tiny_model, attention_backend="triton", max_num_batched_tokens=24, max_num_seqs=3,
+                      device=DEVICE.type, dtype="float32", mixed_steps=True)
+    check_against_hf(run, hf_oracle, prompts, max_new=10)
+    assert run.llm.engine.step_timer.steps.get("mixed", 0) > 0
 
 
 def test_kernel_variant_warmup_stores_nothing(tiny_model, run_factory):

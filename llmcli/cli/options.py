@@ -56,6 +56,12 @@ ENGINE_KNOBS = (
     Knob("kv_cache_memory_gib", float, "Give the KV cache exactly this many GiB instead of sizing it from "
                                        "free memory.", "sized from free memory; on CPU 4 GiB or less"),
     Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens.", "on"),
+    Knob("mixed_steps", bool, "Decode running requests in the same step as new prompts' prefill chunks "
+                              "(off: a step is all prefill or all decode, prefill first).", "off"),
+    Knob("sample_in_graph", bool, "CUDA: run the lm_head and the sampler inside the decode CUDA graph.", "off"),
+    Knob("decode_gemm", str, "GEMMs of decode-sized batches: triton-silu fuses SiLU-and-mul into the gate/up "
+                             "GEMM; triton runs every one of them in llmcli's Triton kernel.", "cublas",
+         choices=("cublas", "triton-silu", "triton")),
     Knob("device", str, "Where the engine runs.", "auto: cuda if visible, else cpu",
          choices=("auto", "cuda", "cpu")),
     Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",

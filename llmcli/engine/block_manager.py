@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from array import array
+import itertools
 from collections import OrderedDict
 
 import xxhash
@@ -40,6 +41,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.free_rows: list[int] = []  # rows of the runner's block tables (engine/block_tables.py) now unused
+        self.num_rows = 0
+        self._table_ids = itertools.count(1)
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,6 +70,11 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> int:
         """Give ``seq`` blocks for all its tokens; returns how many tokens came from the prefix cache."""
         assert not seq.block_table, "sequence already holds blocks"
+        if self.free_rows:
+            seq.table_row = self.free_rows.pop()
+        else:
+            seq.table_row, self.num_rows = self.num_rows, self.num_rows + 1
+        seq.table_id = next(self._table_ids)
         bs = self.block_size
         # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt.
         prev, cached = 0, 0
@@ -124,5 +133,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
         seq.block_table = []
+        if seq.table_row >= 0:
+            self.free_rows.append(seq.table_row)
+            seq.table_row = -1
         seq.num_hashed_blocks = seq.last_block_hash = 0
         seq.num_computed_tokens = 0

@@ -1,6 +1,12 @@
-"""Decode CUDA graphs: captured once per batch size over static buffers, replayed every decode step."""
+"""Decode CUDA graphs: captured once per batch size over static buffers, replayed every decode step.
+
+A step's inputs cross to the device in three copies into those buffers (``staged_replay``); the graph
+itself takes in-flight tokens from the last step's samples. With ``sample_in_graph`` it also holds the
+lm_head and the one-pass sampler, so that a whole decode step is one replay.
+"""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -9,6 +15,10 @@ from llmcli.engine.step_inputs import StepInputs
 from llmcli.kernels.backend import AttentionBackend
 
 MAX_GRAPH_BATCH = 512
+# staged_replay's inputs, one row each, in this order
+I64_ROWS = ("ids", "positions", "slots", "pending", "seeds", "steps", "table_rows")
+F32_ROWS = ("temperatures", "min_ps")
+_SLOTS, _PENDING, _TABLE_ROWS = (I64_ROWS.index(name) for name in ("slots", "pending", "table_rows"))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -19,38 +29,66 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """The model's forward (not the lm_head or the sampler) for each decode batch size.
+    """The model's forward (with ``sample_in_graph`` also logits and sampling) for each decode batch size.
 
     Graphs are captured largest first into one shared memory pool. A step of
     ``n`` sequences replays the smallest graph of at least ``n`` rows; the
     padding rows have slot -1 and context length 0, so they store nothing.
     """
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, config: Config, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, backend: AttentionBackend, config: Config, device: torch.device,
+                 sample_in_graph: bool = False) -> None:
         if backend.name == "torch":
             raise ValueError("CUDA graphs need the triton or flash-attn backend (set enforce_eager=True for torch)")
         self.model, self.backend = model, backend
         self.batch_sizes = graph_batch_sizes(config.max_num_seqs)
         top = self.batch_sizes[-1]
         max_blocks = -(-config.max_model_len // config.kvcache_block_size)
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        # one row per input, so that a step's integer inputs cross in one copy (staged_replay)
+        self.i64 = torch.zeros(len(I64_ROWS), top, dtype=torch.int64, device=device)
+        self.f32 = torch.zeros(len(F32_ROWS), top, dtype=torch.float32, device=device)
+        self.input_ids, self.positions = self.i64[0], self.i64[1]
+        self.tokens = torch.zeros(top, dtype=torch.int64, device=device)  # where in-flight tokens are read from
         backend.init_graph_buffers(top, max_blocks, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        backend._graph_slots = self.i64[_SLOTS]
+        self.sample_in_graph = sample_in_graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or anything with replay() and reset(): see _capture
         self.outputs: dict[int, torch.Tensor] = {}
-        free_before = torch.cuda.mem_get_info(device)[0]
+        self.pinned = device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        self.i64[_PENDING].fill_(-1)
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):
                 backend.prepare_for_capture(bs)
-                model(self.input_ids[:bs], self.positions[:bs])  # warm-up: compilation and autotuning
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs])
-                pool = graph.pool() if pool is None else pool
-                self.graphs[bs] = graph
-        torch.cuda.synchronize(device)
-        self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+                self._body(bs)  # warm-up: compilation and autotuning
+                self.graphs[bs], self.outputs[bs], pool = self._capture(bs, pool)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 0
+
+    def _capture(self, bs: int, pool: object) -> tuple[object, torch.Tensor, object]:
+        """(graph, its output, the memory pool the next capture shares); tests replace it with eager replays."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            output = self._body(bs)
+        return graph, output, graph.pool() if pool is None else pool
+
+    def _body(self, bs: int) -> torch.Tensor:
+        """In-flight tokens from ``self.tokens``, the forward, and with ``sample_in_graph`` the sampled tokens
+        written back to ``self.tokens``; returns the hidden states."""
+        row = dict(zip(I64_ROWS, self.i64[:, :bs]))
+        pending = row["pending"]
+        ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], row["ids"])
+        hidden = self.model(ids, row["positions"])
+        if self.sample_in_graph:
+            from llmcli.kernels.triton_sample import sample_unfiltered
+            from llmcli.layers.sampler import compiled_row_keys
+
+            logits = self.model.compute_logits(hidden)
+            keys = compiled_row_keys(row["seeds"], row["steps"])
+            self.tokens[:bs].copy_(sample_unfiltered(logits, self.f32[0, :bs], self.f32[1, :bs], keys))
+        return hidden
 
     def release(self) -> None:
         """Free every graph now (a graph holding collectives must go before its communicator)."""
@@ -63,10 +101,45 @@ class DecodeGraphs:
         return batch_size <= self.batch_sizes[-1]
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward of a decode step prepared as device tensors (``prepare_decode``), its in-flight tokens
+        already filled in; the engine's own steps use ``staged_replay`` (benchmarks time this one)."""
         n = inputs.input_ids.numel()
         bs = next(b for b in self.batch_sizes if b >= n)
+        self.i64[_PENDING, :bs].fill_(-1)
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
         self.backend.prepare_for_replay(inputs.metadata, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray, tables: torch.Tensor,
+                      prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of ``n`` sequences: (sampled tokens if ``sample_in_graph``, hidden states), n rows each.
+
+        ``i64`` [len(I64_ROWS), n] and ``f32`` [len(F32_ROWS), n] (None: not sampling in the graph) hold the
+        step's inputs and ``lens`` its context lengths: three copies to the device, one gather of block-table
+        rows from ``tables``, one replay. ``prev_tokens``: the last step's samples when they are not in
+        ``self.tokens`` already (its in-flight tokens come from them).
+        """
+        n, top = i64.shape[1], self.i64.shape[1]
+        bs = next(b for b in self.batch_sizes if b >= n)
+        host_i64 = np.zeros((len(I64_ROWS), top), dtype=np.int64)
+        host_i64[:, :n] = i64
+        host_i64[_SLOTS, n:] = -1  # padding rows store nothing
+        host_i64[_PENDING, n:] = -1
+        host_lens = np.zeros(top, dtype=np.int32)
+        host_lens[:n] = lens
+        if prev_tokens is not None:
+            self.tokens[:prev_tokens.numel()].copy_(prev_tokens, non_blocking=True)
+        copies = [(self.i64, host_i64), (self.backend._graph_lens, host_lens)]
+        if f32 is not None:
+            host_f32 = np.zeros((len(F32_ROWS), top), dtype=np.float32)
+            host_f32[:, :n] = f32
+            copies.append((self.f32, host_f32))
+        for dst, src in copies:
+            host = torch.from_numpy(src)
+            dst.copy_(host.pin_memory() if self.pinned else host, non_blocking=True)
+        torch.index_select(tables, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
+        self.backend.prepare_for_capture(bs)
+        self.graphs[bs].replay()
+        return self.tokens[:n], self.outputs[bs][:n]

@@ -12,7 +12,7 @@ from llmcli.engine.logprob_outputs import LazyLogprobs, TokenText
 from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
-from llmcli.engine.sequence import Sequence
+from llmcli.engine.sequence import Sequence, SequenceStatus
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
 from llmcli.models.hub import load_tokenizer
@@ -111,7 +111,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
-            timer.kind = "prefill" if batch.is_prefill else "decode"
+            timer.kind = "mixed" if batch.num_decode else "prefill" if batch.is_prefill else "decode"
             timer.seconds[(timer.kind, "schedule")] += time.perf_counter() - start
             timer.steps[timer.kind] += 1
             timer.tokens[timer.kind] += batch.num_tokens
@@ -127,16 +127,15 @@ class LLMEngine:
         return finished
 
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
-        sampled = [seq for seq in batch.seqs if seq.samples_this_step]
+        sampled = [seq for seq in batch.seqs if seq.samples_this_step] if batch.is_prefill else batch.seqs
         masks = self._mask_source(sampled) if any(seq.matcher is not None for seq in sampled) else None
         launched = self.model_runner.launch(batch.seqs, batch.is_prefill, masks)
         if not self.overlap:
             launched.token_ids()  # the plain loop: wait for the step before anything else
         if batch.is_prefill:
-            self.stats.prefill_tokens_computed += batch.num_tokens
-        for seq in batch.seqs:
-            self.scheduler.step_done(seq)
-        indices = [seq.append_pending(row) for row, seq in enumerate(sampled)]
+            self.stats.prefill_tokens_computed += batch.num_tokens - batch.num_decode
+        with self.step_timer.phase("schedule"):  # the scheduler's bookkeeping after the launch
+            indices = self.scheduler.launched(batch.seqs, sampled)
         self.stats.num_steps += 1
         return InflightStep(batch.seqs, sampled, indices, launched)
 
@@ -164,16 +163,17 @@ class LLMEngine:
             now = time.perf_counter()
             finished = []
             ends = self.structured.accept(step.sampled, tokens) if self.structured is not None else {}
+            generated, check, finished_status = 0, self.stopper.check, SequenceStatus.FINISHED
             for row, (seq, index, token) in enumerate(zip(step.sampled, step.indices, tokens)):
-                if seq.is_finished:
+                if seq.status is finished_status:
                     continue  # it stopped a step earlier; this token was computed speculatively
                 seq.resolve(index, token)
                 if logprobs is not None and row in logprobs.sampled:
                     seq.token_logprobs.append(logprobs.sampled[row])
-                self.stats.generated_tokens += 1
+                generated += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                done = self.stopper.check(seq, index)
+                done = check(seq, index)
                 # a grammar completed by the last token allowed by max_tokens still counts as a stop
                 if seq.seq_id in ends and seq.finish_reason != "stop":
                     seq.finish_reason, done = ends[seq.seq_id], True
@@ -182,9 +182,14 @@ class LLMEngine:
                     seq.finish_time = now
                     self.scheduler.finish(seq)
                     finished.append(self._output(seq))
-            for seq in step.seqs:
-                if not seq.is_finished:
-                    self.scheduler.block_manager.register_computed(seq)
+            self.stats.generated_tokens += generated
+            manager = self.scheduler.block_manager
+            if manager.enable_prefix_caching:
+                # blocks whose last token was in flight at launch can be published now (one check per sequence)
+                block_size = manager.block_size
+                for seq in step.seqs:
+                    if seq.num_computed_tokens // block_size > seq.num_hashed_blocks and not seq.is_finished:
+                        manager.register_computed(seq)
             return finished
 
     def _refresh_queue_stats(self) -> None:

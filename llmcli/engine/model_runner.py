@@ -5,19 +5,23 @@ import logging
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from llmcli.config import Config
 from llmcli.parallel import tp_rank, tp_size
+from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs, plan_extras
 from llmcli.engine.step_timer import StepTimer
-from llmcli.engine.step_inputs import StepInputs, Uploader, all_greedy, prepare_decode, prepare_prefill, prepare_sampling
+from llmcli.engine.step_inputs import (StepInputs, Uploader, all_greedy, decode_arrays, one_pass_sampling,
+                                       prepare_decode, prepare_prefill, prepare_sampling)
 from llmcli.kernels import make_backend
 from llmcli.kernels.backend import AttentionMetadata
 from llmcli.layers.logprobs import token_logprobs
 from llmcli.layers.penalties import PenaltyTables
+from llmcli.layers.linear import use_thin_gemm
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model
@@ -49,6 +53,8 @@ class LaunchedStep:
             self._done = torch.cuda.Event()
             self._done.record()
             device = host
+        elif tokens is not None:
+            device[0] = tokens.clone()  # it may be a view of a buffer the next step overwrites (decode graphs)
         self._host: list[int] | torch.Tensor = device.pop(0) if tokens is not None else []
         self._extra_host = device
 
@@ -82,10 +88,7 @@ class ModelRunner:
                                     self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                     config.kvcache_block_size)
         self.model = self._build_model()
-        self.sampler = Sampler()
-        self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, self.device))
-        self.uploader = Uploader(self.device)
-        self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
+        self.init_host_state(config, self.device, 0)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation_peak = self._warmup()
         per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
@@ -99,16 +102,30 @@ class ModelRunner:
             start = time.perf_counter()
             self._compile_variants()
             log.info("compiled the prefill and sampler variants in %.1f s", time.perf_counter() - start)
-        self.timer = StepTimer()
-        self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from llmcli.engine.cuda_graphs import DecodeGraphs
 
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, self.backend, config, self.device)
+            # the one-pass sampler must have passed its start-up check to go inside the graph
+            in_graph = config.sample_in_graph and self.world == 1 and self.sampler.one_pass
+            self.graphs = DecodeGraphs(self.model, self.backend, config, self.device, sample_in_graph=in_graph)
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
             log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
                      time.perf_counter() - start)
+
+    def init_host_state(self, config: Config, device: torch.device, num_blocks: int) -> None:
+        """What ``launch`` needs besides the model (benchmarks/host_step_cpu.py builds a runner from this alone)."""
+        self.config, self.device, self.num_blocks = config, device, num_blocks
+        self.rank, self.world = getattr(self, "rank", 0), getattr(self, "world", 1)
+        self.sampler = Sampler()
+        self.uploader = Uploader(device)
+        self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, device))
+        self.block_tables = BlockTables(-(-config.max_model_len // config.kvcache_block_size), device,
+                                        rows=config.max_num_seqs + 1)
+        self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
+        self.prev_in_graph = False  # they are in the decode graphs' own token buffer already
+        self.timer = StepTimer()
+        self.graphs = None
 
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""
@@ -133,6 +150,7 @@ class ModelRunner:
                 model = build_model(cfg.hf_config, self.backend)
         finally:
             torch.set_default_dtype(default_dtype)
+        use_thin_gemm(model, cfg.decode_gemm)
         if cfg.load_format == "dummy":
             load_dummy(model, cfg.seed)
         else:
@@ -241,8 +259,13 @@ class ModelRunner:
         it, the host may read back the previous step and build this step's token bitmask (a [rows, words]
         int32 tensor in pinned memory on CUDA, or None), which is applied to the logits before sampling.
         """
+        if not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs)) and before_sample is None \
+                and (self.rank != 0 or not any(s.wants_extras for s in seqs)):
+            return self._launch_graph(seqs)  # the common decode step: nothing between the logits and the sampler
+        self.prev_in_graph = False
         with self.timer.phase("prepare"):
-            inputs = prepare_prefill(seqs, self.uploader) if is_prefill else prepare_decode(seqs, self.uploader)
+            prepare = prepare_prefill if is_prefill else prepare_decode
+            inputs = prepare(seqs, self.uploader, self.block_tables)
             greedy = self.rank != 0 or all_greedy(inputs.sampled_seqs)
             sampling = None if greedy else prepare_sampling(inputs.sampled_seqs, self.uploader)
             # penalties and logprobs (rank 0 samples alone); None when no request of the step asks
@@ -281,6 +304,36 @@ class ModelRunner:
     def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
 
+    def _launch_graph(self, seqs: list[Sequence]) -> LaunchedStep:
+        """A decode step through its CUDA graph: staged inputs, one replay, then logits and sampling unless
+        the graph samples itself (``sample_in_graph``, for batches the one-pass sampler can serve)."""
+        n = len(seqs)
+        with self.timer.phase("prepare"):
+            arrays, tables = decode_arrays(seqs, self.uploader, self.block_tables)
+            in_graph = one_pass_sampling(seqs) if self.graphs.sample_in_graph and self.rank == 0 else None
+            f32, seeds, steps = in_graph if in_graph is not None else (None, np.zeros(n, np.int64), np.zeros(n, np.int64))
+            i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows])
+            greedy = self.rank != 0 or all_greedy(seqs)
+            sampling = None if greedy or in_graph is not None else prepare_sampling(seqs, self.uploader)
+        with self.timer.phase("forward"):
+            prev = None if self.prev_in_graph else self.prev_tokens
+            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables.table, prev)
+            logits = None if in_graph is not None else self.model.compute_logits(hidden)
+        with self.timer.phase("sample"):
+            if in_graph is not None:
+                token_ids = tokens
+            elif logits is None:
+                token_ids = None
+            elif sampling is None:
+                token_ids = logits.argmax(dim=-1)
+            else:
+                token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
+                                         sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+            if self.world > 1:
+                token_ids = self._share_tokens(token_ids, n)
+            self.prev_tokens, self.prev_in_graph = token_ids, in_graph is not None
+            return LaunchedStep(list(seqs), token_ids if self.rank == 0 else None)
+
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight
         tokens (``pending_rows``) resolve on each rank without a trip through the host."""
@@ -310,6 +363,7 @@ class ModelRunner:
         """Hidden states of every input row."""
         meta = inputs.metadata
         if self.graphs is not None and not meta.is_prefill and self.graphs.fits(meta.batch_size):
+            self.prev_in_graph = False  # the replay may leave other tokens in the graphs' token buffer
             return self.graphs.replay(inputs)
         self.backend.prepare(meta)
         return self.model(inputs.input_ids, inputs.positions)

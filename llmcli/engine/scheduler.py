@@ -7,21 +7,26 @@ from dataclasses import dataclass
 from llmcli.config import Config
 from llmcli.engine.block_manager import BlockManager
 from llmcli.engine.outputs import EngineStats
-from llmcli.engine.sequence import Sequence, SequenceStatus
+from llmcli.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    is_prefill: bool
+    is_prefill: bool  # True: one varlen batch of chunks (prefill, or mixed); False: one token per sequence
+    num_decode: int = 0  # a mixed step: its first ``num_decode`` sequences decode one token each
 
     @property
     def num_tokens(self) -> int:
+        if not self.is_prefill:
+            return len(self.seqs)
         return sum(s.num_scheduled_tokens for s in self.seqs)
 
 
 class Scheduler:
-    """Prefill first (chunked to the token budget), otherwise one decode token for every running sequence.
+    """Prefill first (chunked to the token budget), otherwise one decode token for every running sequence;
+    or, with ``mixed_steps``, one decode token for every running sequence and prompt chunks in what is left
+    of the budget, in the same step (decoding never pauses while prompts prefill).
 
     A prompt is admitted once all its blocks can be allocated; if the budget
     runs out inside it, it stays at the head of the waiting queue holding its
@@ -34,6 +39,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.mixed_steps = config.mixed_steps
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -46,14 +52,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        if self.mixed_steps:
+            return self._schedule_mixed()
         batch = self._schedule_prefill()
         if batch:
             return ScheduledBatch(batch, is_prefill=True)
         batch = self._schedule_decode()
         return ScheduledBatch(batch, is_prefill=False) if batch else None
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        budget, batch = self.max_num_batched_tokens, []
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        decode = self._schedule_decode()
+        prefill = self._schedule_prefill(self.max_num_batched_tokens - len(decode))
+        if not prefill:
+            return ScheduledBatch(decode, is_prefill=False) if decode else None
+        return ScheduledBatch(decode + prefill, is_prefill=True, num_decode=len(decode))
+
+    def _schedule_prefill(self, budget: int | None = None) -> list[Sequence]:
+        budget = self.max_num_batched_tokens if budget is None else budget
+        batch: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
@@ -77,23 +93,32 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
         done: list[Sequence] = []  # at a length limit, waiting only for their last token to be read back
-        while self.running and len(batch) < self.max_num_seqs:
-            seq = self.running.popleft()
-            if seq.length_limit_reached(self.max_model_len):
+        running, manager, max_len = self.running, self.block_manager, self.max_model_len
+        block_size = manager.block_size
+        # The body runs once per sequence per decode step: the common case (no new block, no limit) is
+        # spelled out inline rather than through the methods it stands for (length_limit_reached, can_append).
+        while running and len(batch) < self.max_num_seqs:
+            seq = running.popleft()
+            n, limit = len(seq.token_ids), seq.params.max_tokens
+            if n >= max_len or (limit is not None and n - seq.num_prompt_tokens >= limit):
                 done.append(seq)
                 continue
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.block_manager.append_slot(seq)
-                seq.num_scheduled_tokens = 1
-                batch.append(seq)
-        self.running.extendleft(reversed(batch + done))
+            if n > len(seq.block_table) * block_size and not self._make_room(seq):
+                continue  # preempted itself
+            seq.num_scheduled_tokens = 1
+            batch.append(seq)
+        running.extendleft(reversed(batch + done))
         return batch
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Give ``seq`` the block its next token needs, preempting the newest others (or itself) if short."""
+        while not self.block_manager.can_append(seq):
+            if not self.running:
+                self._preempt(seq)
+                return False
+            self._preempt(self.running.pop())
+        self.block_manager.append_slot(seq)
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -107,6 +132,29 @@ class Scheduler:
         seq.num_computed_tokens += seq.num_scheduled_tokens
         seq.num_scheduled_tokens = 0
         self.block_manager.register_computed(seq)
+
+    def launched(self, seqs: list[Sequence], sampled: list[Sequence]) -> list[int]:
+        """``step_done`` for a whole step, and a placeholder for the token each of ``sampled`` gets in row
+        ``i`` of the step's output (``Sequence.append_pending``); returns where those tokens go.
+
+        Runs once per sequence per step, so the methods it stands for are inlined; the prefix cache is only
+        asked when a block has filled up.
+        """
+        manager = self.block_manager
+        caching, block_size = manager.enable_prefix_caching, manager.block_size
+        for seq in seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if caching and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+                manager.register_computed(seq)
+        indices = []
+        for row, seq in enumerate(sampled):
+            tokens = seq.token_ids
+            tokens.append(PENDING_TOKEN)
+            seq.num_pending += 1
+            seq.pending_row = row
+            indices.append(len(tokens) - 1)
+        return indices
 
     def finish(self, seq: Sequence) -> None:
         queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting

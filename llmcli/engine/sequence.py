@@ -45,6 +45,8 @@ class Sequence:
         self.seed = seed  # per-request sampling seed (the user's, or one drawn by the engine)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.table_row = -1  # this sequence's row in the runner's block tables while it holds blocks
+        self.table_id = 0  # which allocation that row was last filled for (fresh on every allocate)
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.last_block_hash = 0  # chained hash of those blocks
         self.num_computed_tokens = 0

@@ -13,6 +13,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from llmcli.engine.block_tables import BlockTables, scratch_tables, table_rows
 from llmcli.engine.sequence import Sequence
 from llmcli.kernels.backend import AttentionMetadata
 
@@ -59,74 +60,112 @@ class StepInputs:
     pending_rows: torch.Tensor | None = None  # decode: row of each input token in the last launch's samples, or -1
 
 
-def padded_block_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
-    """Every block table padded with -1 to the longest, flattened row by row; and that width."""
-    width = max(len(s.block_table) for s in seqs)
-    flat = list(chain.from_iterable(s.block_table + [-1] * (width - len(s.block_table)) for s in seqs))
-    return flat, width
+def _tables_for(seqs: list, uploader: Uploader, tables: BlockTables | None) -> tuple[BlockTables, np.ndarray]:
+    if tables is None:
+        return scratch_tables(seqs, uploader.device, uploader)
+    rows = table_rows(seqs)
+    tables.sync(seqs, rows, uploader)
+    return tables, rows
 
 
-def slots_for(seq: Sequence, start: int, end: int) -> list[int]:
-    """Flat cache slots of token positions [start, end) of ``seq``."""
-    bs, table, slots = seq.block_size, seq.block_table, []
-    for b in range(start // bs, (end - 1) // bs + 1):
-        lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
-        base = table[b] * bs - b * bs
-        slots.extend(range(base + lo, base + hi))
-    return slots
+def prepare_prefill(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None) -> StepInputs:
+    """A varlen batch of chunks: prompt chunks, and (in a mixed step) decode rows as chunks of one token.
 
-
-def prepare_prefill(seqs: list[Sequence], uploader: Uploader) -> StepInputs:
-    input_ids, positions, slots, cu_q, cu_k, lens, rows, sampled = [], [], [], [0], [0], [], [], []
-    has_prefix = False
-    for seq in seqs:
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(slots_for(seq, start, end))
-        cu_q.append(cu_q[-1] + end - start)
-        cu_k.append(cu_k[-1] + end)
-        lens.append(end)
-        has_prefix |= start > 0
-        if seq.samples_this_step:
-            rows.append(cu_q[-1] - 1)
-            sampled.append(seq)
-    tables, width = padded_block_tables(seqs) if has_prefix else ([], 0)
-    ids_t, pos_t, slots_t, rows_t = uploader.upload(torch.int64, input_ids, positions, slots, rows)
-    lens_t, cu_q_t, cu_k_t, tables_t = uploader.upload(torch.int32, lens, cu_q, cu_k, tables)
+    A chunk whose last token is still in flight on the device (a decoding sequence in the overlapped loop)
+    takes it from the previous launch's sampled tokens through ``pending_rows``.
+    """
+    n = len(seqs)
+    tables, rows = _tables_for(seqs, uploader, tables)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    counts = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, n)
+    totals = np.fromiter((s.num_tokens for s in seqs), np.int64, n)
+    pending = np.fromiter((s.pending_row for s in seqs), np.int64, n)
+    ends = starts + counts
+    cu_q = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu_q[1:])
+    cu_k = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(ends, out=cu_k[1:])
+    owner = np.repeat(np.arange(n), counts)  # which chunk each token belongs to
+    positions = np.arange(int(cu_q[-1]), dtype=np.int64) - cu_q[owner] + starts[owner]
+    bs = seqs[0].block_size
+    slots = tables.slots(rows[owner], positions, bs)
+    input_ids = np.fromiter(chain.from_iterable(s.token_ids[a:b] for s, a, b in
+                                                zip(seqs, starts.tolist(), ends.tolist())), np.int64, int(cu_q[-1]))
+    samples = ends == totals
+    last_rows = cu_q[1:] - 1
+    sample_rows = last_rows[samples]
+    sampled = [s for s, x in zip(seqs, samples.tolist()) if x]
+    in_flight = samples & (pending >= 0)
+    pending_rows: list | np.ndarray = []
+    if in_flight.any():
+        pending_rows = np.full(int(cu_q[-1]), -1, dtype=np.int64)
+        pending_rows[last_rows[in_flight]] = pending[in_flight]
+        input_ids[last_rows[in_flight]] = 0
+    has_prefix = bool(starts.any())
+    one_token = (counts == 1) & (starts > 0)
+    num_decode = n if bool(one_token.all()) else int(np.argmin(one_token))  # the leading run of decode rows
+    ids_t, pos_t, slots_t, rows_t, pend_t, table_rows_t = uploader.upload(
+        torch.int64, input_ids, positions, slots, sample_rows, pending_rows, rows if has_prefix else [])
+    lens_t, cu_q_t, cu_k_t = uploader.upload(torch.int32, ends, cu_q, cu_k)
     metadata = AttentionMetadata(
         is_prefill=True,
         slot_mapping=slots_t,
         context_lens=lens_t,
-        block_tables=tables_t.view(len(seqs), width) if has_prefix else None,
+        block_tables=tables.gather(table_rows_t) if has_prefix else None,
         cu_seqlens_q=cu_q_t,
         cu_seqlens_k=cu_k_t,
-        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-        max_seqlen_k=max(lens),
+        max_seqlen_q=int(counts.max()),
+        max_seqlen_k=int(ends.max()),
         has_prefix=has_prefix,
+        num_decode=num_decode,
+        rest_max_seqlen_q=int(counts[num_decode:].max()) if num_decode < n else 0,
+        rest_has_prefix=bool(starts[num_decode:].any()),
     )
-    return StepInputs(ids_t, pos_t, metadata, rows_t, sampled)
+    return StepInputs(ids_t, pos_t, metadata, rows_t, sampled, pend_t if len(pending_rows) else None)
 
 
-def prepare_decode(seqs: list[Sequence], uploader: Uploader) -> StepInputs:
-    positions = [seq.num_tokens - 1 for seq in seqs]
-    slots = [seq.block_table[p // seq.block_size] * seq.block_size + p % seq.block_size
-             for seq, p in zip(seqs, positions)]
-    lens = [p + 1 for p in positions]
-    tables, width = padded_block_tables(seqs)
-    pending = [seq.pending_row for seq in seqs]
-    any_pending = max(pending) >= 0
-    ids = [max(seq.last_token, 0) for seq in seqs]  # an in-flight token is filled in on the device
-    ids_t, pos_t, slots_t, rows_t = uploader.upload(torch.int64, ids, positions, slots, pending if any_pending else [])
-    lens_t, tables_t = uploader.upload(torch.int32, lens, tables)
+@dataclass
+class DecodeArrays:
+    """A decode step on the host, one entry per sequence."""
+
+    ids: np.ndarray  # 0 where the token is still in flight
+    positions: np.ndarray
+    slots: np.ndarray
+    lens: np.ndarray
+    pending: np.ndarray  # row of the in-flight token in the last launch's samples, or -1
+    rows: np.ndarray  # rows of the block tables
+
+
+def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None,
+                  ) -> tuple[DecodeArrays, BlockTables]:
+    n = len(seqs)
+    tables, rows = _tables_for(seqs, uploader, tables)
+    lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+    pending = np.fromiter((s.pending_row for s in seqs), np.int64, n)
+    positions = lens - 1
+    slots = tables.slots(rows, positions, seqs[0].block_size)
+    if bool((pending >= 0).all()):
+        ids = np.zeros(n, dtype=np.int64)  # every input token is filled in on the device
+    else:
+        ids = np.fromiter((max(seq.last_token, 0) for seq in seqs), np.int64, n)
+    return DecodeArrays(ids, positions, slots, lens, pending, rows), tables
+
+
+def prepare_decode(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None) -> StepInputs:
+    arrays, tables = decode_arrays(seqs, uploader, tables)
+    lens, pending = arrays.lens, arrays.pending
+    any_pending = bool((pending >= 0).any())
+    ids_t, pos_t, slots_t, rows_t, pend_t = uploader.upload(torch.int64, arrays.ids, arrays.positions, arrays.slots,
+                                                            arrays.rows, pending if any_pending else [])
+    lens_t, = uploader.upload(torch.int32, lens)
     metadata = AttentionMetadata(
         is_prefill=False,
         slot_mapping=slots_t,
         context_lens=lens_t,
-        block_tables=tables_t.view(len(seqs), width),
-        max_seqlen_k=max(lens),
+        block_tables=tables.gather(rows_t),
+        max_seqlen_k=int(lens.max()),
     )
-    return StepInputs(ids_t, pos_t, metadata, None, list(seqs), rows_t if any_pending else None)
+    return StepInputs(ids_t, pos_t, metadata, None, list(seqs), pend_t if any_pending else None)
 
 
 @dataclass
@@ -138,6 +177,24 @@ class SamplingTensors:
     seeds: torch.Tensor
     steps: torch.Tensor
     use_filters: bool
+
+
+def one_pass_sampling(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(float32 [temperatures, min_ps], seeds, steps) for the one-pass sampler inside the decode graph; None when
+    some sequence needs a setting only the full sampler applies (top-k, top-p; any new per-request setting of
+    the sampling path belongs in this test too)."""
+    params = [s.params for s in seqs]
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        return None
+    n = len(seqs)
+    f32 = np.zeros((2, n), dtype=np.float32)
+    f32[0] = np.fromiter((p.temperature for p in params), np.float32, n)
+    if not f32[0].any():  # all greedy: no noise, so no keys
+        return f32, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    f32[1] = np.fromiter((p.min_p for p in params), np.float32, n)
+    seeds = np.fromiter((s.seed for s in seqs), np.int64, n)
+    steps = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, n)
+    return f32, seeds, steps
 
 
 def all_greedy(seqs: list[Sequence]) -> bool:

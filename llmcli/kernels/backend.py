@@ -38,6 +38,12 @@ class AttentionMetadata:
     max_seqlen_q: int = 1
     max_seqlen_k: int = 0
     has_prefix: bool = False  # prefill: some chunk attends over keys already in the cache
+    # prefill: the first ``num_decode`` chunks are single tokens over a cached prefix (the decode rows of a
+    # mixed step), which a backend may send through its decode kernel; the other chunks' longest query and
+    # whether any of them has a cached prefix
+    num_decode: int = 0
+    rest_max_seqlen_q: int = 0
+    rest_has_prefix: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -34,6 +34,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_sms: int | None = None
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
+        self._rest_cu_q: torch.Tensor | None = None
 
     # -- per-step ----------------------------------------------------------------
     def _sms(self, device: torch.device) -> int:
@@ -59,6 +60,12 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> None:
         super().prepare(metadata)
         if metadata.is_prefill:
+            if metadata.num_decode:  # a mixed step: its decode rows go through the split-KV decode kernel
+                nd = metadata.num_decode
+                device = metadata.context_lens.device
+                self.num_splits = self._splits_for(nd, metadata.max_seqlen_k, device)
+                self._ensure_scratch(nd, self.num_splits, device)
+                self._rest_cu_q = metadata.cu_seqlens_q[nd:] - nd
             return
         batch = metadata.batch_size
         max_seqlen_k = metadata.max_seqlen_k
@@ -82,6 +89,8 @@ class TritonAttentionBackend(AttentionBackend):
         assert meta is not None, "prepare() must run before forward()"
         if k_cache is not None and k_cache.numel():
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill and meta.num_decode:
+            return self._mixed(q, k, v, k_cache, v_cache, meta)
         if meta.is_prefill:
             assert meta.cu_seqlens_q is not None
             if meta.has_prefix:
@@ -92,3 +101,19 @@ class TritonAttentionBackend(AttentionBackend):
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                             num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse)
+
+    def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode rows (the first ``num_decode``) by the decode kernel, the prompt chunks after them by prefill."""
+        nd = meta.num_decode
+        out = torch.empty_like(q)
+        assert meta.block_tables is not None and k_cache is not None
+        paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
+                     num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd])
+        if nd < q.shape[0]:
+            if meta.rest_has_prefix:
+                prefill_paged(q[nd:], k_cache, v_cache, meta.block_tables[nd:], self._rest_cu_q, meta.context_lens[nd:],
+                              meta.rest_max_seqlen_q, self.scale, out=out[nd:])
+            else:
+                prefill_varlen(q[nd:], k[nd:], v[nd:], self._rest_cu_q, meta.rest_max_seqlen_q, self.scale,
+                               out=out[nd:])
+        return out

@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmcli.kernels.triton_gemm import MAX_THIN_M
+from llmcli.kernels.triton_gemm import linear as thin_linear
+
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
 
@@ -18,6 +21,7 @@ class LinearBase(nn.Module):
     """y = x W^T (+ b). ``tp_dim`` is the weight dimension split across ranks (None: replicated)."""
 
     tp_dim: int | None = None
+    thin_gemm = False  # set by use_thin_gemm: few-row inputs go through llmcli's Triton GEMM instead of cuBLAS
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -40,7 +44,13 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.thin_gemm and x.shape[0] <= MAX_THIN_M:
+            y = thin_linear(x.contiguous(), self.weight)
+            return y if bias is None else y + bias
+        return F.linear(x, self.weight, bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -91,5 +101,21 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(in_features, tp_size(), "input features"), out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)
+
+
+DECODE_GEMMS = ("cublas", "triton-silu", "triton")
+
+
+def use_thin_gemm(model: nn.Module, mode: str) -> None:
+    """Route GEMMs of at most MAX_THIN_M rows (decode steps) through Triton: ``triton-silu`` only the gate/up
+    projection with SiLU-and-mul fused in (models that support it: a ``fused_silu_gemm`` attribute on their MLP),
+    ``triton`` that and every other linear layer; ``cublas`` none."""
+    if mode not in DECODE_GEMMS:
+        raise ValueError(f"decode GEMM {mode!r} is not one of {', '.join(DECODE_GEMMS)}")
+    for module in model.modules():
+        if hasattr(module, "fused_silu_gemm"):
+            module.fused_silu_gemm = mode != "cublas"
+        if isinstance(module, LinearBase):
+            module.thin_gemm = mode == "triton"

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from llmcli.kernels.backend import AttentionBackend
+from llmcli.kernels.triton_gemm import MAX_THIN_M, silu_mul_linear
 from llmcli.layers.activation import SiluAndMul
 from llmcli.layers.attention import Attention
 from llmcli.layers.compile import compile_on_cuda
@@ -63,8 +64,11 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size])
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(size, config.hidden_size)
+        self.fused_silu_gemm = False  # layers.linear.use_thin_gemm: SiLU-and-mul as the gate/up GEMM's epilogue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_silu_gemm and x.shape[0] <= MAX_THIN_M:
+            return self.down_proj(silu_mul_linear(x.contiguous(), self.gate_up_proj.weight))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

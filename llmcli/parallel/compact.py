@@ -4,9 +4,10 @@ A worker never sees a whole ``Sequence``: it gets just enough to build the
 same step tensors as rank 0 (``prepare_prefill`` / ``prepare_decode``), and
 nothing about sampling, because only rank 0 samples.
 
-* prefill: ``(num_computed_tokens, num_scheduled_tokens, num_tokens, block_table, chunk)``
-  where ``chunk`` holds only the token ids computed this step;
-* decode: ``(num_tokens, last_token, pending_row, block_table)``: one token, not the history. When
+* prefill: ``(num_computed_tokens, num_scheduled_tokens, num_tokens, block_table, chunk, pending_row, table_row,
+  table_id)`` where ``chunk`` holds only the token ids computed this step;
+* decode: ``(num_tokens, last_token, pending_row, block_table, table_row, table_id)``: one token, not the
+  history (``table_row``/``table_id`` say which row of the worker's own block tables mirrors it). When
   the last token is still being sampled on the device (``pending_row >= 0``; rank 0 overlaps its host
   work with the device), ``last_token`` is a placeholder and every rank takes the token from row
   ``pending_row`` of the previous step's sampled tokens, which rank 0 broadcasts to the other ranks on
@@ -51,10 +52,11 @@ class RemoteSequence:
     """What a tensor-parallel worker knows of one scheduled sequence for one step."""
 
     __slots__ = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "block_table", "block_size",
-                 "token_ids", "pending_row")
+                 "token_ids", "pending_row", "table_row", "table_id")
 
     def __init__(self, num_computed: int, num_scheduled: int, num_tokens: int, block_table: list[int],
-                 block_size: int, tokens: list[int], pending_row: int = -1) -> None:
+                 block_size: int, tokens: list[int], pending_row: int = -1, table_row: int = -1,
+                 table_id: int = 0) -> None:
         self.num_computed_tokens = num_computed
         self.num_scheduled_tokens = num_scheduled
         self.num_tokens = num_tokens
@@ -62,6 +64,7 @@ class RemoteSequence:
         self.block_size = block_size
         self.token_ids = TokenWindow(num_computed, tokens)
         self.pending_row = pending_row
+        self.table_row, self.table_id = table_row, table_id
 
     @property
     def last_token(self) -> int:
@@ -81,14 +84,16 @@ def pack_step(seqs: Seq[Any], is_prefill: bool) -> list[tuple]:
         out = []
         for s in seqs:
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
-            out.append((start, n, s.num_tokens, s.block_table, s.token_ids[start:start + n]))
+            out.append((start, n, s.num_tokens, s.block_table, s.token_ids[start:start + n], s.pending_row,
+                        s.table_row, s.table_id))
         return out
-    return [(s.num_tokens, s.last_token, s.pending_row, s.block_table) for s in seqs]
+    return [(s.num_tokens, s.last_token, s.pending_row, s.block_table, s.table_row, s.table_id) for s in seqs]
 
 
 def unpack_step(packed: list[tuple], is_prefill: bool, block_size: int) -> list[RemoteSequence]:
     """A worker: ``RemoteSequence`` objects in the order rank 0 scheduled them."""
     if is_prefill:
-        return [RemoteSequence(start, n, total, table, block_size, chunk)
-                for start, n, total, table, chunk in packed]
-    return [RemoteSequence(total - 1, 1, total, table, block_size, [last], row) for total, last, row, table in packed]
+        return [RemoteSequence(start, n, total, table, block_size, chunk, pending, row, table_id)
+                for start, n, total, table, chunk, pending, row, table_id in packed]
+    return [RemoteSequence(total - 1, 1, total, table, block_size, [last], pending, row, table_id)
+            for total, last, pending, table, row, table_id in packed]

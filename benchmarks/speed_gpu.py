@@ -1,0 +1,291 @@
+#!/usr/bin/env python
+"""Issue #13's speed stage: each engine switch of the speed work on and off, against the physical bound.
+
+For each model, one engine per variant: ``base`` (every switch off), ``sample_in_graph`` (the decode CUDA
+graph also holds the lm_head and sampler), ``decode_gemm=triton-silu`` (SiLU-and-mul as the gate/up GEMM's
+epilogue), ``decode_gemm=triton`` (every thin-M GEMM in Triton), or several joined with ``+``. On the first
+engine of each model the workloads run with ``mixed_steps`` off and on (a scheduler attribute, so one engine
+serves both; the prefill-heavy preset, ~50 s a run, on the first model only); the other engines run the
+default workload with ``mixed_steps`` off. Printed per run: output tok/s, the share of the workload's physical bound, host ms
+per decode step at batch 256 (median over the decode steps of that batch size, from the engine's step timer:
+schedule + prepare + forward + sample + postprocess), and the share of decode steps where the device waited
+for the host (the previous step's tokens were already there when the host came to read them, i.e. the
+device ran dry while the host was launching).
+
+Greedy agreement of every setting with the base engine (everything off) on 16 short requests comes first, so
+that a switch that breaks the maths shows before its speed is believed.
+
+    python benchmarks/speed_gpu.py                      # the GPU run (at most ~5.5 minutes: --time-budget)
+    python benchmarks/speed_gpu.py --device cpu --tiny  # a CPU smoke test on a tiny random model (seconds)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
+from benchmarks.harness.ceilings import time_op  # noqa: E402
+from benchmarks.harness.output import md_table, say  # noqa: E402
+from benchmarks.harness.workload import model_facts, write_tiny_config  # noqa: E402
+from llmcli.cli.bench import Workload, make_requests  # noqa: E402
+from llmcli.engine.step_timer import HOST_PHASES  # noqa: E402
+
+PREFILL_HEAVY = REPO / "configs" / "bench-prefill-heavy.toml"
+WAIT_IDLE_MS = 0.02  # a wait this short means the tokens were there already: the device had run dry
+
+
+@dataclass
+class Job:
+    name: str
+    workload: Workload
+    mixed: list[bool]  # mixed_steps settings to run it with on the first engine
+    mixed_later: list[bool]  # ... and on the other engines (fewer, to stay in the time budget)
+
+
+def preset_workload(path: Path) -> Workload:
+    """The [bench] table of a preset as a Workload."""
+    bench = tomllib.loads(path.read_text()).get("bench", {})
+
+    def pair(text: Any) -> tuple[int, int]:
+        lo, _, hi = str(text).partition(":")
+        return int(lo), int(hi or lo)
+
+    w = Workload(num_prompts=int(bench.get("num-prompts", 256)), input_len=pair(bench.get("input-len", "100:1024")),
+                 output_len=pair(bench.get("output-len", "100:1024")), temperature=float(bench.get("temperature", 0.6)),
+                 seed=int(bench.get("seed", 0)), warmup=int(bench.get("warmup", 4)))
+    return w
+
+
+def jobs_for(model: str, args: argparse.Namespace) -> list[Job]:
+    heavy = preset_workload(PREFILL_HEAVY)
+    default = Workload()
+    if args.tiny:
+        default = Workload(num_prompts=12, input_len=(16, 64), output_len=(8, 24), temperature=0.6)
+        heavy = Workload(num_prompts=48, input_len=(40, 60), output_len=(4, 4), temperature=0.0)
+    jobs = [Job("default", default, [False, True], [False])]
+    if args.prefill_heavy and ("0.6B" in model or args.tiny):
+        jobs.append(Job("prefill-heavy", heavy, [False, True], [True]))
+    return jobs
+
+
+def variant_kwargs(variant: str) -> dict[str, Any]:
+    """``base``, ``name`` (a switch on) or ``name=value``, joined with ``+``, as LLM keyword arguments."""
+    out: dict[str, Any] = {}
+    for part in variant.split("+"):
+        if part == "base":
+            continue
+        name, eq, value = part.partition("=")
+        out[name] = value if eq else True
+    return out
+
+
+def step_records(engine: Any) -> list[tuple[str, int, float, float]]:
+    """Patch ``engine.step`` to log (kind, tokens, host s, wait s) of every step; returns the log."""
+    timer, original, records = engine.step_timer, engine.step, []
+
+    def step():
+        seconds = dict(timer.seconds)
+        tokens = dict(timer.tokens)
+        out = original()
+        kind = timer.kind
+        host = sum(timer.seconds[(kind, p)] - seconds.get((kind, p), 0.0) for p in HOST_PHASES)
+        wait = timer.seconds[(kind, "wait")] - seconds.get((kind, "wait"), 0.0)
+        records.append((kind, timer.tokens[kind] - tokens.get(kind, 0), host, wait))
+        return out
+
+    engine.step = step
+    return records
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def ceilings(device: str, tiny: bool) -> dict[str, float]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    numel = (2**30 if device == "cuda" and not tiny else 2**22) // dtype.itemsize
+    src = torch.randn(numel, device=device).to(dtype)
+    dst = torch.empty_like(src)
+    copy_s = statistics.median(time_op(lambda: dst.copy_(src), device, 10, warmup=3))
+    n = 8192 if device == "cuda" and not tiny else 256
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    mm_s = statistics.median(time_op(lambda: a @ b, device, 10, warmup=3))
+    del src, dst, a, b
+    out = {"copy_bytes_per_s": 2 * numel * dtype.itemsize / copy_s, "matmul_flops_per_s": 2 * n**3 / mm_s}
+    say(f"ceilings: copy {out['copy_bytes_per_s'] / 1e12:.3f} TB/s, matmul {out['matmul_flops_per_s'] / 1e12:.1f} "
+        f"TFLOP/s ({dtype})")
+    return out
+
+
+def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], temperature: float, device: str,
+              records: list) -> dict[str, Any]:
+    from llmcli import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
+    del records[:]
+    sync(device)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    sync(device)
+    wall = time.perf_counter() - start
+    got = sum(len(r.token_ids) for r in results)
+    decode = [r for r in records if r[0] == "decode"]
+    top = max((r[1] for r in decode), default=0)
+    at = 256 if any(r[1] == 256 for r in decode) else top
+    host_at = [r[2] for r in decode if r[1] == at]
+    return {"wall_s": wall, "output_tokens": got, "expected_tokens": sum(outs), "output_tok_s": got / wall,
+            "decode_steps": len(decode), "mixed_steps": sum(r[0] == "mixed" for r in records),
+            "host_batch": at, "host_ms": 1000 * statistics.median(host_at) if host_at else None,
+            "device_idle_share": (sum(r[3] * 1000 < WAIT_IDLE_MS for r in decode) / len(decode)) if decode else None}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return same / max(1, sum(len(r) for r in a))
+
+
+@dataclass
+class ModelCase:
+    path: Path
+    facts: dict[str, Any]
+    jobs: list[Job]
+    workloads: dict[str, tuple[list[list[int]], list[int]]]
+    probe: list[list[int]]  # short greedy requests whose tokens every engine must reproduce
+    variants: list[str]
+    base_tokens: list[list[int]] | None = None
+
+
+def model_case(model_dir: Path, variants: list[str], args: argparse.Namespace) -> ModelCase:
+    facts = model_facts(model_dir)
+    jobs = jobs_for(str(model_dir), args)
+    avoid = set(facts["eos_token_ids"])
+    workloads = {}
+    for job in jobs:
+        reqs = make_requests(job.workload, facts["vocab"], avoid)
+        workloads[job.name] = ([r[0] for r in reqs], [r[1] for r in reqs])
+    probe = make_requests(Workload(num_prompts=16, input_len=(20, 200), output_len=(32, 32), seed=7),
+                          facts["vocab"], avoid)
+    return ModelCase(model_dir, facts, jobs, workloads, [p for p, _ in probe], variants)
+
+
+def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: dict[str, float], rows: list,
+               deadline: float) -> None:
+    from llmcli import LLM, SamplingParams
+
+    facts, variant = case.facts, case.variants[n_engine]
+    kwargs = dict(load_format="dummy", device=args.device, seed=0, **variant_kwargs(variant))
+    if args.tiny:  # small budgets, so that prompts prefill in several steps beside running decodes
+        kwargs.update(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=512, max_num_seqs=8,
+                      max_num_batched_tokens=96)
+    start = time.perf_counter()
+    llm = LLM(str(case.path), **kwargs)
+    engine = llm.engine
+    say(f"{facts['name']} {variant}: ready in {time.perf_counter() - start:.1f} s")
+    try:
+        records = step_records(engine)
+        for mixed in (False, True):  # also the warm-up of this engine
+            engine.scheduler.mixed_steps = mixed
+            out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+            tokens = [list(o.token_ids) for o in out]
+            case.base_tokens = case.base_tokens or tokens
+            say(f"  greedy agreement with {case.variants[0]} (mixed_steps=False), mixed_steps={mixed}: "
+                f"{100 * agreement(case.base_tokens, tokens):.2f}%")
+        for job in case.jobs:
+            if job.name == "prefill-heavy" and n_engine > 0:
+                continue  # ~50 s a run: the first engine only
+            prompts, outs = case.workloads[job.name]
+            for mixed in job.mixed if n_engine == 0 else job.mixed_later:
+                if time.perf_counter() > deadline:
+                    say(f"SKIPPED {facts['name']} {variant} {job.name} mixed_steps={mixed}: past the time budget")
+                    continue
+                engine.scheduler.mixed_steps = mixed
+                r = timed_run(llm, prompts, outs, job.workload.temperature, args.device, records)
+                bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
+                                       max_concurrent=engine.config.max_num_seqs)
+                if n_engine == 0 and not mixed:
+                    print_bound(f"{facts['name']} {job.name}", bound)
+                share = bound["floor_s"] / r["wall_s"] if bound.get("floor_s") else None
+                say(f"  {job.name} mixed_steps={mixed}: {r['output_tok_s']:,.0f} tok/s in {r['wall_s']:.2f} s"
+                    f" ({'?' if share is None else f'{100 * share:.1f}'}% of bound), {r['decode_steps']} decode + "
+                    f"{r['mixed_steps']} mixed steps, host {r['host_ms'] or 0:.3f} ms/decode step at batch "
+                    f"{r['host_batch']}")
+                if r["output_tokens"] != r["expected_tokens"]:
+                    say(f"FAILED {job.name}: {r['output_tokens']} output tokens, expected {r['expected_tokens']}")
+                rows.append([facts["name"], job.name, variant, mixed, f"{r['output_tok_s']:,.0f}",
+                             f"{r['wall_s']:.2f}", "n/a" if share is None else f"{100 * share:.1f}%",
+                             "n/a" if r["host_ms"] is None else f"{r['host_ms']:.3f} @{r['host_batch']}",
+                             "n/a" if r["device_idle_share"] is None else f"{100 * r['device_idle_share']:.0f}%"])
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model and small workloads (CPU smoke test)")
+    p.add_argument("--models", nargs="+", default=["configs/Qwen3-0.6B", "configs/Qwen3-8B"])
+    p.add_argument("--variants", nargs="+", default=["base", "sample_in_graph", "decode_gemm=triton-silu"],
+                   help="engines to build for the first model (see the module docstring)")
+    p.add_argument("--later-variants", nargs="+", default=["base", "sample_in_graph+decode_gemm=triton-silu"],
+                   help="engines to build for the other models")
+    p.add_argument("--no-prefill-heavy", dest="prefill_heavy", action="store_false")
+    p.add_argument("--time-budget", type=float, default=315, help="seconds; later runs are skipped past it")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = time.perf_counter() + args.time_budget
+    if args.tiny:
+        args.models = [str(write_tiny_config())]
+        if args.device == "cpu":  # no CUDA graphs on the CPU; Triton only under its interpreter
+            interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+            args.variants = args.later_variants = ["base"] + (["decode_gemm=triton-silu"] if interpreted else [])
+    ceil = ceilings(args.device, args.tiny)
+    rows: list[list[Any]] = []
+    cases = [model_case(Path(m), args.variants if i == 0 else args.later_variants, args)
+             for i, m in enumerate(args.models)]
+    # every model's first engine before any model's second: the base figures first if time runs out
+    for n_engine in range(max(len(c.variants) for c in cases)):
+        for case in cases:
+            if n_engine >= len(case.variants):
+                continue
+            if time.perf_counter() > deadline:
+                say(f"SKIPPED {case.facts['name']} {case.variants[n_engine]}: past the time budget")
+                continue
+            try:
+                run_engine(case, n_engine, args, ceil, rows, deadline)
+            except Exception as exc:  # one broken engine must not hide the others' figures
+                say(f"FAILED {case.facts['name']} {case.variants[n_engine]}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+    say("\n## speed stage (issue #13)\n")
+    say(md_table(["model", "workload", "engine", "mixed_steps", "output tok/s", "wall s", "of bound",
+                  "host ms/decode step", "decode steps device idle"], rows, right={4, 5, 6, 7, 8}))
+    say(f"\nhost ms/decode step: median over decode steps of that batch size (schedule + prepare + forward + sample"
+        f" + postprocess); device idle: share of decode steps whose previous tokens were ready (< {WAIT_IDLE_MS} ms"
+        " wait) when the host came for them.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
