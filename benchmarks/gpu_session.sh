@@ -9,6 +9,8 @@
 #   logprobs  benchmarks/logprobs_cost.py: bench workload with and without logprobs=5 (issue 15: cost <= 10%)
 #   structured  benchmarks/structured_bench.py: bench workload unconstrained / one JSON schema / 64 schemas
 #           (needs .whl/llguidance-*.whl), extra args in STRUCTURED_ARGS
+#   speed   issue #13 (one H200, <= 6 min): benchmarks/host_step_cpu.py (host ms per decode step on this CPU), then
+#           benchmarks/speed_gpu.py (mixed_steps, sample_in_graph, decode_gemm on/off; share of bound), args in SPEED_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -35,6 +37,8 @@ for stage in "$@"; do
     logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
+    speed) timeout 30 python3 benchmarks/host_step_cpu.py --steps 200 2>&1 | tee "$OUT/host_step.log"
+      timeout 330 python3 benchmarks/speed_gpu.py ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed.log" ;;
     structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 \
       | tee "$OUT/structured.log" ;;
   esac

@@ -42,7 +42,7 @@ TINY = REPO / "examples" / "tiny-qwen3"
 
 
 class StubRunner(ModelRunner):
-    """A ModelRunner with no model: ``launch`` runs for real, ``_forward`` returns canned logits."""
+    """A ModelRunner with no model: ``launch`` runs for real, ``_forward`` returns canned hidden states."""
 
     def __init__(self, config: Config, num_blocks: int, vocab: int) -> None:  # noqa: D107 - no super().__init__
         if hasattr(self, "init_host_state"):
@@ -56,18 +56,19 @@ class StubRunner(ModelRunner):
             from llmcli.engine.step_timer import StepTimer
 
             self.timer = StepTimer()
-        self._logits = torch.randn(config.max_num_seqs + config.max_num_batched_tokens, vocab)
+        # canned hidden states that are their own logits: the "lm_head" is the identity
+        self._canned = torch.randn(config.max_num_seqs + config.max_num_batched_tokens, vocab)
+        self.model = SimpleNamespace(compute_logits=lambda hidden: hidden)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        n = len(inputs.sampled_seqs)
-        return self._logits[:n] if n else None
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self._canned[:inputs.input_ids.numel()]
 
 
 def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
     """The decode CUDA graphs' host side (staging, the block-table gather) with replays that do nothing."""
     from llmcli.engine.cuda_graphs import F32_ROWS, I64_ROWS, DecodeGraphs, graph_batch_sizes
 
-    config, vocab = runner.config, runner._logits.shape[1]
+    config, vocab = runner.config, runner._canned.shape[1]
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # no model to capture: the buffers DecodeGraphs would make
     graphs.batch_sizes = graph_batch_sizes(config.max_num_seqs)
     top = graphs.batch_sizes[-1]
@@ -79,8 +80,7 @@ def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
                                      _graph_tables=torch.zeros(top, runner.block_tables.width, dtype=torch.int32),
                                      prepare_for_capture=lambda bs: None)
     graphs.graphs = {bs: SimpleNamespace(replay=lambda: None) for bs in graphs.batch_sizes}
-    graphs.outputs = {bs: torch.zeros(bs, vocab) for bs in graphs.batch_sizes}
-    runner.model = SimpleNamespace(compute_logits=lambda hidden: runner._logits[:hidden.shape[0]])
+    graphs.outputs = {bs: runner._canned[:bs] for bs in graphs.batch_sizes}
     return graphs
 
 
@@ -120,7 +120,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     rng = random.Random(0)
     for i in range(args.batch):
         prompt = [rng.randrange(3, 600) for _ in range(rng.randint(100, 1024))]
-        engine.add_request(prompt, SamplingParams(temperature=args.temperature, max_tokens=max_out,
+        engine.add_request(prompt, SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1, min_p=0.0,
+                                                  repetition_penalty=1.0, max_tokens=max_out,
                                                   ignore_eos=True, seed=i))
     while engine.scheduler.waiting:  # prefill (stubbed) until every request decodes
         engine.step()

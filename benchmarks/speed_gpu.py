@@ -15,7 +15,7 @@ device ran dry while the host was launching).
 Greedy agreement of every setting with the base engine (everything off) on 16 short requests comes first, so
 that a switch that breaks the maths shows before its speed is believed.
 
-    python benchmarks/speed_gpu.py                      # the GPU run (at most ~5.5 minutes: --time-budget)
+    python benchmarks/speed_gpu.py                      # the GPU run (about 5 minutes: --time-budget 280 s, then the run in progress)
     python benchmarks/speed_gpu.py --device cpu --tiny  # a CPU smoke test on a tiny random model (seconds)
 """
 from __future__ import annotations
@@ -46,6 +46,9 @@ from llmcli.cli.bench import Workload, make_requests  # noqa: E402
 from llmcli.engine.step_timer import HOST_PHASES  # noqa: E402
 
 PREFILL_HEAVY = REPO / "configs" / "bench-prefill-heavy.toml"
+# filters explicit, as llmcli bench sets them: a model's generation_config.json (top_k 20, top_p 0.95) would
+# otherwise change the workload
+NEUTRAL = dict(top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
 WAIT_IDLE_MS = 0.02  # a wait this short means the tokens were there already: the device had run dry
 
 
@@ -137,7 +140,7 @@ def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], temperature: 
               records: list) -> dict[str, Any]:
     from llmcli import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
+    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, **NEUTRAL) for o in outs]
     del records[:]
     sync(device)
     start = time.perf_counter()
@@ -201,7 +204,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
         records = step_records(engine)
         for mixed in (False, True):  # also the warm-up of this engine
             engine.scheduler.mixed_steps = mixed
-            out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+            out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **NEUTRAL))
             tokens = [list(o.token_ids) for o in out]
             case.base_tokens = case.base_tokens or tokens
             say(f"  greedy agreement with {case.variants[0]} (mixed_steps=False), mixed_steps={mixed}: "
@@ -249,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--later-variants", nargs="+", default=["base", "sample_in_graph+decode_gemm=triton-silu"],
                    help="engines to build for the other models")
     p.add_argument("--no-prefill-heavy", dest="prefill_heavy", action="store_false")
-    p.add_argument("--time-budget", type=float, default=315, help="seconds; later runs are skipped past it")
+    p.add_argument("--time-budget", type=float, default=280, help="seconds; later runs are skipped past it")
     return p.parse_args(argv)
 
 

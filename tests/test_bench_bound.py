@@ -44,3 +44,14 @@ def test_table_sums_the_prefill_terms_into_one_column() -> None:
     assert cells[0:2] == ["w", "4"]
     assert cells[2:] == ["0.000 TB", "8.000", "0.000 TB", "4.352", "0.0 TFLOP", "93.280", "105.632", "0"]
     assert bound_table({}) is None
+
+
+def test_decode_steps_with_fewer_slots_than_requests() -> None:
+    """20 requests of 3 output tokens at 4 sequences a step need 15 steps, not 3; one long output still sets
+    the floor when it is the longer of the two."""
+    prompts, outs = [[7]] * 20, [3] * 20
+    b = physical_bound(FACTS, prompts, outs, CEILINGS, elem_bytes=2, max_concurrent=4)
+    assert b["decode_steps"] == 15  # ceil(60 / 4)
+    assert b["weights_read_bytes"] == 15 * 1000 * 2
+    assert physical_bound(FACTS, prompts, outs, CEILINGS, elem_bytes=2)["decode_steps"] == 3  # all at once
+    assert physical_bound(FACTS, [[7], [7]], [40, 1], CEILINGS, elem_bytes=2, max_concurrent=4)["decode_steps"] == 40

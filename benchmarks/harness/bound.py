@@ -21,10 +21,15 @@ class Shape:
     prompt_lens: list[int]
     output_lens: list[int]
     elem_bytes: int
+    max_concurrent: int | None = None  # the engine's max_num_seqs; None: every request runs at once
 
     @property
     def decode_steps(self) -> int:
-        return max(self.output_lens)  # all requests run at once: decode takes as many steps as the longest output
+        """The fewest decode steps possible: the longest output, or every output token at max_concurrent a step."""
+        steps = max(self.output_lens)
+        if self.max_concurrent:
+            steps = max(steps, -(-sum(self.output_lens) // self.max_concurrent))
+        return steps
 
     @property
     def weight_bytes(self) -> int:
@@ -106,12 +111,16 @@ def _grouped(by: Callable[[Term], Any]) -> dict[Any, list[Term]]:
 
 
 def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[int], ceilings: dict[str, Any],
-                   elem_bytes: int) -> dict[str, Any]:
-    """Every term's amount, and with both ceilings known its time, the floor and the floor's tok/s."""
-    s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes)
+                   elem_bytes: int, max_concurrent: int | None = None) -> dict[str, Any]:
+    """Every term's amount, and with both ceilings known its time, the floor and the floor's tok/s.
+
+    ``max_concurrent`` (the engine's max_num_seqs) bounds how many requests decode in one step; without it
+    every request is taken to run at once (right for the default workload's 256 requests).
+    """
+    s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes, max_concurrent)
     L, nh, hd = facts["layers"], facts["heads"], facts["head_dim"]
     out: dict[str, Any] = {
-        "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "weight_bytes": s.weight_bytes,
+        "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent, "weight_bytes": s.weight_bytes,
         "kv_bytes_per_token": s.kv_bytes_per_token, "kv_tokens_read": s.kv_tokens_read,
         **{t.amount_key: t.amount(s) for t in TERMS},
         # decode compute: memory-bound, so reported beside the floor rather than in it
@@ -131,7 +140,10 @@ def print_bound(name: str, b: dict[str, Any]) -> None:
     say(f"\nphysical bound, {name}:")
     for i, (ceiling, terms) in enumerate(_grouped(lambda t: t.ceiling).items()):
         say(f"  {'floor =' if i == 0 else '      +'} ({' + '.join(t.formula for t in terms)}) / {ceiling.symbol}")
-    say(f"  decode steps = max(O) = {b['decode_steps']} (assumption: all requests run concurrently)")
+    if b.get("max_concurrent"):
+        say(f"  decode steps = max(max(O), ceil(sum(O) / max_num_seqs = {b['max_concurrent']})) = {b['decode_steps']}")
+    else:
+        say(f"  decode steps = max(O) = {b['decode_steps']} (assumption: all requests run concurrently)")
     for terms in _grouped(lambda t: t.column).values():
         say("  " + "; ".join(f"{t.detail(b)} -> {fmt_f(b.get(t.time_key), 3)} s" for t in terms))
     say(f"  floor = {fmt_f(b.get('floor_s'), 3)} s = {fmt_f(b.get('floor_tok_s'), 0)} output tok/s "
