@@ -1,23 +1,37 @@
-"""The `generate` command's act: check OUT, read and validate every input, then build the engine and run."""
+"""The `generate` command as a pipeline: check OUT, then read → prepare → engine → write.
+
+The engine starts in a thread (``cli/startup.py``) while the input is
+checked line by line (``cli/io/index.py``) and the first records are
+tokenized (``cli/io/stream.py``); the step loop (``cli/runner.py``) hands
+finished records to a writer thread (``cli/io/writer.py``).
+"""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from llmcli.cli.io.index import InputIndex, index_input
 from llmcli.cli.io.prepare import Preparer, PreparedRequest
-from llmcli.models.hub import load_tokenizer
-from llmcli.cli.io.records import InputRecord, mark_duplicates, parse_line
+from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.resume import ResumeError, scan_output
-from llmcli.cli.io.source import read_lines, source_name
-from llmcli.cli.io.writer import RecordWriter, open_sink, reserve_stdout
+from llmcli.cli.io.source import InputFile, source_name
+from llmcli.cli.io.stream import Item, PreparedStream
+from llmcli.cli.io.writer import BackgroundWriter, RecordWriter, open_sink, reserve_stdout
 from llmcli.cli.progress import GenerateProgress, GenerateSummary, say, summary_table
 from llmcli.cli.runner import Runner, StopFlag
+from llmcli.cli.startup import EngineStarter
+from llmcli.models.hub import load_tokenizer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+# Records prepared (tokenized, length-checked) before the first token: with --on-error fail a problem among
+# them still means exit 2 and nothing generated. Later records are checked when the stream reaches them.
+CHECK_AHEAD = 16384
 
 
 class UsageError(Exception):
@@ -39,6 +53,7 @@ class GenerateOptions:
     max_errors_shown: int = 20
     progress: bool | None = None  # None: only when stderr is a terminal
     quiet: bool = False
+    verbose: bool = False  # start-up phases on stderr
     data_parallel_size: int = 1  # engine replicas fed from this one input
     distributed_backend: str | None = None  # "local" (processes on this machine) | "ray"; None: ray with an address
     ray_address: str | None = None  # an existing Ray cluster (implies "ray")
@@ -66,38 +81,6 @@ def _check_output(opts: GenerateOptions) -> set[str]:
     return set()
 
 
-def _read_records(opts: GenerateOptions) -> list[InputRecord]:
-    try:
-        lines = read_lines(opts.input)
-    except OSError as exc:
-        raise UsageError(f"cannot read IN {opts.input}: {exc.strerror or exc}") from None
-    records = [parse_line(line) for line in lines]
-    mark_duplicates(records)
-    return records
-
-
-def _report_errors(console: Console, source: str, bad: list[InputRecord], cap: int) -> None:
-    for rec in bad[:cap]:
-        say(console, rec.error.describe(source))
-    if len(bad) > cap:
-        say(console, f"... and {len(bad) - cap} more")
-
-
-def _check_pool(items: list[PreparedRequest | InputRecord], engine: Any) -> None:
-    """Requests that can never fit the KV pool are known once start-up has sized it (the engine's own rule)."""
-    from llmcli.engine.sequence import RequestRejected
-
-    for i, item in enumerate(items):
-        if not isinstance(item, PreparedRequest):
-            continue
-        try:
-            engine.check_fits(item.prompt_token_ids, item.params[0])
-        except RequestRejected as exc:
-            rec = item.record
-            rec.fail(rec.prompt_field(), f"{exc} (--num-kvcache-blocks / --gpu-memory-utilization)")
-            items[i] = rec
-
-
 def _scale_out(opts: GenerateOptions) -> Any:
     """The replicas asked for; Ray must be importable when it is the backend."""
     from llmcli.config import ConfigError
@@ -116,6 +99,55 @@ def _scale_out(opts: GenerateOptions) -> Any:
     return scale
 
 
+def _report_errors(console: Console, source: str, bad: list[InputRecord], cap: int) -> None:
+    for rec in bad[:cap]:
+        say(console, rec.error.describe(source))
+    if len(bad) > cap:
+        say(console, f"... and {len(bad) - cap} more")
+
+
+def _check_pool(ahead: list[Item], engine: Any) -> list[InputRecord]:
+    """Requests that can never fit the KV pool are known once start-up has sized it (the engine's own rule);
+    the records prepared ahead are checked now, the rest when admitted."""
+    from llmcli.engine.sequence import RequestRejected
+
+    too_big = []
+    for i, (position, item) in enumerate(ahead):
+        if not isinstance(item, PreparedRequest):
+            continue
+        try:
+            for params in item.params:
+                engine.check_fits(item.prompt_token_ids, params)
+        except RequestRejected as exc:
+            rec = item.record
+            rec.fail(rec.prompt_field(), f"{exc} (--num-kvcache-blocks / --gpu-memory-utilization)")
+            ahead[i] = (position, rec)
+            too_big.append(rec)
+    return too_big
+
+
+def _start_engine(opts: GenerateOptions, scale: Any, config: Any, tokenizer: Any) -> EngineStarter:
+    def build(cancelled: Any) -> Any:
+        if scale.enabled:
+            from llmcli.scaleout.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(config, scale, engine_kwargs=opts.engine, tokenizer=tokenizer)
+        from llmcli.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config, tokenizer=tokenizer, cancelled=cancelled)
+        engine.detokenize = False  # the writer thread decodes finished outputs in batches
+        return engine
+
+    return EngineStarter(build)
+
+
+def _open_input(path: str) -> InputFile:
+    try:
+        return InputFile(path)
+    except OSError as exc:
+        raise UsageError(f"cannot read IN {path}: {exc.strerror or exc}") from None
+
+
 def run_generate(opts: GenerateOptions, console: Console) -> int:
     """Run the command; returns the exit code. Raises UsageError (and ConfigError) for exit code 2."""
     from llmcli.config import Config
@@ -130,65 +162,104 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
         config = driver_config(opts.engine, scale)
     else:
         config = Config(**opts.engine)
-    records = _read_records(opts)
-    todo = [r for r in records if r.key not in answered]
     chat_template = opts.chat_template.read_text() if opts.chat_template else None
+    # Batch encoding runs on the tokenizer's own threads; llmcli's worker processes are spawned, not forked.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    tokenizer_started = time.perf_counter()
     try:
         tokenizer = load_tokenizer(config.model_path, config.tokenizer)
     except Exception as exc:  # only an explicit --tokenizer raises
         raise UsageError(f"--tokenizer {config.tokenizer} could not be loaded: {exc}") from None
-    preparer = Preparer(tokenizer, config.max_model_len, config.hf_config.vocab_size, opts.sampling, chat_template)
-    items: list[PreparedRequest | InputRecord] = [preparer.prepare(r) or r for r in todo]
-    source = source_name(opts.input)
-    bad = [r for r in todo if r.error is not None]
-    if bad and opts.on_error == "fail":
-        # Nothing is generated from a malformed input: every problem is listed before the engine starts.
-        _report_errors(console, source, bad, opts.max_errors_shown)
-        say(console, f"{len(bad)} of {len(todo)} input records are invalid; nothing was generated "
-                 "(fix them, or pass --on-error skip to write error records instead)")
-        return EXIT_USAGE
-    if bad and not opts.quiet:
-        _report_errors(console, source, bad, opts.max_errors_shown)
-        say(console, f"{len(bad)} invalid records get error records in OUT")
-    if not opts.quiet:
-        say(console, f"{len(todo)} records to run ({len(records) - len(todo)} already answered in OUT)")
-    if not todo:
-        if opts.output != "-":
-            Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
-        return EXIT_OK
-
-    if scale.enabled:
-        from llmcli.scaleout.data_parallel import DataParallelEngine
-
-        engine: Any = DataParallelEngine(config, scale, engine_kwargs=opts.engine, tokenizer=tokenizer)
-    else:
-        from llmcli.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(config, tokenizer=tokenizer)
+    tokenizer_s = time.perf_counter() - tokenizer_started
+    source = _open_input(opts.input) if opts.input != "-" else None  # a missing IN: no engine started
+    starter = _start_engine(opts, scale, config, tokenizer)
+    stream: PreparedStream | None = None
     try:
-        _check_pool(items, engine)
-        known = {id(r) for r in bad}
-        too_big = [i for i in items if isinstance(i, InputRecord) and id(i) not in known]
+        source = source or _open_input(opts.input)  # stdin is spooled while the engine starts
+        preparer = Preparer(tokenizer, config.max_model_len, config.hf_config.vocab_size, opts.sampling,
+                            chat_template)
+        index = index_input(source, answered, preparer.check)
+        code = _report_input(opts, console, index)
+        if code is not None:
+            return code
+        stream = PreparedStream(source, index, preparer)
+        ahead = stream.take(CHECK_AHEAD)
+        late = [item for position, item in ahead if isinstance(item, InputRecord) and position not in index.bad]
+        name = source_name(opts.input)
+        if late:
+            _report_errors(console, name, late, opts.max_errors_shown)
+            if opts.on_error == "fail":
+                say(console, f"{len(late)} input records are invalid; nothing was generated "
+                             "(fix them, or pass --on-error skip to write error records instead)")
+                return EXIT_USAGE
+        input_s = time.perf_counter() - started
+        engine = starter.result()
+        if opts.verbose:
+            _report_startup(console, engine, tokenizer_s, input_s, time.perf_counter() - started)
+        too_big = _check_pool(ahead, engine)
         if too_big:
-            _report_errors(console, source, too_big, opts.max_errors_shown)
+            _report_errors(console, name, too_big, opts.max_errors_shown)
             if opts.on_error == "fail":
                 say(console, f"{len(too_big)} records can never fit the KV cache; nothing was generated")
                 return EXIT_USAGE
-        return _run(opts, console, engine, config, items, len(records) - len(todo), started, source, stdout)
+        late = []  # records the stream finds invalid after the first token: reported at the end
+        items = chain(ahead, _late_errors(stream, index, late))
+        return _run(opts, console, engine, config, items, late, len(index), index.total - len(index),
+                    started, name, stdout)
     finally:
-        engine.shutdown()
+        if stream is not None:
+            stream.close()
+        starter.close()
+        if source is not None:
+            source.close()
 
 
-def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, items: list, skipped: int,
-         started: float, source: str, stdout: Any) -> int:
+def _late_errors(stream: PreparedStream, index: InputIndex, late: list[InputRecord]) -> Any:
+    for position, item in stream:
+        if isinstance(item, InputRecord) and position not in index.bad:
+            late.append(item)
+        yield position, item
+
+
+def _report_input(opts: GenerateOptions, console: Console, index: InputIndex) -> int | None:
+    """What the checking pass found; an exit code when the run ends here."""
+    bad, name = index.errors, source_name(opts.input)
+    if bad and opts.on_error == "fail":
+        # Nothing is generated from a malformed input: every problem is listed (the engine stops starting).
+        _report_errors(console, name, bad, opts.max_errors_shown)
+        say(console, f"{len(bad)} of {len(index)} input records are invalid; nothing was generated "
+                     "(fix them, or pass --on-error skip to write error records instead)")
+        return EXIT_USAGE
+    if bad and not opts.quiet:
+        _report_errors(console, name, bad, opts.max_errors_shown)
+        say(console, f"{len(bad)} invalid records get error records in OUT")
+    if not opts.quiet:
+        say(console, f"{len(index)} records to run ({index.total - len(index)} already answered in OUT)")
+    if not len(index):
+        if opts.output != "-":
+            Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
+        return EXIT_OK
+    return None
+
+
+def _report_startup(console: Console, engine: Any, tokenizer_s: float, input_s: float, ready_s: float) -> None:
+    phases = {**getattr(engine, "startup_s", {}), "tokenizer": round(tokenizer_s, 3)}  # loaded here, not there
+    listed = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+    say(console, f"start-up: {listed}; input checked and first records prepared after {input_s:.2f} s; "
+                 f"engine ready after {ready_s:.2f} s")
+
+
+def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, items: Any, late: list[InputRecord],
+         total: int, skipped: int, started: float, source: str, stdout: Any) -> int:
     gen_started = time.perf_counter()
     show = not opts.quiet and (opts.progress if opts.progress is not None else console.is_terminal)
     if opts.overwrite and not opts.resume and opts.output != "-":
         Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
-    writer = RecordWriter(open_sink(opts.output, stdout), ordered=opts.ordered)
+    finish = engine.fill_texts if not getattr(engine, "detokenize", True) else None
+    writer = BackgroundWriter(RecordWriter(open_sink(opts.output, stdout), ordered=opts.ordered), finish)
     window = 2 * config.max_num_seqs * opts.data_parallel_size  # enough waiting work for every replica
     try:
-        with StopFlag() as stop, GenerateProgress(len(items), console, enabled=show) as progress:
+        with StopFlag() as stop, GenerateProgress(total, console, enabled=show) as progress:
             runner = Runner(engine, writer, progress, model=opts.engine["model"],
                             include_token_ids=opts.include_token_ids, window=window, stop=stop)
             counts = runner.run(items)
@@ -203,11 +274,10 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
             pass
     stats = engine.stats
     if not opts.quiet:
-        # Records the engine rejected while running (the ones found before it started were listed then).
-        rejected = [i.record for i in items if isinstance(i, PreparedRequest) and i.record.error is not None]
-        _report_errors(console, source, rejected, opts.max_errors_shown)
+        # Records found invalid when their turn came (the ones found before the first token were listed then).
+        _report_errors(console, source, late + runner.rejected, opts.max_errors_shown)
         console.print(summary_table(GenerateSummary(
-            total=len(items), answered=counts.answered, failed=counts.failed, skipped=skipped,
+            total=total, answered=counts.answered, failed=counts.failed, skipped=skipped,
             prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens,
             wall_s=time.perf_counter() - started, generate_s=time.perf_counter() - gen_started,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,

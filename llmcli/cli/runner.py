@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import signal
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 from llmcli.engine.outputs import RequestOutput
 from llmcli.engine.sequence import RequestRejected
 from llmcli.cli.io.output import error_record, result_record
 from llmcli.cli.io.prepare import PreparedRequest
 from llmcli.cli.io.records import InputRecord
-from llmcli.cli.io.writer import RecordWriter
+from llmcli.cli.io.writer import BackgroundWriter
 
 
 class ProgressSink(Protocol):
@@ -65,7 +64,7 @@ class Runner:
     batches.
     """
 
-    def __init__(self, engine: Any, writer: RecordWriter, progress: ProgressSink, *, model: str,
+    def __init__(self, engine: Any, writer: BackgroundWriter, progress: ProgressSink, *, model: str,
                  include_token_ids: bool, window: int, stop: StopFlag) -> None:
         self.engine = engine
         self.writer = writer
@@ -78,15 +77,18 @@ class Runner:
         self._groups: dict[int, list[RequestOutput | None]] = {}
         self._requests: dict[int, PreparedRequest] = {}
         self._inflight = 0
+        self._exhausted = False
+        self.rejected: list[InputRecord] = []  # records the engine refused when their turn came
 
-    def run(self, items: list[PreparedRequest | InputRecord]) -> RunCounts:
-        """Answer every item (its position in ``items`` is its output order)."""
-        pending = deque(enumerate(items))
+    def run(self, items: Iterable[tuple[int, PreparedRequest | InputRecord]]) -> RunCounts:
+        """Answer every ``(position, item)``; positions are output order, 0, 1, 2, ... each once."""
+        pending = iter(items)
+        self._exhausted = False
         try:
             while not self.stop.requested:
                 self._admit(pending)
                 if not self.engine.has_unfinished():
-                    if not pending:
+                    if self._exhausted:
                         break
                     continue
                 for out in self.engine.step():
@@ -105,19 +107,26 @@ class Runner:
             self.writer.drain()
         return self.counts
 
-    def _admit(self, pending: deque) -> None:
-        while pending and self._inflight < self.window:
-            position, item = pending.popleft()
+    def _admit(self, pending: Iterator) -> None:
+        while not self._exhausted and self._inflight < self.window:
+            nxt = next(pending, None)
+            if nxt is None:
+                self._exhausted = True
+                return
+            position, item = nxt
             if isinstance(item, InputRecord):
                 self._write_error(position, item)
                 continue
             try:
+                for params in item.params:  # all checked before any is queued
+                    self.engine.check_fits(item.prompt_token_ids, params)
                 for i, params in enumerate(item.params):
                     self.engine.add_request(item.prompt_token_ids, params, request_id=f"{position}.{i}")
             except RequestRejected as exc:  # can never run with this model or KV pool
                 item.record.fail(item.record.prompt_field(), str(exc))
+                self.rejected.append(item.record)
                 self._write_error(position, item.record)
-                continue  # siblings added before the rejection finish unseen: _collect ignores them
+                continue
             self._groups[position] = [None] * len(item.params)
             self._requests[position] = item
             self._inflight += len(item.params)
@@ -133,12 +142,14 @@ class Runner:
         if all(o is not None for o in group):
             item = self._requests.pop(position)
             del self._groups[position]
-            record = result_record(item.record, group, model=self.model, include_token_ids=self.include_token_ids)
-            self.writer.put(position, record)
+            # Built in the writer's thread, after it has decoded the texts of a batch of outputs.
+            make = lambda rec=item.record, outs=group: result_record(  # noqa: E731
+                rec, outs, model=self.model, include_token_ids=self.include_token_ids)
+            self.writer.put(position, make, group)
             self.counts.answered += 1
             self.progress.advance(1)
 
     def _write_error(self, position: int, rec: InputRecord) -> None:
-        self.writer.put(position, error_record(rec))
+        self.writer.put(position, lambda: error_record(rec))
         self.counts.failed += 1
         self.progress.advance(1)

@@ -12,13 +12,14 @@ class RequestOutput:
     request_id: Any
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str
+    text: str | None  # None only from an engine with ``detokenize`` off: ``engine.text_of(out)`` decodes it
     finish_reason: str  # "stop" (EOS, stop string or stop token) | "length" (max_tokens or max_model_len)
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float = 0.0
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    skip_special_tokens: bool = True  # how ``text`` is (or is to be) decoded
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

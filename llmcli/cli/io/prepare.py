@@ -32,15 +32,57 @@ class Preparer:
 
     def prepare(self, rec: InputRecord) -> PreparedRequest | None:
         """The request for ``rec``, or None after recording the problem in ``rec.error``."""
+        item = self.prepare_batch([rec])[0]
+        return item if isinstance(item, PreparedRequest) else None
+
+    def check(self, rec: InputRecord) -> None:
+        """What needs no tokenizer, recorded in ``rec.error``: sampling values, and token-id prompts whole."""
         if rec.error is not None:
-            return None
+            return
         try:
-            params = self._params(rec)
-            ids = self._encode(rec)
+            self._params(rec)
+            if rec.kind == "prompt_token_ids":
+                self._check_length(rec, self._check_ids(rec))
         except FieldProblem as problem:
             rec.fail(problem.field, problem.message)
-            return None
-        return PreparedRequest(rec, ids, params)
+
+    def prepare_batch(self, recs: list[InputRecord]) -> list[PreparedRequest | InputRecord]:
+        """Each record's request, or the record itself with ``.error`` set; texts are encoded as one batch."""
+        out: list[PreparedRequest | InputRecord] = list(recs)
+        waiting: list[tuple[int, list[SamplingParams]]] = []
+        texts: list[str] = []
+        chats = [i for i, r in enumerate(recs) if r.error is None and r.kind == "messages"]
+        rendered = self._render_batch([recs[i] for i in chats]) if self.tokenizer is not None else []
+        rendered_of = dict(zip(chats, rendered))
+        for i, rec in enumerate(recs):
+            if rec.error is not None:
+                continue
+            try:
+                params = self._params(rec)
+                if rec.kind == "prompt_token_ids":
+                    ids = self._check_ids(rec)
+                    self._check_length(rec, ids)
+                    out[i] = PreparedRequest(rec, ids, params)
+                    continue
+                if self.tokenizer is None:
+                    raise FieldProblem(rec.prompt_field(), "the model has no tokenizer; give prompt_token_ids instead")
+                text = rendered_of[i] if rec.kind == "messages" else rec.prompt
+                if isinstance(text, FieldProblem):
+                    raise text
+            except FieldProblem as problem:
+                rec.fail(problem.field, problem.message)
+                continue
+            waiting.append((i, params))
+            texts.append(text)
+        for (i, params), ids in zip(waiting, self._encode_texts(texts)):
+            rec = recs[i]
+            try:
+                self._check_length(rec, ids)
+            except FieldProblem as problem:
+                rec.fail(problem.field, problem.message)
+                continue
+            out[i] = PreparedRequest(rec, ids, params)
+        return out
 
     # -- sampling ---------------------------------------------------------------
     def _params(self, rec: InputRecord) -> list[SamplingParams]:
@@ -56,34 +98,52 @@ class Preparer:
         return [dataclasses.replace(base, n=1, seed=seed) for seed in seeds]
 
     # -- prompt -----------------------------------------------------------------
-    def _encode(self, rec: InputRecord) -> list[int]:
+    def _check_ids(self, rec: InputRecord) -> list[int]:
+        ids = list(rec.prompt)
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise FieldProblem(rec.prompt_field(), f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _check_length(self, rec: InputRecord, ids: list[int]) -> None:
         name = rec.prompt_field()
-        if rec.kind == "prompt_token_ids":
-            ids = list(rec.prompt)
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise FieldProblem(name, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        elif self.tokenizer is None:
-            raise FieldProblem(name, "the model has no tokenizer; give prompt_token_ids instead")
-        elif rec.kind == "messages":
-            ids = self._chat(rec.prompt, name)
-        else:
-            # As the engine does: the text is the whole prompt, no special tokens added around it.
-            ids = list(self.tokenizer.encode(rec.prompt, add_special_tokens=False))
         if not ids:
             raise FieldProblem(name, "encodes to zero tokens")
         if len(ids) >= self.max_model_len:
             raise FieldProblem(name, f"prompt is {len(ids)} tokens, too long for max_model_len={self.max_model_len} "
                                      "(it must leave room for one generated token)")
-        return ids
 
-    def _chat(self, messages: list[dict[str, Any]], name: str) -> list[int]:
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of whole prompts (no special tokens added: a chat template already wrote any it wants).
+
+        A fast tokenizer's own batch encoding runs on several threads outside the GIL. It is called
+        directly (not through ``tokenizer(...)``, which first resets truncation and padding on the shared
+        Rust tokenizer and so cannot run while another thread decodes with it).
+        """
+        if not texts:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            return [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
+        return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    def _render_batch(self, recs: list[InputRecord]) -> list[str | FieldProblem]:
+        """Chat templates rendered for many records at once; a failing one is found by rendering each."""
+        if not recs:
+            return []
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         try:
-            text = self.tokenizer.apply_chat_template(messages, **kwargs)
-        except Exception as exc:  # jinja errors, or a tokenizer without a template
-            raise FieldProblem(name, f"the chat template failed: {exc}") from None
-        # The template already wrote any BOS it wants; do not let encode add another.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            texts = self.tokenizer.apply_chat_template([r.prompt for r in recs], **kwargs)
+            if isinstance(texts, list) and len(texts) == len(recs):
+                return texts
+        except Exception:  # jinja errors, or a tokenizer without a template: say which record
+            pass
+        found: list[str | FieldProblem] = []
+        for rec in recs:
+            try:
+                found.append(self.tokenizer.apply_chat_template(rec.prompt, **kwargs))
+            except Exception as exc:
+                found.append(FieldProblem(rec.prompt_field(), f"the chat template failed: {exc}"))
+        return found
