@@ -8,8 +8,10 @@ finished records to a writer thread (``cli/io/writer.py``).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
+from collections import deque
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from llmcli.models.hub import load_tokenizer
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 # Records prepared (tokenized, length-checked) before the first token: with --on-error fail a problem among
 # them still means exit 2 and nothing generated. Later records are checked when the stream reaches them.
-CHECK_AHEAD = 16384
+CHECK_AHEAD = int(os.environ.get("LLMCLI_CHECK_AHEAD", "16384"))
 
 
 class UsageError(Exception):
@@ -182,7 +184,9 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
         code = _report_input(opts, console, index)
         if code is not None:
             return code
-        stream = PreparedStream(source, index, preparer)
+        # Chunks big enough for batch encoding, and a few of them ahead of what the engine holds waiting.
+        window = 2 * config.max_num_seqs * opts.data_parallel_size
+        stream = PreparedStream(source, index, preparer, chunk=min(1024, max(64, window)), ahead=4)
         ahead = stream.take(CHECK_AHEAD)
         late = [item for position, item in ahead if isinstance(item, InputRecord) and position not in index.bad]
         name = source_name(opts.input)
@@ -202,8 +206,8 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
             if opts.on_error == "fail":
                 say(console, f"{len(too_big)} records can never fit the KV cache; nothing was generated")
                 return EXIT_USAGE
-        late = []  # records the stream finds invalid after the first token: reported at the end
-        items = chain(ahead, _late_errors(stream, index, late))
+        late: list[InputRecord] = []  # records the stream finds invalid after the first token: reported at the end
+        items = chain(_consume(ahead), _late_errors(stream, index, late))
         return _run(opts, console, engine, config, items, late, len(index), index.total - len(index),
                     started, name, stdout)
     finally:
@@ -212,6 +216,14 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
         starter.close()
         if source is not None:
             source.close()
+
+
+def _consume(items: list[Item]) -> Any:
+    """The items of a list, each let go of once the run has taken it."""
+    queue = deque(items)
+    items.clear()
+    while queue:
+        yield queue.popleft()
 
 
 def _late_errors(stream: PreparedStream, index: InputIndex, late: list[InputRecord]) -> Any:
@@ -255,6 +267,9 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
     show = not opts.quiet and (opts.progress if opts.progress is not None else console.is_terminal)
     if opts.overwrite and not opts.resume and opts.output != "-":
         Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
+    # The step loop shares the GIL with the writer and the preparing thread: let it have it back sooner
+    # when it returns from the device or a torch op (Python's default is 5 ms).
+    sys.setswitchinterval(0.001)
     finish = engine.fill_texts if not getattr(engine, "detokenize", True) else None
     writer = BackgroundWriter(RecordWriter(open_sink(opts.output, stdout), ordered=opts.ordered), finish)
     window = 2 * config.max_num_seqs * opts.data_parallel_size  # enough waiting work for every replica

@@ -118,8 +118,9 @@ class Runner:
                 self._write_error(position, item)
                 continue
             try:
-                for params in item.params:  # all checked before any is queued
-                    self.engine.check_fits(item.prompt_token_ids, params)
+                if len(item.params) > 1:  # all n checked before any is queued (add_request checks one)
+                    for params in item.params:
+                        self.engine.check_fits(item.prompt_token_ids, params)
                 for i, params in enumerate(item.params):
                     self.engine.add_request(item.prompt_token_ids, params, request_id=f"{position}.{i}")
             except RequestRejected as exc:  # can never run with this model or KV pool

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from llmcli.cli.io.records import FieldProblem, InputRecord
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
 
@@ -29,6 +31,7 @@ class Preparer:
         self.vocab_size = vocab_size
         self.defaults = defaults
         self.chat_template = chat_template
+        self._params_cache: dict[tuple[bool, bytes], list[SamplingParams] | FieldProblem] = {}
 
     def prepare(self, rec: InputRecord) -> PreparedRequest | None:
         """The request for ``rec``, or None after recording the problem in ``rec.error``."""
@@ -86,6 +89,23 @@ class Preparer:
 
     # -- sampling ---------------------------------------------------------------
     def _params(self, rec: InputRecord) -> list[SamplingParams]:
+        # Most records carry the same sampling fields (often none): build their settings once. The engine
+        # only reads SamplingParams, so records may share them.
+        key = (rec.openai is not None, orjson.dumps(rec.sampling, option=orjson.OPT_SORT_KEYS))
+        found = self._params_cache.get(key)
+        if found is None:
+            if len(self._params_cache) >= 4096:
+                self._params_cache.clear()
+            try:
+                found = self._build_params(rec)
+            except FieldProblem as problem:
+                found = problem
+            self._params_cache[key] = found
+        if isinstance(found, FieldProblem):
+            raise FieldProblem(found.field, found.message)
+        return found
+
+    def _build_params(self, rec: InputRecord) -> list[SamplingParams]:
         merged = {**self.defaults, **rec.sampling}
         try:
             base = SamplingParams(**merged)

@@ -126,6 +126,7 @@ class BackgroundWriter:
     def __init__(self, writer: RecordWriter, finish: Callable[[list], None] | None = None) -> None:
         self.writer = writer
         self.finish = finish
+        self.batch_seconds = 0.02
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="llmcli-writer", daemon=True)
@@ -162,7 +163,10 @@ class BackgroundWriter:
     def _work(self) -> None:
         while True:
             batch = [self._queue.get()]
-            while len(batch) < 1024:
+            if batch[0][0] == "put":
+                # Wake up at most every few tens of milliseconds: each wake-up takes the GIL from the step loop.
+                time.sleep(self.batch_seconds)
+            while len(batch) < 4096:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
