@@ -4,6 +4,8 @@
 #   e2e     tests/test_gpu_e2e.py (bf16 greedy agreement with transformers) and the triton kernel tests
 #   bench   benchmarks/bench_vs_hf.py, extra args in BENCH_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), extra args in TP_ARGS
+#   job     benchmarks/job_gpu.py: `llmcli generate` wall vs the engine alone (issue 12), extra args in JOB_ARGS
+#           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -26,6 +28,8 @@ for stage in "$@"; do
     e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e.log" ;;
     kernels) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -5 ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
+    # the tokenizer's batch encoding uses its own threads here, as for a user (the session turns them off above)
+    job) env -u TOKENIZERS_PARALLELISM timeout 580 python3 benchmarks/job_gpu.py ${JOB_ARGS:-} 2>&1 | tee "$OUT/job.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
   esac
 done
