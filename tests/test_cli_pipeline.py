@@ -140,10 +140,7 @@ def engine_answers(model: Path) -> list:
 
 
 def texts_of(line: dict) -> list[tuple[str, list[int]]]:
-    if "response" in line:
-        return [(c["text"], c["token_ids"]) for c in line["response"]["body"]["choices"]] \
-            if "token_ids" in line["response"]["body"]["choices"][0] else \
-            [(c["text"], None) for c in line["response"]["body"]["choices"]]
+    """(text, token ids) of each completion of a plain output line."""
     if "choices" in line:
         return [(c["text"], c["token_ids"]) for c in line["choices"]]
     return [(line["text"], line["token_ids"])]

@@ -50,7 +50,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.step_timer: StepTimer = getattr(self.model_runner, "timer", None) or StepTimer()
         # Off: finished outputs carry text=None (unless cut at a stop string) and the caller decodes them
-        # with ``text_of`` where the step loop does not wait for it (the CLI's writer thread).
+        # with ``fill_texts`` where the step loop does not wait for it (the CLI's writer thread).
         self.detokenize = True
         # Host work of step N+1 overlaps the device's step N (tests turn it off to compare with the plain loop).
         self.overlap = True

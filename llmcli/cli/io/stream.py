@@ -10,7 +10,7 @@ from llmcli.cli.io.prepare import Preparer, PreparedRequest
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.source import InputFile
 
-Item = tuple[int, "PreparedRequest | InputRecord"]  # output position, and the request or the invalid record
+Item = tuple[int, PreparedRequest | InputRecord]  # output position, and the request or the invalid record
 _END = object()
 
 
