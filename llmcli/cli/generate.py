@@ -140,7 +140,8 @@ def _start_engine(opts: GenerateOptions, scale: Any, config: Any, tokenizer: Any
         engine.detokenize = False  # the writer thread decodes finished outputs in batches
         return engine
 
-    return EngineStarter(build)
+    # Ray wants to be started from the main thread (its signal handlers, its shutdown at exit).
+    return EngineStarter(build, in_thread=not (scale.enabled and scale.backend == "ray"))
 
 
 def _open_input(path: str) -> InputFile:
@@ -150,20 +151,23 @@ def _open_input(path: str) -> InputFile:
         raise UsageError(f"cannot read IN {path}: {exc.strerror or exc}") from None
 
 
-def run_generate(opts: GenerateOptions, console: Console) -> int:
-    """Run the command; returns the exit code. Raises UsageError (and ConfigError) for exit code 2."""
+def _config(opts: GenerateOptions, scale: Any) -> Any:
+    if scale.enabled:
+        from llmcli.scaleout.data_parallel import driver_config
+
+        return driver_config(opts.engine, scale)
     from llmcli.config import Config
 
+    return Config(**opts.engine)
+
+
+def run_generate(opts: GenerateOptions, console: Console) -> int:
+    """Run the command; returns the exit code. Raises UsageError (and ConfigError) for exit code 2."""
     started = time.perf_counter()
     scale = _scale_out(opts)
     answered = _check_output(opts)
     stdout = reserve_stdout() if opts.output == "-" else None
-    if scale.enabled:
-        from llmcli.scaleout.data_parallel import driver_config
-
-        config = driver_config(opts.engine, scale)
-    else:
-        config = Config(**opts.engine)
+    config = _config(opts, scale)
     chat_template = opts.chat_template.read_text() if opts.chat_template else None
     # Batch encoding runs on the tokenizer's own threads; llmcli's worker processes are spawned, not forked.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -188,12 +192,12 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
         window = 2 * config.max_num_seqs * opts.data_parallel_size
         stream = PreparedStream(source, index, preparer, chunk=min(1024, max(64, window)), ahead=4)
         ahead = stream.take(CHECK_AHEAD)
-        late = [item for position, item in ahead if isinstance(item, InputRecord) and position not in index.bad]
+        found = [item for position, item in ahead if isinstance(item, InputRecord) and position not in index.bad]
         name = source_name(opts.input)
-        if late:
-            _report_errors(console, name, late, opts.max_errors_shown)
+        if found:  # prompts too long once tokenized, chat templates that fail
+            _report_errors(console, name, found, opts.max_errors_shown)
             if opts.on_error == "fail":
-                say(console, f"{len(late)} input records are invalid; nothing was generated "
+                say(console, f"{len(found)} input records are invalid; nothing was generated "
                              "(fix them, or pass --on-error skip to write error records instead)")
                 return EXIT_USAGE
         input_s = time.perf_counter() - started

@@ -14,12 +14,17 @@ class EngineStarter:
     memory and actors with it).
     """
 
-    def __init__(self, build: Callable[[Callable[[], bool]], Any]) -> None:
+    def __init__(self, build: Callable[[Callable[[], bool]], Any], *, in_thread: bool = True) -> None:
+        """``in_thread=False`` builds at once in this thread (for what must start in the main thread)."""
         self._build = build
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._engine: Any = None
         self._error: BaseException | None = None
+        if not in_thread:
+            self._engine = build(self._cancel.is_set)
+            self._done.set()
+            return
         self._thread = threading.Thread(target=self._run, name="llmcli-engine-start-up", daemon=True)
         self._thread.start()
 
