@@ -120,6 +120,17 @@ def run_api(model: Path, inp: Path, engine: dict, sampling: dict) -> dict:
     return dict(json.loads(out.split("RESULT ", 1)[1]), wall_s=wall)
 
 
+def run_probe(model: Path, engine: dict, extra_env: dict[str, str]) -> dict:
+    """``probe-memory --json``: start-up alone, with its phases."""
+    cmd = [sys.executable, "-m", "llmcli", "probe-memory", "--model", str(model), "--json", *engine_flags(engine)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, timeout=600, env={**os.environ, **extra_env})
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"probe-memory failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
+    return dict(wall_s=wall, startup_s=orjson.loads(proc.stdout)["startup_s"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, small counts")
@@ -127,7 +138,8 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=20_000, help="records of the labelling job")
     ap.add_argument("--bench-records", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--jobs", default="label,bench")
+    ap.add_argument("--jobs", default="label,bench",
+                    help="label, bench, and probe (start-up alone: every graph size, then LLMCLI_GRAPH_SIZES=pow2)")
     ap.add_argument("--prepare-only", action="store_true", help="write the model folder and the inputs, then stop")
     ap.add_argument("--work", default=None, help="folder for the model copy and the inputs (default: a temp dir)")
     args = ap.parse_args()
@@ -158,6 +170,10 @@ def main() -> None:
     if args.prepare_only:
         print(f"inputs in {work}: {', '.join(str(j[0]) for j in jobs.values())}; model folder {model}")
         return
+    if "probe" in args.jobs:
+        for label, extra in (("graphs: every 16", {}), ("graphs: pow2", {"LLMCLI_GRAPH_SIZES": "pow2"})):
+            probe = run_probe(model, engine, extra)
+            print(f"[probe, {label}] wall {probe['wall_s']:.1f} s, start-up phases {probe['startup_s']}", flush=True)
     env_note = os.environ.get("TOKENIZERS_PARALLELISM")
     print(f"TOKENIZERS_PARALLELISM={env_note}", flush=True)
     rows = []
