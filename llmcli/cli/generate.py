@@ -24,7 +24,8 @@ from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.resume import ResumeError, scan_output
 from llmcli.cli.io.source import InputFile, source_name
 from llmcli.cli.io.stream import Item, PreparedStream
-from llmcli.cli.io.writer import BackgroundWriter, RecordWriter, open_sink, reserve_stdout
+from llmcli.cli.io.background_writer import BackgroundWriter
+from llmcli.cli.io.writer import RecordWriter, open_sink, reserve_stdout
 from llmcli.cli.progress import GenerateProgress, GenerateSummary, say, summary_table
 from llmcli.cli.runner import Runner, StopFlag
 from llmcli.cli.startup import EngineStarter

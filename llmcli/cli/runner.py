@@ -10,7 +10,7 @@ from llmcli.engine.sequence import RequestRejected
 from llmcli.cli.io.output import error_record, result_record
 from llmcli.cli.io.prepare import PreparedRequest
 from llmcli.cli.io.records import InputRecord
-from llmcli.cli.io.writer import BackgroundWriter
+from llmcli.cli.io.background_writer import BackgroundWriter
 
 
 class ProgressSink(Protocol):
