@@ -214,3 +214,77 @@ def test_memory_does_not_grow_with_the_input(tiny_model, tmp_path):
                                         "--max-num-seqs", "32"), {"LLMCLI_CHECK_AHEAD": "256"})
         assert out.read_bytes().count(b"\n") == n
     assert peaks[big] - peaks[small] < 7 * 1024, peaks
+
+
+def test_text_too_long_before_and_after_the_first_token(tiny_model, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import llmcli.cli.generate as generate_module
+    from llmcli.cli.app import app
+
+    long_text = " ".join(["fox"] * 400)  # far beyond --max-model-len 256 once tokenized
+    records = [{"prompt_token_ids": TOKENS, "max_tokens": 2}] * 5 + [{"prompt": long_text}] + \
+              [{"prompt_token_ids": TOKENS, "max_tokens": 2}]
+    inp = write_jsonl(tmp_path / "in.jsonl", records)
+    args = ["generate", str(inp), "--model", str(tiny_model), "--device", "cpu", "--num-kvcache-blocks", "128",
+            "--kvcache-block-size", "16", "--max-model-len", "256", "--max-num-seqs", "2", "-q"]
+    # Among the records checked before the first token: exit 2, nothing written.
+    out = tmp_path / "early.jsonl"
+    result = CliRunner().invoke(app, [*args, "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert f"{inp}:6: prompt: prompt is" in result.stderr and not out.exists()
+    # Beyond them (here: after 2 records): the others run, the long one gets an error record, exit 1.
+    monkeypatch.setattr(generate_module, "CHECK_AHEAD", 2)
+    out = tmp_path / "late.jsonl"
+    result = CliRunner().invoke(app, [*args, "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [l["id"] for l in lines] == list(range(7))
+    assert lines[5]["error"]["field"] == "prompt" and all("text" in l for l in lines[:5] + lines[6:])
+    assert f"{inp}:6: prompt: prompt is" in result.stderr  # reported at the end
+
+
+def test_background_writer_keeps_order_and_raises_write_errors():
+    from llmcli.cli.io.background_writer import BackgroundWriter
+    from llmcli.cli.io.writer import RecordWriter
+
+    class Sink:
+        def __init__(self, fail_after: int = -1) -> None:
+            self.lines, self.fail_after = [], fail_after
+
+        def write(self, data: bytes) -> None:
+            if len(self.lines) == self.fail_after:
+                raise BrokenPipeError("closed")
+            self.lines.append(orjson.loads(data))
+
+        def sync(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    class Out:
+        def __init__(self) -> None:
+            self.text = None
+
+    sink = Sink()
+    decoded = []
+    writer = BackgroundWriter(RecordWriter(sink, ordered=True), lambda outs: decoded.extend(outs) or
+                              [setattr(o, "text", "t") for o in outs])
+    outs = {p: Out() for p in range(6)}
+    for p in (2, 0, 5, 1, 4):
+        writer.put(p, lambda p=p: {"id": p, "text": outs[p].text}, [outs[p]])
+    writer.drain()  # 3 never came: the held ones go out anyway, in order
+    writer.close()
+    assert [l["id"] for l in sink.lines] == [0, 1, 2, 4, 5] and all(l["text"] == "t" for l in sink.lines)
+    assert len(decoded) == 5
+    failing = BackgroundWriter(RecordWriter(Sink(fail_after=1), ordered=False))
+    failing.put(0, lambda: {"id": 0})
+    failing.put(1, lambda: {"id": 1})
+    try:
+        failing.drain()
+    except BrokenPipeError:
+        pass
+    else:
+        raise AssertionError("a write error must reach the step loop")
+    failing.close()

@@ -293,9 +293,9 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
         except BrokenPipeError:
             pass
     stats = engine.stats
+    # Records found invalid when their turn came (the ones found before the first token were listed then).
+    _report_errors(console, source, late + runner.rejected, opts.max_errors_shown)
     if not opts.quiet:
-        # Records found invalid when their turn came (the ones found before the first token were listed then).
-        _report_errors(console, source, late + runner.rejected, opts.max_errors_shown)
         console.print(summary_table(GenerateSummary(
             total=total, answered=counts.answered, failed=counts.failed, skipped=skipped,
             prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens,
