@@ -110,6 +110,10 @@ class GenerateProgress:
         self.state.records_done += n
         self.state.unused_tokens += unused_tokens
 
+    def revise_budget(self, delta: int) -> None:
+        """A record prepared after the run started replaces its guessed budget with its own."""
+        self.state.tokens_total = max(0, self.state.tokens_total + delta)
+
     def update(self, stats: Any, pending: int = 0) -> None:
         st = self.state
         st.generated = stats.generated_tokens

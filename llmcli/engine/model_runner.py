@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import torch
@@ -12,6 +11,7 @@ from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs, plan_extras
+from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.step_inputs import StepInputs, Uploader, all_greedy, prepare_decode, prepare_prefill, prepare_sampling
 from llmcli.kernels import make_backend
@@ -65,8 +65,10 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, clock: StartupClock | None = None) -> None:
         self.config = config
+        # Seconds per start-up phase (weights, probe, kv_cache, compile, graphs), for --verbose and probe-memory.
+        self.clock = clock = clock if clock is not None else StartupClock()
         self.rank, self.world = tp_rank(), tp_size()
         hf = config.hf_config
         self.device = torch.device("cuda", self.rank) if config.device == "cuda" else torch.device("cpu")
@@ -81,34 +83,41 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, hf.num_attention_heads // self.world,
                                     self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                     config.kvcache_block_size)
-        self.model = self._build_model()
+        with clock.phase("weights"):
+            self.model = self._build_model()
         self.sampler = Sampler()
         self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, self.device))
         self.uploader = Uploader(self.device)
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        activation_peak = self._warmup()
-        per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
-        self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
-        self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
+        with clock.phase("probe"):
+            activation_peak = self._warmup()
+            per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
+            self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
+            self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
         if self.num_blocks == 0:
             raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
-        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
-                                          self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
-        if self.device.type == "cuda":
-            start = time.perf_counter()
-            self._compile_variants()
-            log.info("compiled the prefill and sampler variants in %.1f s", time.perf_counter() - start)
-        self.timer = StepTimer()
+        with clock.phase("kv_cache"):
+            self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
+                                              self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
         self.graphs = None
+        if self.device.type == "cuda":
+            with clock.phase("compile"):
+                self._compile_variants()
+            log.info("compiled the prefill and sampler variants in %.1f s", clock.seconds["compile"])
+        self.timer = StepTimer()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from llmcli.engine.cuda_graphs import DecodeGraphs
 
-            start = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, self.backend, config, self.device)
+            with clock.phase("graphs"):
+                self.graphs = DecodeGraphs(self.model, self.backend, config, self.device)
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
             log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
-                     time.perf_counter() - start)
+                     clock.seconds["graphs"])
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        return self.clock.rounded()
 
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""
