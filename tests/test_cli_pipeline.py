@@ -288,3 +288,22 @@ def test_background_writer_keeps_order_and_raises_write_errors():
     else:
         raise AssertionError("a write error must reach the step loop")
     failing.close()
+
+
+def test_token_budget_of_records_prepared_after_the_first_token(tiny_model, tmp_path, monkeypatch):
+    """The progress total counts records not yet tokenized at their neighbours' mean, then at their own."""
+    from typer.testing import CliRunner
+
+    import llmcli.cli.generate as generate_module
+    from llmcli.cli.app import app
+
+    budgets = [2, 4, 6, 8, 10, 12]  # the first two (mean 3) are prepared before the first token
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"The fox {i}", "max_tokens": m}
+                                              for i, m in enumerate(budgets)])
+    monkeypatch.setattr(generate_module, "CHECK_AHEAD", 2)
+    result = CliRunner().invoke(app, ["generate", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model",
+                                      str(tiny_model), "--device", "cpu", "--num-kvcache-blocks", "128",
+                                      "--kvcache-block-size", "16", "--max-model-len", "256", "--max-num-seqs", "2",
+                                      "--ignore-eos", "--progress"])
+    assert result.exit_code == 0, result.output
+    assert f"{sum(budgets)}/{sum(budgets)} tok" in result.stderr and "req 6/6" in result.stderr
