@@ -65,7 +65,7 @@ def frame(st: ProgressState) -> Table:
     top.add_column(no_wrap=True)
     top.add_column(ratio=1)
     top.add_column(no_wrap=True, justify="right")
-    top.add_row("[bold]generate", ProgressBar(total=1.0, completed=fraction),
+    top.add_row(Text("generate", style="bold"), ProgressBar(total=1.0, completed=fraction),
                 f"{fraction:4.0%} {_human(st.tokens_done)}/{_human(st.tokens_total)} tok  {times}")
     line = (f"req {st.records_done}/{st.records_total}  prompt {_human(st.prompt_done / elapsed)} tok/s  "
             f"gen {_human(st.generated / elapsed)} tok/s  run {st.running}  wait {st.waiting}  KV {st.kv_usage:.0%}")
