@@ -54,7 +54,8 @@ def run(engine: LLMEngine, requests: list, temperature: float, schemas: list[dic
     start = time.perf_counter()
     for i, (ids, n_out) in enumerate(requests):
         constraint = None if schemas is None else StructuredOutputsParams(json=schemas[i % len(schemas)])
-        engine.add_request(ids, SamplingParams(temperature=temperature, max_tokens=n_out, ignore_eos=True, seed=i,
+        engine.add_request(ids, SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, min_p=0.0,
+                                               max_tokens=n_out, ignore_eos=True, seed=i,
                                                structured_outputs=constraint), request_id=i)
     outs = []
     while engine.has_unfinished():

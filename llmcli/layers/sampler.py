@@ -52,6 +52,21 @@ compiled_row_keys = compile_on_cuda(row_keys)  # one fused kernel instead of a d
 
 
 @compile_on_cuda
+def scale_logits(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """float32 logits divided by each row's temperature (greedy rows left as they are)."""
+    logits = logits.float()
+    return logits / torch.where(temperatures <= 0, 1.0, temperatures)[:, None]
+
+
+@compile_on_cuda
+def draw(logits, scaled, temperatures, min_ps, seeds, steps):
+    """Gumbel-max over the (filtered) scaled logits, after min-p; argmax of the raw logits for greedy rows."""
+    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps)[:, None]
+    scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+    return torch.where(temperatures <= 0, logits.argmax(dim=-1), (scaled + gumbel).argmax(dim=-1))
+
+
 def sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters: bool):
     """Gumbel-max over the filtered, temperature-scaled logits: no softmax is needed.
 
@@ -59,15 +74,12 @@ def sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filte
     min-p keeps tokens whose probability is at least ``min_p`` times the largest,
     i.e. whose scaled logit is at least ``max + log(min_p)``.
     """
-    logits = logits.float()
-    greedy = temperatures <= 0
-    scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
+    scaled = scale_logits(logits, temperatures)
     if use_filters:
+        # Eager on purpose: Inductor failed to generate code for this sort/scatter under dynamic shapes on an
+        # H200 (torch 2.11, InductorError in get_block_shape) once a new batch size came along mid-run.
         scaled = filter_logits(scaled, top_ks, top_ps)
-    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps)[:, None]
-    scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
-    return torch.where(greedy, logits.argmax(dim=-1), (scaled + gumbel).argmax(dim=-1))
+    return draw(logits.float(), scaled, temperatures, min_ps, seeds, steps)
 
 
 class Sampler(nn.Module):
