@@ -11,6 +11,8 @@
 #           (needs .whl/llguidance-*.whl), extra args in STRUCTURED_ARGS
 #   speed   issue #13 (one H200, <= 6 min): benchmarks/host_step_cpu.py (host ms per decode step on this CPU), then
 #           benchmarks/speed_gpu.py (mixed_steps, sample_in_graph, decode_gemm on/off; share of bound), args in SPEED_ARGS
+#   job     benchmarks/job_gpu.py: `llmcli generate` wall vs the engine alone (issue 12), extra args in JOB_ARGS
+#           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -35,6 +37,8 @@ for stage in "$@"; do
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     stopped-rank) timeout 330 python3 benchmarks/stopped_rank_gpu.py 2>&1 | tee "$OUT/stopped_rank.log" ;;
     logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
+    # the tokenizer's batch encoding uses its own threads here, as for a user (the session turns them off above)
+    job) env -u TOKENIZERS_PARALLELISM timeout 580 python3 benchmarks/job_gpu.py ${JOB_ARGS:-} 2>&1 | tee "$OUT/job.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
     speed) timeout 30 python3 benchmarks/host_step_cpu.py --steps 200 2>&1 | tee "$OUT/host_step.log"

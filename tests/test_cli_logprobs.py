@@ -112,4 +112,4 @@ def test_penalty_flags_reach_the_sampler(tiny_model, tmp_path, api):
     plain = api.generate(["hello"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert line["text"] == want.text != plain.text
     result, _ = run_cli(tiny_model, tmp_path, records, "--presence-penalty", "5")
-    assert result.exit_code == 2 and "presence_penalty" in result.output
+    assert result.exit_code == 2 and "--presence-penalty" in result.output  # a flag error names the flag

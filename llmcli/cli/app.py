@@ -194,6 +194,8 @@ def generate(
                                                      show_default=False, rich_help_panel=OUTPUT)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, summary or notes on stderr "
                                         "(errors are still reported).", rich_help_panel=OUTPUT)] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say how long each start-up phase took.",
+                                          rich_help_panel=OUTPUT)] = False,
     temperature: Annotated[Optional[float], typer.Option(
         help="0 is greedy. \\[default: the model's generation_config.json, else 1.0]", show_default=False,
         rich_help_panel=SAMPLING)] = None,
@@ -263,7 +265,7 @@ def generate(
         include_metrics=include_metrics, engine=engine, sampling=sampling, resume=resume or force_resume,
         force_resume=force_resume, overwrite=overwrite,
         ordered=not unordered, on_error=on_error.value, include_token_ids=include_token_ids,
-        chat_template=chat_template, max_errors_shown=max_errors, progress=progress, quiet=quiet,
+        chat_template=chat_template, max_errors_shown=max_errors, progress=progress, quiet=quiet, verbose=verbose,
         data_parallel_size=data_parallel_size, ray_address=ray_address,
         distributed_backend=distributed_backend.value if distributed_backend is not None else None)
 

@@ -100,6 +100,7 @@ def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_jso
 
     stdout = reserve_stdout() if as_json else None  # the JSON object must be all that stdout carries
     config = Config(**engine_kwargs)
+    startup: dict[str, float] = {}  # seconds per start-up phase (none when start-up failed)
     try:
         engine = LLMEngine(config)
     except KVCacheTooSmall as exc:
@@ -114,12 +115,16 @@ def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_jso
     else:
         try:
             report = engine.model_runner.memory_report
+            startup = engine.startup_s
         finally:
             engine.shutdown()
     d = report_dict(report, engine_kwargs)
+    d["startup_s"] = startup
     if stdout is not None:
         stdout.write(orjson.dumps(d, default=str) + b"\n")
         stdout.flush()
     else:
         render(report, d["hint"], Console(emoji=False, markup=False, highlight=False))
+        if d["startup_s"]:
+            say(console, "start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in d["startup_s"].items()))
     return 1 if report.num_blocks == 0 else 0

@@ -65,7 +65,7 @@ def frame(st: ProgressState) -> Table:
     top.add_column(no_wrap=True)
     top.add_column(ratio=1)
     top.add_column(no_wrap=True, justify="right")
-    top.add_row("[bold]generate", ProgressBar(total=1.0, completed=fraction),
+    top.add_row(Text("generate", style="bold"), ProgressBar(total=1.0, completed=fraction),
                 f"{fraction:4.0%} {_human(st.tokens_done)}/{_human(st.tokens_total)} tok  {times}")
     line = (f"req {st.records_done}/{st.records_total}  prompt {_human(st.prompt_done / elapsed)} tok/s  "
             f"gen {_human(st.generated / elapsed)} tok/s  run {st.running}  wait {st.waiting}  KV {st.kv_usage:.0%}")
@@ -109,6 +109,10 @@ class GenerateProgress:
         """``n`` records written; ``unused_tokens`` of the budget will never be generated."""
         self.state.records_done += n
         self.state.unused_tokens += unused_tokens
+
+    def revise_budget(self, delta: int) -> None:
+        """A record prepared after the run started replaces its guessed budget with its own."""
+        self.state.tokens_total = max(0, self.state.tokens_total + delta)
 
     def update(self, stats: Any, pending: int = 0) -> None:
         st = self.state

@@ -1,17 +1,17 @@
 """The generation loop: feeds prepared requests to the engine and hands each finished record to the writer."""
 from __future__ import annotations
 
+import dataclasses
 import signal
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 from llmcli.engine.outputs import RequestOutput
 from llmcli.engine.sequence import RequestRejected
 from llmcli.cli.io.output import error_record, result_record
 from llmcli.cli.io.prepare import PreparedRequest
 from llmcli.cli.io.records import InputRecord
-from llmcli.cli.io.writer import RecordWriter
+from llmcli.cli.io.background_writer import BackgroundWriter
 
 
 class ProgressSink(Protocol):
@@ -24,6 +24,26 @@ def token_budget(item: PreparedRequest, max_model_len: int) -> list[int]:
     """Most tokens each completion of ``item`` can generate: max_tokens, or what max_model_len leaves."""
     room = max(0, max_model_len - len(item.prompt_token_ids))
     return [room if p.max_tokens is None else min(p.max_tokens, room) for p in item.params]
+
+
+def too_big_field(engine: Any, item: PreparedRequest) -> str:
+    """The field to blame for a request the pool cannot hold: the prompt if it alone cannot fit, else max_tokens."""
+    try:
+        engine.check_fits(item.prompt_token_ids, dataclasses.replace(item.params[0], max_tokens=1))
+    except RequestRejected:
+        return item.record.prompt_field()
+    return item.record.field_name("max_tokens")
+
+
+@dataclass
+class BudgetGuess:
+    """Records from position ``first`` on are not prepared yet when the run starts: each is counted as
+    ``tokens`` of budget and one completion until its turn comes."""
+
+    first: int = 1 << 62
+    tokens: int = 0
+    pending_seqs: int = 0  # completions not yet handed to the engine, guessed ones included
+    total: int = 0  # the run's whole token budget, guessed part included
 
 
 @dataclass
@@ -72,9 +92,9 @@ class Runner:
     batches.
     """
 
-    def __init__(self, engine: Any, writer: RecordWriter, progress: ProgressSink, *, model: str,
+    def __init__(self, engine: Any, writer: BackgroundWriter, progress: ProgressSink, *, model: str,
                  include_token_ids: bool, window: int, stop: StopFlag, include_metrics: bool = False,
-                 reasoning: str | None = None, max_model_len: int = 0) -> None:
+                 reasoning: str | None = None, max_model_len: int = 0, guess: BudgetGuess | None = None) -> None:
         self.engine = engine
         self.writer = writer
         self.progress = progress
@@ -88,18 +108,21 @@ class Runner:
         self._groups: dict[int, list[RequestOutput | None]] = {}
         self._requests: dict[int, PreparedRequest] = {}
         self._inflight = 0
-        self._pending_seqs = 0  # completions of the run not yet handed to the engine
+        self._exhausted = False
+        self.rejected: list[InputRecord] = []  # records the engine refused when their turn came
         self.max_model_len = max_model_len
+        self.guess = guess or BudgetGuess()
+        self._pending_seqs = self.guess.pending_seqs  # completions of the run not yet handed to the engine
 
-    def run(self, items: list[PreparedRequest | InputRecord]) -> RunCounts:
-        """Answer every item (its position in ``items`` is its output order)."""
-        pending = deque(enumerate(items))
-        self._pending_seqs = sum(len(i.params) for i in items if isinstance(i, PreparedRequest))
+    def run(self, items: Iterable[tuple[int, PreparedRequest | InputRecord]]) -> RunCounts:
+        """Answer every ``(position, item)``; positions are output order, 0, 1, 2, ... each once."""
+        pending = iter(items)
+        self._exhausted = False
         try:
             while not self.stop.requested:
                 self._admit(pending)
                 if not self.engine.has_unfinished():
-                    if not pending:
+                    if self._exhausted:
                         break
                     continue
                 for out in self.engine.step():
@@ -119,23 +142,41 @@ class Runner:
         self.progress.finish(self.engine.stats, self._pending_seqs)
         return self.counts
 
-    def _admit(self, pending: deque) -> None:
-        while pending and self._inflight < self.window:
-            position, item = pending.popleft()
+    def _admit(self, pending: Iterator) -> None:
+        while not self._exhausted and self._inflight < self.window:
+            nxt = next(pending, None)
+            if nxt is None:
+                self._exhausted = True
+                return
+            position, item = nxt
+            self._revise_guess(position, item)
             if isinstance(item, InputRecord):
                 self._write_error(position, item)
                 continue
             self._pending_seqs -= len(item.params)
             try:
+                if len(item.params) > 1:  # all n checked before any is queued (add_request checks one)
+                    for params in item.params:
+                        self.engine.check_fits(item.prompt_token_ids, params)
                 for i, params in enumerate(item.params):
                     self.engine.add_request(item.prompt_token_ids, params, request_id=f"{position}.{i}")
             except RequestRejected as exc:  # can never run with this model or KV pool
-                item.record.fail(item.record.prompt_field(), str(exc))
-                self._write_error(position, item.record, unused=sum(self._budget(item)))
+                item.record.fail(too_big_field(self.engine, item), str(exc))
+                budget = self._budget(item)
+                self.rejected.append(item.record)
+                self._write_error(position, item.record, unused=sum(budget))
                 continue  # siblings added before the rejection finish unseen: _collect ignores them
             self._groups[position] = [None] * len(item.params)
             self._requests[position] = item
             self._inflight += len(item.params)
+
+    def _revise_guess(self, position: int, item: PreparedRequest | InputRecord) -> None:
+        """A record counted by the guess is known now: its true budget and completions replace the guess's."""
+        if position < self.guess.first:
+            return
+        exact = sum(self._budget(item)) if isinstance(item, PreparedRequest) else 0
+        self.progress.revise_budget(exact - self.guess.tokens)
+        self._pending_seqs += (len(item.params) if isinstance(item, PreparedRequest) else 0) - 1
 
     def _collect(self, out: RequestOutput) -> None:
         position, _, index = str(out.request_id).partition(".")
@@ -150,9 +191,11 @@ class Runner:
         if all(o is not None for o in group):
             del self._requests[position]
             del self._groups[position]
-            record = result_record(item.record, group, model=self.model, include_token_ids=self.include_token_ids,
-                                   include_metrics=self.include_metrics, reasoning=self.reasoning)
-            self.writer.put(position, record)
+            # Built in the writer's thread, after it has decoded the texts of a batch of outputs.
+            make = lambda rec=item.record, outs=group: result_record(  # noqa: E731
+                rec, outs, model=self.model, include_token_ids=self.include_token_ids,
+                include_metrics=self.include_metrics, reasoning=self.reasoning)
+            self.writer.put(position, make, group)
             self.counts.answered += 1
             self.progress.advance(1)
 
@@ -160,6 +203,6 @@ class Runner:
         return token_budget(item, self.max_model_len)
 
     def _write_error(self, position: int, rec: InputRecord, unused: int = 0) -> None:
-        self.writer.put(position, error_record(rec))
+        self.writer.put(position, lambda: error_record(rec))
         self.counts.failed += 1
         self.progress.advance(1, unused_tokens=unused)

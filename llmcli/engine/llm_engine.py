@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
@@ -13,6 +13,7 @@ from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics,
 from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence, SequenceStatus
+from llmcli.engine.startup import StartupClock, use_persistent_compile_cache
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
 from llmcli.models.hub import load_tokenizer
@@ -30,19 +31,28 @@ class InflightStep:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, tokenizer: Any = None) -> None:
+    def __init__(self, config: Config, tokenizer: Any = None, cancelled: Callable[[], bool] | None = None) -> None:
+        """``cancelled``: asked between start-up phases; when it says True, start-up raises StartupCancelled."""
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_path, config.tokenizer)
+        self.clock = StartupClock(cancelled)
+        use_persistent_compile_cache()
+        with self.clock.phase("tokenizer"):
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_path,
+                                                                                    config.tokenizer)
         self.eos_token_ids = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
         self.model_runner = self._start_runner(config)
+        self.clock.check()
         self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks)
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)
         self.step_timer: StepTimer = getattr(self.model_runner, "timer", None) or StepTimer()
+        # Off: finished outputs carry text=None (unless cut at a stop string) and the caller decodes them
+        # with ``fill_texts`` where the step loop does not wait for it (the CLI's writer thread).
+        self.detokenize = True
         # Host work of step N+1 overlaps the device's step N (tests turn it off to compare with the plain loop).
         self.overlap = True
         self.inflight: InflightStep | None = None
@@ -54,8 +64,26 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from llmcli.parallel.tp_runner import start_tensor_parallel
 
-            return start_tensor_parallel(config)
-        return ModelRunner(config)
+            with self.clock.phase("tensor_parallel"):
+                return start_tensor_parallel(config)
+        return ModelRunner(config, self.clock)
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """Seconds per start-up phase: tokenizer, weights, probe, kv_cache, compile, graphs (rank 0's, with
+        tensor parallelism, after the whole group's ``tensor_parallel``)."""
+        runner = getattr(self.model_runner, "startup_s", None) or {}
+        return {**self.clock.rounded(), **{k: v for k, v in runner.items() if k not in self.clock.seconds}}
+
+    def fill_texts(self, outs: list[RequestOutput]) -> None:
+        """Decode the text of outputs made with ``detokenize`` off, in one batch (safe in another thread:
+        it touches only ``outs`` and the tokenizer, whose batch decoding runs outside the GIL)."""
+        todo = [c for o in outs for c in o.outputs if c.text is None]
+        for skip in {o.skip_special_tokens for o in todo}:
+            group = [o for o in todo if o.skip_special_tokens == skip]
+            texts = self.stopper.texts_of([(o.token_ids, o.stop_reason) for o in group], skip)
+            for out, text in zip(group, texts):
+                out.text = text
 
     # -- requests ---------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -199,8 +227,9 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
-            index=0, text=self.stopper.final_text(seq), token_ids=seq.completion_token_ids,
-            finish_reason=seq.finish_reason or "length", stop_reason=seq.stop_reason)
+            index=0, text=self.stopper.final_text(seq) if self.detokenize or seq.text is not None else None,
+            token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason or "length",
+            stop_reason=seq.stop_reason, skip_special_tokens=seq.params.skip_special_tokens)
         if seq.params.logprobs is not None:
             entries = seq.token_logprobs[:len(completion.token_ids)]
             completion.logprobs = LazyLogprobs(completion.token_ids, entries, self._token_text)

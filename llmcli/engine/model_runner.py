@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -14,6 +13,7 @@ from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs, plan_extras
+from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.step_inputs import (StepInputs, Uploader, all_greedy, decode_arrays, one_pass_sampling,
                                        prepare_decode, prepare_prefill, prepare_sampling)
@@ -71,8 +71,10 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, clock: StartupClock | None = None) -> None:
         self.config = config
+        # Seconds per start-up phase (weights, probe, kv_cache, compile, graphs), for --verbose and probe-memory.
+        self.clock = clock = clock if clock is not None else StartupClock()
         self.rank, self.world = tp_rank(), tp_size()
         hf = config.hf_config
         self.device = torch.device("cuda", self.rank) if config.device == "cuda" else torch.device("cpu")
@@ -87,31 +89,38 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, hf.num_attention_heads // self.world,
                                     self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                     config.kvcache_block_size)
-        self.model = self._build_model()
+        with clock.phase("weights"):
+            self.model = self._build_model()
         self.init_host_state(config, self.device, 0)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        activation_peak = self._warmup()
-        per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
-        self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
-        self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
+        with clock.phase("probe"):
+            activation_peak = self._warmup()
+            per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
+            self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
+            self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
         if self.num_blocks == 0:
             raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
-        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
-                                          self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+        with clock.phase("kv_cache"):
+            self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
+                                              self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
         if self.device.type == "cuda":
-            start = time.perf_counter()
-            self._compile_variants()
-            log.info("compiled the prefill and sampler variants in %.1f s", time.perf_counter() - start)
+            with clock.phase("compile"):
+                self._compile_variants()
+            log.info("compiled the prefill and sampler variants in %.1f s", clock.seconds["compile"])
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from llmcli.engine.cuda_graphs import DecodeGraphs
 
-            start = time.perf_counter()
-            # the one-pass sampler must have passed its start-up check to go inside the graph
-            in_graph = config.sample_in_graph and self.world == 1 and self.sampler.one_pass
-            self.graphs = DecodeGraphs(self.model, self.backend, config, self.device, sample_in_graph=in_graph)
+            with clock.phase("graphs"):
+                # the one-pass sampler must have passed its start-up check to go inside the graph
+                in_graph = config.sample_in_graph and self.world == 1 and self.sampler.one_pass
+                self.graphs = DecodeGraphs(self.model, self.backend, config, self.device, sample_in_graph=in_graph)
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
             log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
-                     time.perf_counter() - start)
+                     clock.seconds["graphs"])
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        return self.clock.rounded()
 
     def init_host_state(self, config: Config, device: torch.device, num_blocks: int) -> None:
         """What ``launch`` needs besides the model (benchmarks/host_step_cpu.py builds a runner from this alone)."""

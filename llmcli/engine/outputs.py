@@ -23,12 +23,13 @@ class CompletionOutput:
     """One completion of a request (``SamplingParams.n`` of them per request)."""
 
     index: int
-    text: str
+    text: str | None  # None only from an engine with ``detokenize`` off, until ``engine.fill_texts`` decodes it
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS, stop string or stop token) | "length" (max_tokens or max_model_len)
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     logprobs: list[PositionLogprobs] | None = None  # one entry per generated token when asked for
     cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs, when asked for
+    skip_special_tokens: bool = True  # how ``text`` is (or is to be) decoded
 
 
 @dataclass

@@ -48,7 +48,14 @@ class StopChecker:
     def final_text(self, seq: Sequence) -> str:
         if seq.text is not None:  # cut at a stop string already
             return seq.text
-        ids = seq.completion_token_ids
-        if isinstance(seq.stop_reason, int):  # the EOS / stop token is not part of the text
-            ids = ids[:-1]
-        return self.decode(ids, seq)
+        return self.texts_of([(seq.completion_token_ids, seq.stop_reason)], seq.params.skip_special_tokens)[0]
+
+    def texts_of(self, completions: list[tuple[list[int], str | int | None]], skip_special_tokens: bool) -> list[str]:
+        """The texts of completions (token ids, stop reason) that did not end at a stop string."""
+        if self.tokenizer is None:
+            return [""] * len(completions)
+        # The EOS / stop token that ended a completion is not part of its text.
+        ids = [c[:-1] if isinstance(reason, int) else c for c, reason in completions]
+        if len(ids) == 1:
+            return [self.tokenizer.decode(ids[0], skip_special_tokens=skip_special_tokens)]
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)

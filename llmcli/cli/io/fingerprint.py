@@ -43,14 +43,32 @@ def _content(rec: InputRecord) -> bytes:
                         option=orjson.OPT_SORT_KEYS)
 
 
-def fingerprint(records: Iterable[InputRecord]) -> Fingerprint:
-    h, n = xxhash.xxh3_128(), 0
-    for rec in records:
+class FingerprintBuilder:
+    """The fingerprint of records seen one at a time (the checking pass holds none of them), and that of
+    the first ``prefix`` of them (what a resumed OUT's sidecar is compared with)."""
+
+    def __init__(self, prefix: int | None = None) -> None:
+        self._hash, self.records = xxhash.xxh3_128(), 0
+        self._prefix_at = prefix
+        self.prefix: Fingerprint | None = Fingerprint(0, self._hash.hexdigest()) if prefix == 0 else None
+
+    def add(self, rec: InputRecord) -> None:
         data = _content(rec)
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-        n += 1
-    return Fingerprint(n, h.hexdigest())
+        self._hash.update(len(data).to_bytes(8, "little"))
+        self._hash.update(data)
+        self.records += 1
+        if self.records == self._prefix_at:
+            self.prefix = self.result()
+
+    def result(self) -> Fingerprint:
+        return Fingerprint(self.records, self._hash.hexdigest())
+
+
+def fingerprint(records: Iterable[InputRecord]) -> Fingerprint:
+    builder = FingerprintBuilder()
+    for rec in records:
+        builder.add(rec)
+    return builder.result()
 
 
 def read_sidecar(output: str) -> Fingerprint | None:
@@ -69,16 +87,16 @@ def write_sidecar(output: str, fp: Fingerprint) -> None:
     os.replace(tmp, path)
 
 
-def check_same_input(output: str, records: list[InputRecord]) -> str | None:
-    """Raise InputMismatch unless IN starts with the records that produced OUT; a note if that is unknown."""
-    stored = read_sidecar(output)
+def check_same_input(output: str, stored: Fingerprint | None, seen: FingerprintBuilder) -> str | None:
+    """Raise InputMismatch unless IN starts with the records that produced OUT (``stored``, read from the
+    sidecar before IN was read into ``seen``, built with ``prefix=stored.records``); a note if that is unknown."""
     if stored is None:
         return (f"note: {sidecar_path(output)} is missing or unreadable, so it cannot be checked that IN is the "
                 "input that produced OUT")
-    if len(records) < stored.records:
-        raise InputMismatch(f"IN has {len(records)} records but the input that produced OUT had {stored.records} "
+    if seen.records < stored.records:
+        raise InputMismatch(f"IN has {seen.records} records but the input that produced OUT had {stored.records} "
                             f"({sidecar_path(output)}); pass --force-resume to resume anyway")
-    if fingerprint(records[:stored.records]).digest != stored.digest:
+    if seen.prefix is None or seen.prefix.digest != stored.digest:
         raise InputMismatch(f"IN is not the input that produced OUT: its first {stored.records} records differ "
                             f"({sidecar_path(output)}); write to a new OUT, or pass --force-resume to resume anyway")
     return None

@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from llmcli.cli.io.records import FieldProblem, InputRecord
 from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
@@ -31,32 +33,98 @@ class Preparer:
         self.vocab_size = vocab_size
         self.defaults = defaults
         self.chat_template = chat_template
-        self._longest_token: int | None = None
         self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs; a record's own keys win
-        self._rendered: dict[int, list[int]] = {}  # id(record) -> chat prompt ids rendered in a batch
-
-    def prepare_all(self, records: list[InputRecord]) -> list[PreparedRequest | InputRecord]:
-        """``prepare`` for each record (the request, or the record with its error), chat templates in batches."""
-        self._render_chats([r for r in records if r.error is None and r.kind == "messages"])
-        try:
-            return [self.prepare(r) or r for r in records]
-        finally:
-            self._rendered.clear()
+        self._longest_token: int | None = None
+        self._params_cache: dict[tuple, list[SamplingParams] | FieldProblem] = {}
 
     def prepare(self, rec: InputRecord) -> PreparedRequest | None:
         """The request for ``rec``, or None after recording the problem in ``rec.error``."""
+        item = self.prepare_batch([rec])[0]
+        return item if isinstance(item, PreparedRequest) else None
+
+    def prepare_all(self, records: list[InputRecord]) -> list[PreparedRequest | InputRecord]:
+        """``prepare`` for each record (the request, or the record with its error), in one batch."""
+        return self.prepare_batch(records)
+
+    def check(self, rec: InputRecord) -> None:
+        """What needs no encoding, recorded in ``rec.error``: sampling values and constraints, token-id prompts
+        whole, and text too long in bytes to ever fit."""
         if rec.error is not None:
-            return None
+            return
         try:
-            params = self._params(rec)
-            ids = self._encode(rec)
+            self._params(rec)
+            if rec.kind == "prompt_token_ids":
+                self._check_length(rec, self._check_ids(rec))
+            elif self.tokenizer is not None:
+                self._check_bytes(rec)
         except FieldProblem as problem:
             rec.fail(problem.field, problem.message)
-            return None
-        return PreparedRequest(rec, ids, params)
+
+    def prepare_batch(self, recs: list[InputRecord]) -> list[PreparedRequest | InputRecord]:
+        """Each record's request, or the record itself with ``.error`` set; texts are encoded as one batch."""
+        out: list[PreparedRequest | InputRecord] = list(recs)
+        waiting: list[tuple[int, list[SamplingParams]]] = []
+        texts: list[str] = []
+        chats = [i for i, r in enumerate(recs) if r.error is None and r.kind == "messages"]
+        rendered_of: dict[int, str | FieldProblem] = {}
+        if self.tokenizer is not None:
+            # Only text that can fit is rendered and encoded (a 10 MB prompt takes seconds and GBs to encode).
+            chats = [i for i in chats if self._fits_in_bytes(recs[i])]
+            rendered_of = dict(zip(chats, self._render_batch([recs[i] for i in chats])))
+        for i, rec in enumerate(recs):
+            if rec.error is not None:
+                continue
+            try:
+                params = self._params(rec)
+                if rec.kind == "prompt_token_ids":
+                    ids = self._check_ids(rec)
+                    self._check_length(rec, ids)
+                    out[i] = PreparedRequest(rec, ids, params)
+                    continue
+                if self.tokenizer is None:
+                    raise FieldProblem(rec.prompt_field(), "the model has no tokenizer; give prompt_token_ids instead")
+                self._check_bytes(rec)
+                text = rendered_of[i] if rec.kind == "messages" else rec.prompt
+                if isinstance(text, FieldProblem):
+                    raise text
+            except FieldProblem as problem:
+                rec.fail(problem.field, problem.message)
+                continue
+            waiting.append((i, params))
+            texts.append(text)
+        for (i, params), ids in zip(waiting, self._encode_texts(texts)):
+            rec = recs[i]
+            try:
+                self._check_length(rec, ids)
+            except FieldProblem as problem:
+                rec.fail(problem.field, problem.message)
+                continue
+            out[i] = PreparedRequest(rec, ids, params)
+        return out
 
     # -- sampling ---------------------------------------------------------------
     def _params(self, rec: InputRecord) -> list[SamplingParams]:
+        # Most records carry the same sampling fields (often none): build their settings (and compile-check
+        # their constraint) once. The engine only reads SamplingParams, so records may share them.
+        try:
+            key = (rec.openai is not None, rec.structured_field,
+                   orjson.dumps(rec.sampling, option=orjson.OPT_SORT_KEYS))
+        except TypeError:  # not serializable as is: built for this record alone
+            return self._build_params(rec)
+        found = self._params_cache.get(key)
+        if found is None:
+            if len(self._params_cache) >= 4096:
+                self._params_cache.clear()
+            try:
+                found = self._build_params(rec)
+            except FieldProblem as problem:
+                found = problem
+            self._params_cache[key] = found
+        if isinstance(found, FieldProblem):
+            raise FieldProblem(found.field, found.message)
+        return found
+
+    def _build_params(self, rec: InputRecord) -> list[SamplingParams]:
         merged = {**self.defaults, **rec.sampling}
         if merged.get("structured_outputs") == NO_CONSTRAINT:
             merged["structured_outputs"] = None
@@ -74,41 +142,60 @@ class Preparer:
         return [base.replace(n=1, seed=seed) for seed in seeds]
 
     # -- prompt -----------------------------------------------------------------
-    def _encode(self, rec: InputRecord) -> list[int]:
+    def _check_ids(self, rec: InputRecord) -> list[int]:
+        ids = list(rec.prompt)
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise FieldProblem(rec.prompt_field(), f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _check_length(self, rec: InputRecord, ids: list[int]) -> None:
         name = rec.prompt_field()
-        if rec.kind == "prompt_token_ids":
-            ids = list(rec.prompt)
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise FieldProblem(name, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        elif self.tokenizer is None:
-            raise FieldProblem(name, "the model has no tokenizer; give prompt_token_ids instead")
-        elif rec.kind == "messages":
-            self._check_bytes(sum(len(m["content"].encode()) for m in rec.prompt), name)
-            ids = self._rendered.get(id(rec)) or self._chat(rec.prompt, name, self._kwargs_of(rec))
-        else:
-            self._check_bytes(len(rec.prompt.encode()), name)
-            # As the engine does: the text is the whole prompt, no special tokens added around it.
-            ids = list(self.tokenizer.encode(rec.prompt, add_special_tokens=False))
         if not ids:
             raise FieldProblem(name, "encodes to zero tokens")
         if len(ids) >= self.max_model_len:
             raise FieldProblem(name, f"prompt is {len(ids)} tokens, too long for max_model_len={self.max_model_len} "
                                      "(it must leave room for one generated token)")
-        return ids
 
-    def _check_bytes(self, size: int, name: str) -> None:
-        """Refuse text that can never fit before tokenizing it (a 10 MB prompt takes seconds and GBs to encode).
-
-        No token stands for more bytes than its own vocabulary entry spells, so text longer than
-        max_model_len times the longest entry is too long whatever it holds."""
+    def _byte_limit(self) -> int:
+        # No token stands for more bytes than its own vocabulary entry spells, so text longer than
+        # max_model_len times the longest entry is too long whatever it holds.
         if self._longest_token is None:
             self._longest_token = max((len(t.encode()) for t in self.tokenizer.get_vocab()), default=1)
-        limit = self.max_model_len * max(self._longest_token, 1)
-        if size > limit:
-            raise FieldProblem(name, f"prompt is {size} bytes, too long for max_model_len={self.max_model_len} "
-                                     f"at any tokenization (no token is longer than {self._longest_token} bytes)")
+        return self.max_model_len * max(self._longest_token, 1)
 
+    @staticmethod
+    def _text_bytes(rec: InputRecord) -> int:
+        if rec.kind == "messages":
+            return sum(len(m["content"].encode()) for m in rec.prompt)
+        return len(rec.prompt.encode())
+
+    def _fits_in_bytes(self, rec: InputRecord) -> bool:
+        return self._text_bytes(rec) <= self._byte_limit()
+
+    def _check_bytes(self, rec: InputRecord) -> None:
+        """Refuse text that can never fit before tokenizing it (a 10 MB prompt takes seconds and GBs to encode)."""
+        size = self._text_bytes(rec)
+        if size > self._byte_limit():
+            raise FieldProblem(rec.prompt_field(),
+                               f"prompt is {size} bytes, too long for max_model_len={self.max_model_len} "
+                               f"at any tokenization (no token is longer than {self._longest_token} bytes)")
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of whole prompts (no special tokens added: a chat template already wrote any it wants).
+
+        A fast tokenizer's own batch encoding runs on several threads outside the GIL. It is called
+        directly (not through ``tokenizer(...)``, which first resets truncation and padding on the shared
+        Rust tokenizer and so cannot run while another thread decodes with it).
+        """
+        if not texts:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            return [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
+        return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    # -- chat templates ---------------------------------------------------------
     def _kwargs_of(self, rec: InputRecord) -> dict[str, Any]:
         return {**self.template_kwargs, **(rec.chat_template_kwargs or {})}
 
@@ -119,30 +206,26 @@ class Preparer:
             kwargs["chat_template"] = self.chat_template
         return kwargs
 
-    def _chat(self, messages: list[dict[str, Any]], name: str, extra: dict[str, Any]) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(messages, **self._template_args(extra))
-        except Exception as exc:  # jinja errors, or a tokenizer without a template
-            raise FieldProblem(name, f"the chat template failed: {exc}") from None
-        # The template already wrote any BOS it wants; do not let encode add another.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _render_chats(self, records: list[InputRecord]) -> None:
-        """Render and encode chat prompts a batch per distinct set of template kwargs.
-
-        A batch the template fails on is left to ``_chat``, record by record, so the error names its line.
-        """
-        if self.tokenizer is None or not records:
-            return
-        groups: dict[str, list[InputRecord]] = {}
-        for rec in records:
-            groups.setdefault(repr(sorted(self._kwargs_of(rec).items())), []).append(rec)
-        for group in groups.values():
+    def _render_batch(self, recs: list[InputRecord]) -> list[str | FieldProblem]:
+        """Chat templates rendered a batch per distinct set of template kwargs; in a batch the template fails
+        on, each record is rendered alone, so the error names its line."""
+        found: list[str | FieldProblem | None] = [None] * len(recs)
+        groups: dict[str, list[int]] = {}
+        for i, rec in enumerate(recs):
+            groups.setdefault(repr(sorted(self._kwargs_of(rec).items())), []).append(i)
+        for members in groups.values():
+            kwargs = self._template_args(self._kwargs_of(recs[members[0]]))
             try:
-                texts = self.tokenizer.apply_chat_template([r.prompt for r in group],
-                                                           **self._template_args(self._kwargs_of(group[0])))
-                encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-            except Exception:  # noqa: BLE001 - one bad record; each is tried alone in prepare()
-                continue
-            for rec, ids in zip(group, encoded):
-                self._rendered[id(rec)] = list(ids)
+                texts = self.tokenizer.apply_chat_template([recs[i].prompt for i in members], **kwargs)
+                if isinstance(texts, list) and len(texts) == len(members):
+                    for i, text in zip(members, texts):
+                        found[i] = text
+                    continue
+            except Exception:  # noqa: BLE001 - jinja errors, or a tokenizer without a template: say which record
+                pass
+            for i in members:
+                try:
+                    found[i] = self.tokenizer.apply_chat_template(recs[i].prompt, **kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    found[i] = FieldProblem(recs[i].prompt_field(), f"the chat template failed: {exc}")
+        return found  # type: ignore[return-value]

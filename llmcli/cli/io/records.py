@@ -353,11 +353,15 @@ def mark_duplicates(records: list[InputRecord]) -> list[InputRecord]:
     repeats = []
     for rec in records:
         if rec.key in first_line:
-            name = "custom_id" if rec.openai is not None else "id"
-            rec.prompt = None
-            rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on line {first_line[rec.key]})")
+            describe_duplicate(rec, first_line[rec.key])
             repeats.append(rec)
         else:
             first_line[rec.key] = rec.line
     return repeats
 
+
+def describe_duplicate(rec: InputRecord, first_line: int) -> None:
+    """Mark ``rec`` as repeating the id of the record on ``first_line``."""
+    name = "custom_id" if rec.openai is not None else "id"
+    rec.prompt = None
+    rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on line {first_line})")

@@ -1,9 +1,12 @@
 """Reading the input: a file or stdin, as numbered raw lines."""
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 
 @dataclass
@@ -34,3 +37,38 @@ def read_lines(path: str) -> list[RawLine]:
         if chunk.strip():
             lines.append(RawLine(number, chunk.rstrip(b"\r")))
     return lines
+
+
+class InputFile:
+    """The input as a seekable file, read twice: once to check every line, once to run them in chunks.
+
+    stdin cannot be read twice, so it is first copied to a temporary file
+    (deleted on close). Neither pass holds the whole input in memory.
+    """
+
+    def __init__(self, path: str) -> None:
+        if path == "-":
+            self._file = tempfile.TemporaryFile(prefix="llmcli-stdin-")
+            shutil.copyfileobj(sys.stdin.buffer, self._file, 1 << 20)
+            self._file.seek(0)
+        else:
+            self._file = open(Path(path), "rb")
+
+    def lines(self) -> Iterator[tuple[RawLine, int]]:
+        """Every non-blank line with the byte offset where it starts, in order."""
+        self._file.seek(0)
+        offset = 0
+        for number, chunk in enumerate(iter(self._file.readline, b""), start=1):
+            start = offset
+            offset += len(chunk)
+            data = chunk.rstrip(b"\n").rstrip(b"\r")
+            if data.strip():
+                yield RawLine(number, data), start
+
+    def read_span(self, start: int, end: int) -> bytes:
+        """The bytes of [start, end): a run of consecutive lines (not while ``lines()`` is being read)."""
+        self._file.seek(start)
+        return self._file.read(end - start)
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,202 @@
+"""The whole job, not just the engine: `llmcli generate` wall time against the engine alone, in one GPU run.
+
+Two jobs (issue 12), each run through the CLI (a subprocess, wall clock) and
+through the API (a subprocess: ``LLM(...)`` start-up, then ``generate`` on token
+ids), ``--repeat`` times each, alternating; the table reports the last round:
+
+- ``label``: 20,000 text records (``configs/bench-label-20k.toml`` holds the
+  flags), ``--max-tokens 32 --temperature 0 --ignore-eos``;
+- ``bench``: the default bench workload as JSONL (256 records of
+  ``prompt_token_ids`` with per-record ``max_tokens``, temperature 0.6, EOS ignored).
+
+CLI overhead = CLI wall - API start-up - API generate. The model folder is a
+copy of the config with a full-size synthetic tokenizer (``synth_tokenizer.py``),
+weights are dummy. Smoke test on CPU (tiny model, small counts):
+
+    python benchmarks/job_gpu.py --smoke
+    python benchmarks/job_gpu.py                  # one H200: Qwen3-0.6B, ~5 minutes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from synth_tokenizer import vocabulary, words, write_model_dir  # noqa: E402
+
+# Prompt words per record: the synthetic tokenizer spends ~3.3 tokens a word, so this range gives the issue's
+# ~570 prompt tokens a record (11.4 M for 20,000 records of 60-160 words of real text with Qwen3's tokenizer).
+LABEL_WORDS = (95, 250)
+API = r'''
+import json, sys, time
+t0 = time.perf_counter()
+from llmcli import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+records = [json.loads(l) for l in open(args["input"])]
+start = time.perf_counter()
+llm = LLM(args["model"], **args["engine"])
+startup = time.perf_counter() - start
+tok_start = time.perf_counter()
+if "prompt" in records[0]:
+    enc = llm.tokenizer.backend_tokenizer.encode_batch([r["prompt"] for r in records], add_special_tokens=False)
+    ids = [e.ids for e in enc]
+else:
+    ids = [r["prompt_token_ids"] for r in records]
+tokenize = time.perf_counter() - tok_start
+sampling = args["sampling"]
+params = [SamplingParams(**{**sampling, **{k: r[k] for k in ("max_tokens", "temperature", "ignore_eos") if k in r}})
+          for r in records]
+gen_start = time.perf_counter()
+outs = llm.generate(ids, params)
+generate = time.perf_counter() - gen_start
+llm.shutdown()
+print("RESULT " + json.dumps(dict(import_s=start - t0, startup_s=startup, tokenize_s=tokenize, generate_s=generate,
+                                  prompt_tokens=sum(map(len, ids)), generated=sum(len(o.token_ids) for o in outs),
+                                  phases=llm.engine.startup_s)))
+'''
+
+
+def write_label_job(path: Path, n: int, seed: int = 0) -> None:
+    rng, voc = random.Random(seed), vocabulary()
+    with open(path, "wb") as f:
+        for i in range(n):
+            text = "Label the topic of this text: " + words(rng.randint(*LABEL_WORDS), rng, voc)
+            f.write(orjson.dumps({"id": f"doc-{i}", "prompt": text}) + b"\n")
+
+
+def write_bench_job(path: Path, n: int, vocab_size: int, lo_hi: tuple[int, int], seed: int = 0) -> None:
+    from llmcli.cli.bench import Workload, make_requests
+
+    w = Workload(num_prompts=n, input_len=lo_hi, output_len=lo_hi, prefix_len=0, temperature=0.6, seed=seed, warmup=0)
+    with open(path, "wb") as f:
+        for ids, n_out in make_requests(w, vocab_size, avoid=set()):
+            f.write(orjson.dumps({"prompt_token_ids": ids, "max_tokens": n_out}) + b"\n")
+
+
+def engine_flags(engine: dict) -> list[str]:
+    flags = []
+    for k, v in engine.items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    return flags
+
+
+def run_cli(model: Path, inp: Path, out: Path, engine: dict, sampling_flags: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "llmcli", "generate", str(inp), "-o", str(out), "--overwrite", "--model", str(model),
+           "--verbose", *engine_flags(engine), *sampling_flags]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, timeout=900)
+    wall = time.perf_counter() - start
+    err = proc.stderr.decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"CLI failed ({proc.returncode}):\n{err[-3000:]}")
+    ready = re.search(r"engine ready after ([\d.]+) s", err)
+    gen = re.search(r"generation time\s*│\s*([\d.]+) s", err)
+    phases = re.search(r"start-up: (.*?); input", err)
+    return dict(wall_s=wall, ready_s=float(ready.group(1)) if ready else None,
+                generation_s=float(gen.group(1)) if gen else None, phases=phases.group(1) if phases else "",
+                lines=out.read_bytes().count(b"\n"))
+
+
+def run_api(model: Path, inp: Path, engine: dict, sampling: dict) -> dict:
+    arg = json.dumps(dict(model=str(model), input=str(inp), engine=engine, sampling=sampling))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", API, arg], capture_output=True, timeout=900)
+    wall = time.perf_counter() - start
+    out = proc.stdout.decode(errors="replace")
+    if proc.returncode != 0 or "RESULT " not in out:
+        raise SystemExit(f"API run failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
+    return dict(json.loads(out.split("RESULT ", 1)[1]), wall_s=wall)
+
+
+def run_probe(model: Path, engine: dict, extra_env: dict[str, str]) -> dict:
+    """``probe-memory --json``: start-up alone, with its phases."""
+    cmd = [sys.executable, "-m", "llmcli", "probe-memory", "--model", str(model), "--json", *engine_flags(engine)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, timeout=600, env={**os.environ, **extra_env})
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"probe-memory failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
+    return dict(wall_s=wall, startup_s=orjson.loads(proc.stdout)["startup_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, small counts")
+    ap.add_argument("--config", default=str(REPO / "configs" / "Qwen3-0.6B"), help="model config folder")
+    ap.add_argument("--records", type=int, default=20_000, help="records of the labelling job")
+    ap.add_argument("--bench-records", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--jobs", default="label,bench",
+                    help="label, bench, and probe (start-up alone: every graph size, then LLMCLI_GRAPH_SIZES=pow2)")
+    ap.add_argument("--prepare-only", action="store_true", help="write the model folder and the inputs, then stop")
+    ap.add_argument("--work", default=None, help="folder for the model copy and the inputs (default: a temp dir)")
+    args = ap.parse_args()
+    engine: dict = {"load_format": "dummy"}
+    bench_len = (100, 1024)
+    if args.smoke:
+        args.config = str(REPO / "examples" / "tiny-qwen3")
+        args.records, args.bench_records, args.repeat = min(args.records, 200), min(args.bench_records, 8), 1
+        engine.update(device="cpu", max_model_len=2048)
+        bench_len = (16, 64)
+    work = Path(args.work or tempfile.mkdtemp(prefix="llmcli-job-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    vocab = json.loads((Path(args.config) / "config.json").read_text())["vocab_size"]
+    model = write_model_dir(args.config, work / "model", vocab_size=None if not args.smoke else vocab)
+    print(f"model folder with a {vocab if args.smoke else 151646}-id tokenizer in {time.perf_counter() - t:.1f} s",
+          flush=True)
+    jobs = {}
+    if "label" in args.jobs:
+        write_label_job(work / "label.jsonl", args.records)
+        label_sampling = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+        jobs["label"] = (work / "label.jsonl", ["--config", str(REPO / "configs" / "bench-label-20k.toml")],
+                         label_sampling)
+    if "bench" in args.jobs:
+        write_bench_job(work / "bench.jsonl", args.bench_records, vocab, bench_len)
+        jobs["bench"] = (work / "bench.jsonl", ["--temperature", "0.6", "--ignore-eos"],
+                         {"temperature": 0.6, "ignore_eos": True})
+    if args.prepare_only:
+        print(f"inputs in {work}: {', '.join(str(j[0]) for j in jobs.values())}; model folder {model}")
+        return
+    if "probe" in args.jobs:
+        for label, extra in (("graphs: every 16", {}), ("graphs: pow2", {"LLMCLI_GRAPH_SIZES": "pow2"})):
+            probe = run_probe(model, engine, extra)
+            print(f"[probe, {label}] wall {probe['wall_s']:.1f} s, start-up phases {probe['startup_s']}", flush=True)
+    env_note = os.environ.get("TOKENIZERS_PARALLELISM")
+    print(f"TOKENIZERS_PARALLELISM={env_note}", flush=True)
+    rows = []
+    for name, (inp, flags, sampling) in jobs.items():
+        last = {}
+        for round_ in range(1, args.repeat + 1):
+            cli = run_cli(model, inp, work / f"{name}.out.jsonl", engine, flags)
+            print(f"[{name} {round_}] CLI wall {cli['wall_s']:.1f} s, engine ready after {cli['ready_s']} s, "
+                  f"generation {cli['generation_s']} s, start-up phases: {cli['phases']}", flush=True)
+            api = run_api(model, inp, engine, sampling)
+            print(f"[{name} {round_}] API start-up {api['startup_s']:.1f} s ({api['phases']}), tokenize "
+                  f"{api['tokenize_s']:.2f} s, generate {api['generate_s']:.1f} s, {api['prompt_tokens']:,} prompt "
+                  f"tokens (imports before LLM(): {api['import_s']:.1f} s)", flush=True)
+            last = dict(cli=cli, api=api)
+        cli, api = last["cli"], last["api"]
+        overhead = cli["wall_s"] - api["startup_s"] - api["generate_s"]
+        rows.append((name, cli["wall_s"], cli["ready_s"], cli["generation_s"], api["startup_s"], api["generate_s"],
+                     overhead, api["prompt_tokens"]))
+    print("\njob    | CLI wall | CLI ready | CLI gen | API start-up | API generate | CLI overhead | prompt tokens")
+    for r in rows:
+        print(f"{r[0]:<6} | {r[1]:7.1f}s | {r[2] or 0:8.1f}s | {r[3] or 0:6.1f}s | {r[4]:11.1f}s | {r[5]:11.1f}s | "
+              f"{r[6]:+11.1f}s | {r[7]:,}")
+
+
+if __name__ == "__main__":
+    main()

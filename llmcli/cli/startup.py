@@ -1,0 +1,56 @@
+"""The engine's start-up in a thread, so that it overlaps reading, checking and tokenizing the input."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+
+class EngineStarter:
+    """Runs ``build(cancelled)`` in a thread; ``result()`` waits for the engine, ``close()`` abandons it.
+
+    ``cancelled`` is what the engine asks between its start-up phases, so a
+    start-up that is no longer wanted (bad input, Ctrl-C) stops at the next
+    phase; an engine that did finish starting is shut down (workers, shared
+    memory and actors with it).
+    """
+
+    def __init__(self, build: Callable[[Callable[[], bool]], Any], *, in_thread: bool = True) -> None:
+        """``in_thread=False`` builds at once in this thread (for what must start in the main thread)."""
+        self._build = build
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._engine: Any = None
+        self._error: BaseException | None = None
+        if not in_thread:
+            self._engine = build(self._cancel.is_set)
+            self._done.set()
+            return
+        self._thread = threading.Thread(target=self._run, name="llmcli-engine-start-up", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._engine = self._build(self._cancel.is_set)
+        except BaseException as exc:  # raised again by result()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def _wait(self) -> None:
+        while not self._done.wait(0.1):  # short waits: Ctrl-C reaches the main thread at once
+            pass
+
+    def result(self) -> Any:
+        """The engine, once started; start-up's own error if it failed."""
+        self._wait()
+        if self._error is not None:
+            raise self._error
+        return self._engine
+
+    def close(self) -> None:
+        """Shut the engine down, stopping its start-up at the next phase if it is still starting."""
+        self._cancel.set()
+        self._wait()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
