@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -42,12 +44,16 @@ class ConstrainedBatch:
         self._pool: Any = None
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
+        self.threads = mask_threads()
+        # seconds of each fill (the last 100k), for the bench's percentiles: a few slow rows set a step's time
+        self.fill_seconds: deque[float] = deque(maxlen=100_000)
 
     def fill(self, seqs: list[Sequence], pinned: bool = False) -> torch.Tensor | None:
         """The [len(seqs), width] int32 bitmask, or None when no row is constrained (nothing to apply)."""
         rows = [(seq.matcher, row) for row, seq in enumerate(seqs) if seq.matcher is not None and not seq.is_finished]
         if not rows:
             return None
+        start = time.perf_counter()
         n = len(seqs)
         mask = self._buffer(n, pinned)[:n]
         if len(rows) < n:
@@ -60,6 +66,7 @@ class ConstrainedBatch:
                 matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
         else:
             self._executor.unsafe_compute_mask_ptr(rows, base, row_bytes, n)
+        self.fill_seconds.append(time.perf_counter() - start)
         return mask
 
     def _buffer(self, n: int, pinned: bool) -> torch.Tensor:
@@ -83,5 +90,5 @@ class ConstrainedBatch:
     @property
     def _executor(self) -> Any:
         if self._pool is None:
-            self._pool = load_llguidance().LLExecutor(num_threads=mask_threads())
+            self._pool = load_llguidance().LLExecutor(num_threads=self.threads)
         return self._pool
