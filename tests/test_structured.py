@@ -325,3 +325,26 @@ def test_a_matcher_over_its_parser_limits_aborts_with_the_text_it_accepted(llm, 
         assert out.text.startswith('{"records": [{"name": "')
     if "step_lexer_fuel" in limit:  # the lexer gives up at the first string
         assert all(out.text == '{"records": [{"name": "' for out in outs)
+
+
+def test_reused_mask_buffers_leave_no_stale_rows(llm):
+    from llmcli.engine.sequence import Sequence
+    from llmcli.engine.structured import ConstrainedBatch, GrammarCompiler
+
+    vocab = llm.engine.config.hf_config.vocab_size
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.eos_token_ids, vocab)
+    try:
+        template = compiler.submit(StructuredOutputsParams(choice=["yes", "no"])).result()
+        seqs = [Sequence([1, 2], SamplingParams(), 16) for _ in range(3)]
+        for seq in seqs[:2]:
+            seq.matcher = template.deep_copy()
+        masks = ConstrainedBatch(vocab)
+        alone = masks.fill([seqs[0]])[0].clone()
+        assert (alone != -1).any()  # the constraint does forbid tokens
+        for _ in range(2):  # both buffers now hold constrained rows 0 and 1
+            masks.fill(seqs[:2])
+        mixed = masks.fill([seqs[2], seqs[0]])  # row 0 unconstrained now
+        assert (mixed[0] == -1).all() and torch.equal(mixed[1], alone)
+        assert masks.fill([seqs[2]]) is None
+    finally:
+        compiler.shutdown()

@@ -70,16 +70,15 @@ class ConstrainedBatch:
         return mask
 
     def _buffer(self, n: int, pinned: bool) -> torch.Tensor:
+        """This step's buffer (the other one of the previous step), grown to at least ``n`` rows."""
         self._turn ^= 1
-        if len(self._buffers) < 2 or self._buffers[self._turn].shape[0] < n \
-                or self._buffers[self._turn].is_pinned() != pinned:
-            rows = max(n, 2 * self._buffers[self._turn].shape[0] if len(self._buffers) == 2 else n)
-            buf = torch.empty((rows, self.width), dtype=torch.int32, pin_memory=pinned)
-            if len(self._buffers) < 2:
-                self._buffers = [buf, torch.empty_like(buf, pin_memory=pinned)]
-            else:
-                self._buffers[self._turn] = buf
-        return self._buffers[self._turn]
+        if not self._buffers:
+            self._buffers = [torch.empty(0), torch.empty(0)]
+        buf = self._buffers[self._turn]
+        if buf.shape[0] < n or buf.is_pinned() != pinned:
+            rows = max(n, 2 * buf.shape[0]) if buf.shape[0] < n else buf.shape[0]
+            buf = self._buffers[self._turn] = torch.empty((rows, self.width), dtype=torch.int32, pin_memory=pinned)
+        return buf
 
     def accept(self, pairs: list[tuple[Any, int]]) -> list[bool]:
         """Each matcher consumes its token (many at once on the thread pool); False where it refused."""
