@@ -51,6 +51,8 @@ def schema(i: int) -> dict:
 
 def run(engine: LLMEngine, requests: list, temperature: float, schemas: list[dict] | None) -> dict:
     engine.step_timer.reset()
+    if engine.structured is not None:
+        engine.structured.masks.fill_seconds.clear()
     start = time.perf_counter()
     for i, (ids, n_out) in enumerate(requests):
         constraint = None if schemas is None else StructuredOutputsParams(json=schemas[i % len(schemas)])
@@ -64,10 +66,13 @@ def run(engine: LLMEngine, requests: list, temperature: float, schemas: list[dic
     n_out = sum(len(o.token_ids) for o in outs)
     want = sum(n for _, n in requests)
     decode = engine.step_timer.summary().get("decode", {})
+    fills = sorted(engine.structured.masks.fill_seconds) if engine.structured is not None else []
+    pct = {f"fill_p{q}_ms": 1e3 * fills[min(len(fills) - 1, len(fills) * q // 100)] if fills else 0.0
+           for q in (50, 90, 99, 100)}
     return {"requests": len(outs), "output_tokens": n_out, "expected_tokens": want, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "finish": sorted({o.finish_reason for o in outs}),
             "decode_steps": decode.get("steps", 0), "wait_ms": decode.get("wait_ms", 0.0),
-            "mask_ms": decode.get("mask_ms", 0.0), "host_ms": decode.get("host_ms", 0.0)}
+            "mask_ms": decode.get("mask_ms", 0.0), "host_ms": decode.get("host_ms", 0.0)} | pct
 
 
 def main() -> int:
@@ -124,16 +129,18 @@ def main() -> int:
     base = result["unconstrained"]["output_tok_s"]
     ok = all(result[k]["output_tokens"] == result[k]["expected_tokens"]
              for k in ("unconstrained", "one_schema", "many_schemas"))
-    print(f"\n| run | output tok/s | vs unconstrained | decode ms/step: wait | mask | host |\n|---|---|---|---|---|---|")
+    print(f"\n| run | output tok/s | vs unconstrained | decode ms/step: wait | mask | host | "
+          f"mask fill ms p50 / p90 / p99 / max |\n|---|---|---|---|---|---|---|")
     for key, label in (("unconstrained", "unconstrained"), ("one_schema", "one JSON schema"),
                        ("many_schemas", f"{args.schemas} distinct schemas")):
         r = result[key]
         print(f"| {label} | {r['output_tok_s']:,.0f} | {r['output_tok_s'] / base:.3f} | {r['wait_ms']:.2f} | "
-              f"{r['mask_ms']:.2f} | {r['host_ms']:.2f} |")
+              f"{r['mask_ms']:.2f} | {r['host_ms']:.2f} | {r['fill_p50_ms']:.2f} / {r['fill_p90_ms']:.2f} / "
+              f"{r['fill_p99_ms']:.2f} / {r['fill_p100_ms']:.2f} |")
     c = result["compile_ms"]
     print(f"\nschema compile: {c['count']} schemas, mean {c['mean']:.1f} ms, max {c['max']:.1f} ms "
           f"(warm-up incl. tokenizer tables and the first compile: {result['warmup_s']:.1f} s); "
-          f"every request produced its full length: {ok}")
+          f"every request produced its full length: {ok}; mask threads: {engine.structured.masks.threads}")
     return 0 if ok else 1
 
 

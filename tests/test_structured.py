@@ -289,3 +289,62 @@ def test_eos_is_allowed_only_where_the_grammar_accepts(llm):
         assert all(re.fullmatch("[0-9]+", tok.decode([t])) for t in after_one - set(eos))
     finally:
         compiler.shutdown()
+
+
+@pytest.mark.parametrize("limit", [{"step_lexer_fuel": 50},  # the mask fails: its row allows only EOS
+                                   {"step_max_items": 10}])  # the matcher fails later, in a number
+def test_a_matcher_over_its_parser_limits_aborts_with_the_text_it_accepted(llm, monkeypatch, limit):
+    import llguidance
+    import llguidance.hf
+
+    from llmcli.engine.structured import grammar
+
+    # a schema of its own, so that it compiles afresh under the tight limit
+    schema = {"type": "object", "properties": {"records": {"type": "array", "minItems": 50, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "qty": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["name", "qty"], "additionalProperties": False}}},
+        "required": ["records"], "additionalProperties": False, "title": f"limits {sorted(limit)}"}
+    for key, value in limit.items():
+        monkeypatch.setitem(grammar.PARSER_LIMITS, key, value)
+    outs = llm.generate(PROMPTS[:3], [constrained(temperature=t, seed=1, json=schema, max_tokens=200)
+                                      for t in (0, 0.8, 1.0)])
+    tokenizer = llguidance.hf.from_tokenizer(llm.tokenizer, n_vocab=llm.engine.config.hf_config.vocab_size,
+                                             eos_token=llm.engine.eos_token_ids)
+    for out in outs:
+        assert out.finish_reason == "abort", (out.finish_reason, out.text)
+        assert not set(out.token_ids) & set(llm.engine.eos_token_ids)
+        # every token of the output is one the grammar allowed and took, under the tight limit too
+        for limits in (grammar.parser_limits(), None):
+            matcher = llguidance.LLMatcher(tokenizer, grammar.grammar_text(StructuredOutputsParams(json=schema)),
+                                           log_level=0, limits=limits)
+            for token in out.token_ids:
+                allowed = matcher.compute_bitmask()
+                assert not matcher.is_error() and allowed[token // 8] >> (token % 8) & 1, matcher.get_error()
+                assert matcher.consume_token(token), matcher.get_error()
+        assert out.text.startswith('{"records": [{"name": "')
+    if "step_lexer_fuel" in limit:  # the lexer gives up at the first string
+        assert all(out.text == '{"records": [{"name": "' for out in outs)
+
+
+def test_reused_mask_buffers_leave_no_stale_rows(llm):
+    from llmcli.engine.sequence import Sequence
+    from llmcli.engine.structured import ConstrainedBatch, GrammarCompiler
+
+    vocab = llm.engine.config.hf_config.vocab_size
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.eos_token_ids, vocab)
+    try:
+        template = compiler.submit(StructuredOutputsParams(choice=["yes", "no"])).result()
+        seqs = [Sequence([1, 2], SamplingParams(), 16) for _ in range(3)]
+        for seq in seqs[:2]:
+            seq.matcher = template.deep_copy()
+        masks = ConstrainedBatch(vocab)
+        alone = masks.fill([seqs[0]])[0].clone()
+        assert (alone != -1).any()  # the constraint does forbid tokens
+        for _ in range(2):  # both buffers now hold constrained rows 0 and 1
+            masks.fill(seqs[:2])
+        mixed = masks.fill([seqs[2], seqs[0]])  # row 0 unconstrained now
+        assert (mixed[0] == -1).all() and torch.equal(mixed[1], alone)
+        assert masks.fill([seqs[2]]) is None
+    finally:
+        compiler.shutdown()

@@ -202,11 +202,17 @@ class LLMEngine:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 done = check(seq, index)
-                # a grammar completed by the last token allowed by max_tokens still counts as a stop
-                if seq.seq_id in ends and seq.finish_reason != "stop":
-                    seq.finish_reason, done = ends[seq.seq_id], True
+                keep = index + 1
+                end = ends.get(seq.seq_id)
+                if end == "abort":
+                    # the grammar matcher failed at this token: the output is what it accepted, never a "stop"
+                    seq.finish_reason, seq.stop_reason, seq.text = "abort", None, None
+                    done, keep = True, index
+                elif end == "stop" and seq.finish_reason != "stop":
+                    # a grammar completed by the last token allowed by max_tokens still counts as a stop
+                    seq.finish_reason, done = "stop", True
                 if done:
-                    seq.truncate(index + 1)
+                    seq.truncate(keep)
                     seq.finish_time = now
                     self.scheduler.finish(seq)
                     finished.append(self._output(seq))

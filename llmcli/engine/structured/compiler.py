@@ -5,7 +5,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from llmcli.engine.structured.grammar import GrammarError, grammar_text, load_llguidance
+from llmcli.engine.structured.grammar import GrammarError, grammar_text, load_llguidance, parser_limits
 from llmcli.sampling_params import StructuredOutputsParams
 
 
@@ -42,7 +42,8 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         tokenizer = self._tokenizer.result()
         start = time.perf_counter()
-        matcher = load_llguidance().LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+        matcher = load_llguidance().LLMatcher(tokenizer, grammar_text(spec), log_level=0,
+                                             limits=parser_limits())
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         self.compile_seconds[spec.key] = time.perf_counter() - start

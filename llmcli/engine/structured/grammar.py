@@ -10,6 +10,15 @@ INSTALL_HINT = "structured outputs need llguidance: pip install 'llguidance>=1.0
 # JSON is written as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace lets a
 # model pad forever; a schema's own "x-guidance" options still win over these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's per-step work limits, raised for batch use (its defaults in brackets). A matcher that hits one
+# stops with "ParserTooComplex" and its request ends with finish_reason "abort" (README); these leave room
+# for long arrays and strings at the price of a rare slow step. The lexer fuel costs ~1 ms per 14k.
+PARSER_LIMITS = {
+    "step_lexer_fuel": 1_000_000,  # [200k] lexer work per mask
+    "step_max_items": 200_000,  # [50k] Earley items per mask
+    "max_items_in_row": 10_000,  # [2000] items in one Earley row
+    "initial_lexer_fuel": 4_000_000,  # [1M] building the lexer at compile time
+}
 
 
 class GrammarError(ValueError):
@@ -22,6 +31,11 @@ def load_llguidance() -> Any:
     except ImportError:  # pragma: no cover - it is a dependency; a broken install still gets a clear message
         raise GrammarError(INSTALL_HINT) from None
     return llg
+
+
+def parser_limits() -> Any:
+    """``PARSER_LIMITS`` as llguidance takes them (read at each compile, so tests can tighten them)."""
+    return load_llguidance().LLParserLimits(**PARSER_LIMITS)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -48,7 +62,7 @@ def check_constraint(spec: StructuredOutputsParams) -> None:
     error = _checked.get(spec.key)
     if error is None:
         try:
-            error = load_llguidance().LLMatcher.validate_grammar(grammar_text(spec))
+            error = load_llguidance().LLMatcher.validate_grammar(grammar_text(spec), limits=parser_limits())
         except (ValueError, TypeError) as exc:
             error = str(exc) or type(exc).__name__
         if len(_checked) < 65536:

@@ -50,19 +50,31 @@ class StructuredRequests:
 
     def accept(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, str]:
         """Advance each constrained sequence's matcher by its new token; the finish reason (by ``seq_id``) of
-        those whose grammar ends the request there."""
-        pairs = [(seq, token) for seq, token in zip(seqs, tokens) if seq.matcher is not None and not seq.is_finished]
-        ends: dict[int, str] = {}
+        those whose grammar ends the request there: "stop" where the grammar is complete, "abort" where the
+        matcher could not go on (its token is not part of the output)."""
+        pairs, ends = [], {}
+        for seq, token in zip(seqs, tokens):
+            if seq.matcher is None or seq.is_finished:
+                continue
+            if seq.matcher.is_error():  # its mask failed (a parser limit): the row allowed only EOS
+                self._abort(seq, token)
+                ends[seq.seq_id] = "abort"
+            else:
+                pairs.append((seq, token))
         for (seq, token), ok in zip(pairs, self.masks.accept([(seq.matcher, token) for seq, token in pairs])):
-            if not ok:
-                # The mask allows only tokens the matcher takes, so this is a bug, not bad input: end the
-                # request rather than let it go on unconstrained.
-                log.warning("request %r: token %d broke its grammar (%s); it ends here", seq.request_id, token,
-                            seq.matcher.get_error())
+            if not ok:  # a parser limit while consuming, or (a bug) a token the mask did not allow
+                self._abort(seq, token)
                 ends[seq.seq_id] = "abort"
             elif seq.matcher.is_stopped():
                 ends[seq.seq_id] = "stop"
         return ends
+
+    @staticmethod
+    def _abort(seq: Sequence, token: int) -> None:
+        error = seq.matcher.get_error()
+        first = error.strip().splitlines()[0] if error.strip() else "no error message"
+        log.warning("request %r: its grammar matcher failed (%s, %s) at token %d; the request ends there with "
+                    "finish_reason 'abort'", seq.request_id, first, seq.matcher.stop_reason(), token)
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
