@@ -18,12 +18,14 @@ from llmcli.cli.bench import Workload, make_requests
 
 
 def run(llm: LLM, requests: list[tuple[list[int], int]], logprobs: int | None) -> tuple[float, int]:
+    llm.engine.step_timer.reset()
     params = [SamplingParams(temperature=0.6, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
                              max_tokens=n_out, ignore_eos=True, logprobs=logprobs) for _, n_out in requests]
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
+    PHASES[logprobs is not None].append(llm.engine.step_timer.summary().get("decode", {}))
     if logprobs is not None:
         # The per-token {id: Logprob} dicts are built when first read (engine/logprob_outputs.py): time that
         # apart, and check the values came back, one position per token, k alternatives each.
@@ -36,6 +38,7 @@ def run(llm: LLM, requests: list[tuple[list[int], int]], logprobs: int | None) -
 
 
 BUILD_S: list[float] = []
+PHASES: dict[bool, list[dict]] = {False: [], True: []}  # per run: the step timer's decode row
 
 
 def main() -> None:
@@ -74,6 +77,14 @@ def main() -> None:
         print(f"| {label} | {best[key]:,.0f} | {', '.join(f'{e:.2f}' for e, _ in results[key])} |")
     built = min(BUILD_S[1:] or BUILD_S)
     print(f"| reading every logprob back as vLLM-shaped dicts (after the run) | {built:.2f} s | |")
+    # host time per decode step (the launches return at once, so the sum is what the loop spends on the host
+    # besides waiting for the device); from the last run of each setting
+    for key, label in ((False, "no logprobs"), (True, f"logprobs={args.logprobs}")):
+        row = PHASES[key][-1]
+        phases = ", ".join(f"{name} {row.get(name + '_ms', 0):.3f}" for name in ("prepare", "forward", "sample",
+                                                                                 "wait", "postprocess"))
+        print(f"| {label}: ms per decode step ({row.get('steps', 0)} steps) | host {row.get('host_ms', 0):.3f} "
+              f"| {phases} |")
     verdict = "PASS" if ratio >= 0.9 else "FAIL"
     print(f"| ratio | {ratio:.3f} ({(1 - ratio) * 100:.1f}% cost; bar: at most 10%) | {verdict} |")
     llm.shutdown()

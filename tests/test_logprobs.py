@@ -72,6 +72,26 @@ def test_logprobs_match_transformers(tiny_model, hf_oracle, temperature):
             check_position(out.prompt_logprobs[j], p[j], ref[j - 1], k, f"prompt {i} prompt token {j}")
 
 
+def test_mixed_batch_gets_its_own_k(tiny_model, hf_oracle):
+    """Requests with different k, and without logprobs (in the middle and at the end of the batch): each
+    gets exactly its own k alternatives, the others none, with values from its own rows."""
+    ps = prompts([7, 9, 11, 13, 15], seed=3)
+    ks = [1, None, 4, 0, None]
+    llm = make_llm(tiny_model)
+    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True, logprobs=k) for k in ks]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+    for i, (p, out, k) in enumerate(zip(ps, outs, ks)):
+        completion = out.outputs[0]
+        if k is None:
+            assert completion.logprobs is None and completion.cumulative_logprob is None
+            continue
+        ref = reference(hf_oracle, tiny_model, p + completion.token_ids)
+        assert len(completion.logprobs) == 5
+        for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert len(entry) in (k, k + 1), f"prompt {i} token {j}: {len(entry)} entries for k={k}"
+            check_position(entry, token, ref[len(p) - 1 + j], k, f"prompt {i} token {j}")
+
+
 def test_prompt_logprobs_skip_the_prefix_cache(tiny_model, hf_oracle):
     """A second request with the same 64-token prompt would reuse cached blocks; with prompt_logprobs it
     computes its whole prompt and reports every position."""

@@ -20,7 +20,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     # triton picks interpreter vs compiler when a kernel is decorated: redo it if imported earlier
-    for _name in ("triton_store", "triton_decode", "triton_prefill", "triton_backend", "triton_sample"):
+    for _name in ("triton_store", "triton_decode", "triton_prefill", "triton_backend", "triton_sample",
+                  "triton_logprobs"):
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
@@ -31,6 +32,7 @@ from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel  # noqa: E402
 from llmcli.kernels.triton_prefill import prefill_paged, prefill_varlen  # noqa: E402
 from llmcli.kernels.triton_sample import CHUNK, sample_unfiltered  # noqa: E402
+from llmcli.kernels import triton_logprobs  # noqa: E402
 from llmcli.kernels.triton_store import store_kv  # noqa: E402
 from llmcli.layers.sampler import row_keys, sample  # noqa: E402
 
@@ -445,3 +447,29 @@ def test_start_up_check_keeps_a_correct_one_pass_sampler_and_drops_a_wrong_one(m
     bad = Sampler()
     reason = bad.check_one_pass(3000, DEVICE)
     assert reason is not None and "torch sampler" in reason and not bad.one_pass
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_logprobs_kernel_matches_log_softmax(dtype, k):
+    """Against torch's float32 log_softmax: the target's logprob and rank, and the top k (values and ids).
+    The vocab is not a multiple of the chunk, rows are a strided view, one row's top logits tie across
+    chunks, and one target is the row's argmax (rank 1)."""
+    vocab = 2 * triton_logprobs.CHUNK + 123
+    full = (torch.randn(4, vocab + 7, device=DEVICE) * 3).to(dtype)
+    full[2, 5] = full[2, triton_logprobs.CHUNK + 9] = full[2, vocab - 10] = 40  # a tie across chunks
+    logits = full[:, :vocab]
+    targets = torch.tensor([0, vocab - 1, 5, int(logits[3].float().argmax())], device=DEVICE)
+    lp, ranks, ids, tops = triton_logprobs.token_logprobs_triton(logits, targets, k)
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    chosen = ref.gather(1, targets[:, None]).squeeze(1)
+    assert torch.allclose(lp, chosen, atol=1e-5, rtol=0)
+    assert ranks.tolist() == ((ref > chosen[:, None]).sum(-1) + 1).tolist()
+    assert ranks[3].item() == 1 and ranks[2].item() == 1
+    want = ref.topk(k, dim=-1).values
+    assert ids.shape == (4, k) and tops.shape == (4, k)
+    assert torch.allclose(tops, want, atol=1e-5, rtol=0)
+    assert torch.allclose(ref.gather(1, ids), want, atol=1e-5, rtol=0)  # the ids are the top tokens
+    assert all(len(set(row)) == k for row in ids.tolist())
+    if k >= 3:
+        assert ids[2, :3].tolist() == [5, triton_logprobs.CHUNK + 9, vocab - 10]  # ties: lower id first

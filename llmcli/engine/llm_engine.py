@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
-from llmcli.engine.logprob_outputs import LazyLogprobs, TokenText
+from llmcli.engine.logprob_outputs import BlockEntries, LazyLogprobs, TokenText
 from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
@@ -192,12 +192,17 @@ class LLMEngine:
             finished = []
             ends = self.structured.accept(step.sampled, tokens) if self.structured is not None else {}
             generated, check, finished_status = 0, self.stopper.check, SequenceStatus.FINISHED
+            block = logprobs.block if logprobs is not None else None
+            block_rows = logprobs.block_rows if block is not None else None
             for row, (seq, index, token) in enumerate(zip(step.sampled, step.indices, tokens)):
                 if seq.status is finished_status:
                     continue  # it stopped a step earlier; this token was computed speculatively
                 seq.resolve(index, token)
-                if logprobs is not None and row in logprobs.sampled:
-                    seq.token_logprobs.append(logprobs.sampled[row])
+                if block is not None:
+                    at = row if block_rows is None else (block_rows[row] if row < len(block_rows) else -1)
+                    if at >= 0:
+                        seq.logprob_blocks.append(block)
+                        seq.logprob_rows.append(at)
                 generated += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
@@ -237,9 +242,10 @@ class LLMEngine:
             token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason or "length",
             stop_reason=seq.stop_reason, skip_special_tokens=seq.params.skip_special_tokens)
         if seq.params.logprobs is not None:
-            entries = seq.token_logprobs[:len(completion.token_ids)]
-            completion.logprobs = LazyLogprobs(completion.token_ids, entries, self._token_text)
-            completion.cumulative_logprob = sum(entry[0] for entry in entries)
+            n, k = len(completion.token_ids), seq.params.logprobs
+            blocks, rows = seq.logprob_blocks[:n], seq.logprob_rows[:n]
+            completion.logprobs = LazyLogprobs(completion.token_ids, BlockEntries(blocks, rows, k), self._token_text)
+            completion.cumulative_logprob = sum(b.logprobs[r] for b, r in zip(blocks, rows))
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None:

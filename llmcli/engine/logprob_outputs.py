@@ -1,6 +1,7 @@
 """Logprobs as vLLM hands them out (per position ``{token id: Logprob}``), built when first read.
 
-The step loop keeps each token's logprobs as one flat tuple; turning a long completion
+The step loop keeps each token's logprobs as a row of its step's flat lists
+(``sampling_extras.LogprobBlock``); turning a long completion
 into thousands of small objects (and decoding every top-k token) costs milliseconds of
 host time per request, which would stall the overlapped loop at the moment the request
 finishes. ``LazyLogprobs`` defers that to the first read, and pickles as a plain list
@@ -40,10 +41,25 @@ def position(token: int, entry: Entry, text: TokenText) -> dict[int, Logprob]:
     return out
 
 
+class BlockEntries:
+    """A sequence's generated-token entries, cut from its steps' ``LogprobBlock``s when iterated."""
+
+    def __init__(self, blocks: list, rows: list[int], k: int) -> None:
+        self.blocks, self.rows, self.k = blocks, rows, k
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        k = self.k
+        return (block.entry(row, k) for block, row in zip(self.blocks, self.rows))
+
+
 class LazyLogprobs(SequenceABC):
     """A list of positions (``None`` where ``leading_none``: the first prompt token has no context)."""
 
-    def __init__(self, tokens: list[int], entries: list[Entry], text: TokenText, leading_none: bool = False) -> None:
+    def __init__(self, tokens: list[int], entries: "list[Entry] | BlockEntries", text: TokenText,
+                 leading_none: bool = False) -> None:
         self._raw: tuple | None = (tokens, entries, text, leading_none)
         self._items: list | None = None
         self._len = len(entries) + leading_none

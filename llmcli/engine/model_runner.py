@@ -246,7 +246,8 @@ class ModelRunner:
                     log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
             self._sample_dummy(logits, use_filters=False)
             self._sample_dummy(logits, use_filters=True)
-            token_logprobs(logits, logits.argmax(dim=-1), 1)  # compiles the logprobs pass too
+            for k in (1, 5):  # builds the logprobs kernels too (top-k widths 1 and 8; others on first use)
+                token_logprobs(logits, logits.argmax(dim=-1), k)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

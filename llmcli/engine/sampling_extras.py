@@ -54,7 +54,8 @@ class StepExtras:
     add_known: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, id) of host-known new tokens
     add_from_input: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, input row): in-flight tokens
     # logprobs of sampled tokens: which sampled rows, and k (the largest asked in the step)
-    lp_rows: torch.Tensor | None = None
+    lp_rows: torch.Tensor | None = None  # None when every sampled row asks (lp_all)
+    lp_all: bool = False
     lp_row_list: list[int] = field(default_factory=list)
     lp_ks: list[int] = field(default_factory=list)
     lp_k: int = 0
@@ -81,8 +82,8 @@ class StepExtras:
 
     def compute_logprobs(self, raw_logits: torch.Tensor | None, token_ids: torch.Tensor | None,
                          hidden: torch.Tensor, compute_logits) -> None:
-        if self.lp_rows is not None and raw_logits is not None:
-            if len(self.lp_row_list) == raw_logits.shape[0]:  # every row asks: no gather
+        if self.lp_row_list and raw_logits is not None:
+            if self.lp_all:  # every row asks: no gather
                 self.sampled = token_logprobs(raw_logits, token_ids, self.lp_k)
             else:
                 self.sampled = token_logprobs(raw_logits[self.lp_rows], token_ids[self.lp_rows], self.lp_k)
@@ -102,10 +103,12 @@ class StepExtras:
         """The copied-back tensors as plain lists, per sampled row and per prompt part."""
         result = StepLogprobs()
         if self.sampled is not None:
-            lps, ranks, ids, tops = (t.tolist() for t in host[:4])
+            result.block = LogprobBlock(*(t.reshape(-1).tolist() for t in host[:4]), self.lp_k)
             host = host[4:]
-            for i, (row, k) in enumerate(zip(self.lp_row_list, self.lp_ks)):
-                result.sampled[row] = (lps[i], ranks[i], ids[i][:k], tops[i][:k])
+            if not self.lp_all:
+                result.block_rows = [-1] * (self.lp_row_list[-1] + 1)
+                for i, row in enumerate(self.lp_row_list):
+                    result.block_rows[row] = i
         if self.prompt is not None:
             lps, ranks, ids, tops = (t.tolist() for t in host[:4])
             at = 0
@@ -116,11 +119,34 @@ class StepExtras:
         return result
 
 
+class LogprobBlock:
+    """One step's sampled-token logprobs on the host, as flat lists (a handful of objects per step).
+
+    A sequence keeps (block, row) per token and the entries are cut out when its output is built:
+    one tuple and two lists per token per step would make the step loop's host work grow with the batch
+    and feed Python's garbage collector hundreds of thousands of live containers over a long run."""
+
+    __slots__ = ("logprobs", "ranks", "top_ids", "top_logprobs", "width")
+
+    def __init__(self, logprobs: list[float], ranks: list[int], top_ids: list[int], top_logprobs: list[float],
+                 width: int) -> None:
+        self.logprobs, self.ranks, self.top_ids, self.top_logprobs, self.width = \
+            logprobs, ranks, top_ids, top_logprobs, width
+
+    def entry(self, row: int, k: int) -> tuple[float, int, list[int], list[float]]:
+        """(logprob, rank, top ids, top logprobs) of one row, its ``k`` likeliest tokens."""
+        at = row * self.width
+        return self.logprobs[row], self.ranks[row], self.top_ids[at:at + k], self.top_logprobs[at:at + k]
+
+
 @dataclass
 class StepLogprobs:
-    """Host copies: sampled row -> (logprob, rank, top ids, top logprobs); prompt parts per sequence."""
+    """Host copies: the sampled rows' block (``block_rows``: block row of each sampled row, -1 where the row
+    did not ask, shorter than the step where the last rows did not; None: row i is block row i); prompt
+    parts per sequence."""
 
-    sampled: dict[int, tuple[float, int, list[int], list[float]]] = field(default_factory=dict)
+    block: LogprobBlock | None = None
+    block_rows: list[int] | None = None
     prompt: list[tuple[Sequence, int, list[tuple[float, int, list[int], list[float]]]]] = field(default_factory=list)
 
 
@@ -136,17 +162,19 @@ def plan_extras(seqs: list[Sequence], sampled: list[Sequence], uploader, penalty
     if not (any(wants_lp) or any(wants_pen) or wants_prompt):
         return None
     extras = StepExtras()
-    last_input_row, offset = {}, 0
-    for s in seqs:
-        offset += s.num_scheduled_tokens
-        last_input_row[s.seq_id] = offset - 1
     if any(wants_pen):
+        last_input_row, offset = {}, 0
+        for s in seqs:
+            offset += s.num_scheduled_tokens
+            last_input_row[s.seq_id] = offset - 1
         _plan_penalties(extras, sampled, wants_pen, last_input_row, uploader, penalty_rows)
     if any(wants_lp):
         rows = [i for i, w in enumerate(wants_lp) if w]
         extras.lp_row_list, extras.lp_ks = rows, [sampled[i].params.logprobs for i in rows]
         extras.lp_k = max(extras.lp_ks)
-        (extras.lp_rows,) = uploader.upload(torch.int64, rows)
+        extras.lp_all = len(rows) == len(sampled)
+        # every row asks (the usual batch): no row list to upload, no gather of the logits
+        extras.lp_rows = None if extras.lp_all else uploader.upload(torch.int64, rows)[0]
     if wants_prompt:
         _plan_prompt(extras, seqs, uploader)
     return extras

@@ -62,8 +62,10 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time = 0.0
-        # logprobs, when asked for: (logprob, rank, top ids, top logprobs) per generated / prompt token
-        self.token_logprobs: list[tuple[float, int, list[int], list[float]]] = []
+        # logprobs, when asked for: per generated token its step's LogprobBlock and row there
+        # (llmcli.engine.sampling_extras); per prompt token (logprob, rank, top ids, top logprobs)
+        self.logprob_blocks: list[Any] = []
+        self.logprob_rows: list[int] = []
         self.prompt_logprob_entries: list[tuple[float, int, list[int], list[float]]] = []
         self.prompt_logprobs_done = 0  # prompt positions whose next-token logprobs are computed
         # one flag for the step's quick test: does this request need anything beside the sampled token?

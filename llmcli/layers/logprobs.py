@@ -2,15 +2,17 @@
 
 "Raw" is the model's own distribution, ``log_softmax(logits)``, before penalties,
 temperature and the top-k / top-p / min-p filters (vLLM's default). Nothing of
-size vocab leaves the device: per row one logsumexp, one top-k and one gather.
+size vocab is written or leaves the device: a logprob is ``logit - logsumexp(row)``
+and the top k logprobs are those of the top k logits. On CUDA one Triton kernel
+reads the logits once (``llmcli.kernels.triton_logprobs``); elsewhere (and with
+LLMCLI_EAGER=1) the same in torch.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
-
-from llmcli.layers.compile import compile_on_cuda
 
 
 @dataclass
@@ -23,9 +25,8 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor  # [R, k] float32
 
 
-@compile_on_cuda
 def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor):
-    """One fused pass on CUDA: logsumexp, the target's logprob and its rank (no float32 copy of the logits)."""
+    """Logsumexp, the target's logprob and its rank."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     chosen = x.gather(1, targets[:, None]).squeeze(1)
@@ -35,6 +36,10 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor):
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TokenLogprobs:
     """Logprobs of ``targets`` [R] under ``logits`` [R, V], and the top ``k`` (k may be 0)."""
+    if logits.is_cuda and os.environ.get("LLMCLI_EAGER") != "1":
+        from llmcli.kernels.triton_logprobs import token_logprobs_triton
+
+        return TokenLogprobs(*token_logprobs_triton(logits, targets, k))
     chosen, ranks, lse = _target_logprobs(logits, targets)
     if k > 0:
         top_values, top_ids = logits.topk(k, dim=-1)  # in the logits' own dtype: the order is the same
