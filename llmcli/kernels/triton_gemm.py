@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_THIN_M = 256  # above this the step is a prefill: cuBLAS's large tiles win
+from llmcli.kernels import MAX_THIN_M  # noqa: F401 - the limit callers check
 
 
 @triton.jit(do_not_specialize=["M"])  # the batch changes every step: one compiled kernel for all of them

@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmcli.kernels.triton_gemm import MAX_THIN_M
-from llmcli.kernels.triton_gemm import linear as thin_linear
+from llmcli.kernels import MAX_THIN_M
 
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
@@ -48,6 +47,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.thin_gemm and x.shape[0] <= MAX_THIN_M:
+            from llmcli.kernels.triton_gemm import linear as thin_linear
+
             y = thin_linear(x.contiguous(), self.weight)
             return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from llmcli.kernels.backend import AttentionBackend
-from llmcli.kernels.triton_gemm import MAX_THIN_M, silu_mul_linear
+from llmcli.kernels import MAX_THIN_M
 from llmcli.layers.activation import SiluAndMul
 from llmcli.layers.attention import Attention
 from llmcli.layers.compile import compile_on_cuda
@@ -68,6 +68,8 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_silu_gemm and x.shape[0] <= MAX_THIN_M:
+            from llmcli.kernels.triton_gemm import silu_mul_linear
+
             return self.down_proj(silu_mul_linear(x.contiguous(), self.gate_up_proj.weight))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
