@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,13 +26,16 @@ if not ON_GPU:
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from llmcli.kernels import make_backend  # noqa: E402
 from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
 from llmcli.kernels.torch_backend import TorchAttentionBackend, store_kv_torch  # noqa: E402
 from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel  # noqa: E402
 from llmcli.kernels.triton_prefill import prefill_paged, prefill_varlen  # noqa: E402
-from llmcli.kernels.triton_sample import CHUNK, sample_unfiltered  # noqa: E402
+from llmcli.kernels.triton_sample import CHUNK, _gumbel, sample_unfiltered  # noqa: E402
 from llmcli.kernels import triton_logprobs  # noqa: E402
 from llmcli.kernels.triton_store import store_kv  # noqa: E402
 from llmcli.layers.sampler import row_keys, sample  # noqa: E402
@@ -437,6 +441,90 @@ def test_one_pass_sampler_draws_follow_the_distribution():
     assert 0.5 * (freq - want).abs().sum().item() < 0.1
 
 
+# The hash, written out again here on Python ints/NumPy (not llmcli's), to build rows with chosen noise.
+_M32, _MUL = 0xFFFFFFFF, 0x45D9F3B
+
+
+def _hash32(x):
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * _MUL) & _M32
+    return (x >> 16) ^ x
+
+
+def _unhash32(x: int) -> int:
+    inv = pow(_MUL, -1, 1 << 32)
+    for _ in range(2):
+        x = (x >> 16) ^ x
+        x = (x * inv) & _M32
+    return (x >> 16) ^ x
+
+
+def _exact_gumbel(bits: np.ndarray) -> np.ndarray:
+    """-log(-log u), u = (bits + 0.5) / 2**24, in float64 (log1p keeps it exact for u near 1)."""
+    v = ((1 << 24) - bits - 0.5) / float(1 << 24)  # 1 - u, exact in float64
+    return -np.log(-np.log1p(-v))
+
+
+EXTREME_BITS = [(1 << 24) - 1, (1 << 24) - 2, (1 << 24) - 3, (1 << 24) - 8, (1 << 24) - 1000, 1 << 23, (1 << 23) - 1, 0]
+
+
+@triton.jit
+def gumbel_kernel(bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + i, mask=i < n, other=0).to(tl.uint32)
+    tl.store(out_ptr + i, _gumbel(bits), mask=i < n)
+
+
+def test_gumbel_noise_is_exact_up_to_the_largest_u():
+    """The noise of every 24-bit value near u = 1, near u = 1/2 and near 0, in both implementations, against
+    float64: the old float32 formula rounded the largest u to 1.0 (noise +inf) and its neighbours by up to 2x."""
+    from llmcli.layers.sampler import gumbel_noise
+
+    edges = [np.arange(0, 400), np.arange((1 << 23) - 400, (1 << 23) + 400), np.arange((1 << 24) - 1200, 1 << 24)]
+    bits = np.concatenate(edges + [np.random.default_rng(7).integers(0, 1 << 24, 2000)])
+    want = _exact_gumbel(bits)
+    torch_noise = gumbel_noise(torch.from_numpy(bits).to(DEVICE)).cpu().double().numpy()
+    triton_noise = torch.empty(len(bits), device=DEVICE)
+    gumbel_kernel[(1,)](torch.from_numpy(bits).to(torch.int32).to(DEVICE), triton_noise, len(bits),
+                        BLOCK=triton.next_power_of_2(len(bits)))
+    for got in (torch_noise, triton_noise.cpu().double().numpy()):
+        assert np.isfinite(got).all()
+        err = np.abs(got - want)  # float32 noise is at most ~17.3: a few ulps there are ~4e-6
+        assert err.max() < 8e-6, (bits[err.argmax()], got[err.argmax()], want[err.argmax()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_samplers_draw_the_exact_gumbel_max_where_u_is_largest(dtype, monkeypatch):
+    """Rows whose seed gives a token with a poor logit the largest u's: both samplers must draw float64's
+    Gumbel-max (the old formula gave that token +inf noise, so it won)."""
+    vocab = 151936 if ON_GPU else 2 * CHUNK + 17
+    g = torch.Generator().manual_seed(11)
+    rows = len(EXTREME_BITS)
+    logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2).to(dtype)
+    poor = torch.randint(0, vocab, (rows,), generator=g)
+    poor[-1] = vocab - 1
+    logits[torch.arange(rows), poor] = -30.0
+    keys = [_unhash32(b << 8) ^ int(t) for b, t in zip(EXTREME_BITS, poor)]  # hash(key ^ t) >> 8 == b
+    seeds = torch.tensor([_unhash32(_unhash32(k)) for k in keys])  # row key at step 0: hash(hash(seed))
+    steps = torch.zeros(rows, dtype=torch.int64)
+    assert row_keys(seeds, steps).tolist() == keys
+    ids = np.arange(vocab, dtype=np.uint64)
+    scores = np.stack([logits[r].double().numpy() + _exact_gumbel(_hash32(np.uint64(k) ^ ids) >> np.uint64(8))
+                       for r, k in enumerate(keys)])
+    order = np.argsort(-scores, axis=1)
+    assert (order[:, 0] != poor.numpy()).all()  # the test's premise: the poor token cannot win honestly
+    temps, min_ps = torch.ones(rows), torch.zeros(rows)
+    on = [t.to(DEVICE) for t in (logits, temps, min_ps, seeds, steps)]
+    ours = sample_unfiltered(on[0], on[1], on[2], row_keys(on[3], on[4])).cpu()
+    monkeypatch.setenv("LLMCLI_EAGER", "1")
+    ref = sample(on[0], on[1], None, None, on[2], on[3], on[4], False).cpu()
+    for name, got in (("one-pass", ours), ("torch", ref)):
+        for r in range(rows):
+            top2 = scores[r, order[r, :2]]
+            allowed = order[r, :2] if top2[0] - top2[1] < 1e-4 * abs(top2[0]) else order[r, :1]
+            assert int(got[r]) in allowed.tolist(), f"{name} sampler, bits {EXTREME_BITS[r]}: drew {int(got[r])}"
+
+
 def test_start_up_check_keeps_a_correct_one_pass_sampler_and_drops_a_wrong_one(monkeypatch):
     from llmcli.kernels import triton_sample
     from llmcli.layers.sampler import Sampler
@@ -446,6 +534,23 @@ def test_start_up_check_keeps_a_correct_one_pass_sampler_and_drops_a_wrong_one(m
 
     real = triton_sample.sample_unfiltered
     monkeypatch.setattr(triton_sample, "sample_unfiltered", lambda logits, *a: real(logits, *a) + 1)
+    bad = Sampler()
+    reason = bad.check_one_pass(3000, DEVICE)
+    assert reason is not None and "torch sampler" in reason and not bad.one_pass
+
+
+@triton.jit
+def _gumbel_log_near_one(bits):
+    """The old noise: u near 1 rounds to 1.0 and gets +inf, like the GPU's fast log one step earlier."""
+    return -tl.log(-tl.log((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)))
+
+
+@pytest.mark.skipif(ON_GPU, reason="swaps a jit function's global: works in the interpreter only")
+def test_start_up_check_drops_a_one_pass_sampler_whose_noise_fails_near_u_1(monkeypatch):
+    from llmcli.kernels import triton_sample
+    from llmcli.layers.sampler import Sampler
+
+    monkeypatch.setattr(triton_sample, "_gumbel", _gumbel_log_near_one)
     bad = Sampler()
     reason = bad.check_one_pass(3000, DEVICE)
     assert reason is not None and "torch sampler" in reason and not bad.one_pass

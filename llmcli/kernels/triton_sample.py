@@ -28,6 +28,21 @@ def _mix32_u32(x):
     return (x >> 16) ^ x
 
 
+@triton.jit
+def _gumbel(bits):
+    """``llmcli.layers.sampler.gumbel_noise``: ``-log(-log u)``, ``u = (bits + 0.5) / 2**24``, with no log of a
+    number near 1 (``tl.log`` is a fast log on the GPU, accurate to an absolute 2**-22 only)."""
+    low = bits < 8388608
+    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    v = ((16777215 - bits).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    s = v / (2.0 - v)
+    s2 = s * s
+    series = 1.0 + s2 * (0.3333333333333333 + s2 * (0.2 + s2 * (0.14285714285714285 + s2 * (
+        0.1111111111111111 + s2 * (0.09090909090909091 + s2 * (0.07692307692307693 + s2 * 0.06666666666666667))))))
+    minus_log_u = tl.where(low, -tl.log(u), 2.0 * s * series)
+    return -tl.log(minus_log_u)
+
+
 @triton.jit(do_not_specialize=["vocab"])
 def _sample_chunk_kernel(
     logits_ptr, stride_row, row_max_ptr, temps_ptr, min_ps_ptr, row_key_ptr, part_val_ptr, part_idx_ptr,
@@ -44,9 +59,8 @@ def _sample_chunk_kernel(
     scaled = logit * inv_t
     floor = tl.load(row_max_ptr + row) * inv_t + tl.log(tl.load(min_ps_ptr + row))
     row_key = tl.load(row_key_ptr + row).to(tl.uint32)
-    bits = _mix32_u32(row_key ^ ids.to(tl.uint32)) >> 8  # 24 bits: exact in float32
-    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    noisy = tl.where(scaled < floor, float("-inf"), scaled - tl.log(-tl.log(u)))
+    bits = _mix32_u32(row_key ^ ids.to(tl.uint32)) >> 8  # 24 bits
+    noisy = tl.where(scaled < floor, float("-inf"), scaled + _gumbel(bits))
     cand = tl.where(greedy, logit, noisy)
     cand = tl.where(valid, cand, float("-inf"))
     best_val, best_pos = tl.max(cand, axis=0, return_indices=True, return_indices_tie_break_left=True)

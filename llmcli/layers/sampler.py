@@ -21,17 +21,49 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def _unmix32(x: int) -> int:
+    """The inverse of ``_mix32`` on a Python int."""
+    inv = pow(0x45D9F3B, -1, 1 << 32)
+    x = ((x >> 16) ^ x) * inv & _M32
+    x = ((x >> 16) ^ x) * inv & _M32
+    return (x >> 16) ^ x
+
+
+def seed_for_row_key(key: int) -> int:
+    """A seed whose row key at step 0 is ``key`` (checks build rows with chosen noise from it)."""
+    return _unmix32(_unmix32(key))  # row_keys(seed < 2**32, 0) = _mix32(_mix32(seed)), as _mix32(0) = 0
+
+
 def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """[B] 32-bit keys (in int64) of each row's random stream, from its request's seed and step."""
     return _mix32(_mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32)) ^ (steps & _M32))
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] floats in (0, 1), a pure function of (seed, step, token id)."""
+def noise_bits(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] 24-bit integers (in int64), a pure function of (seed, step, token id)."""
     row = row_keys(seeds, steps)
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(row[:, None] ^ ids[None, :]) >> 8  # keep 24 bits: exact in float32
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    return _mix32(row[:, None] ^ ids[None, :]) >> 8
+
+
+def gumbel_noise(bits: torch.Tensor) -> torch.Tensor:
+    """float32 ``-log(-log u)`` for ``u = (bits + 0.5) / 2**24``, accurate up to the largest u.
+
+    ``llmcli.kernels.triton_sample._gumbel`` computes it the same way. Nothing takes the log of a number
+    near 1: there a float32 ``u`` cannot even be formed (``2**24 - 0.5`` rounds to ``2**24``, so the
+    largest u came out as 1.0 and its noise as +inf), and the GPU's fast log is only accurate to an
+    absolute 2**-22, all of ``log(u)`` there. For ``u < 1/2`` (exact in float32), ``-log u`` is taken
+    directly; above, ``v = 1 - u`` is exact and ``-log(1 - v) = 2 atanh(s)``, ``s = v / (2 - v) <= 1/3``,
+    by its odd series (8 terms: float32 precision).
+    """
+    low = bits < (1 << 23)
+    u = (bits.float() + 0.5) * (1.0 / (1 << 24))
+    v = (((1 << 24) - 1 - bits).float() + 0.5) * (1.0 / (1 << 24))
+    s = v / (2.0 - v)
+    s2 = s * s
+    series = 1.0 + s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9 + s2 * (1 / 11 + s2 * (1 / 13 + s2 * (1 / 15)))))))
+    minus_log_u = torch.where(low, -torch.log(u), 2.0 * s * series)
+    return -torch.log(minus_log_u)
 
 
 def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -63,7 +95,7 @@ def draw(logits, scaled, temperatures, min_ps, seeds, steps):
     """Gumbel-max over the (filtered) scaled logits, after min-p; argmax of the raw logits for greedy rows."""
     floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps)[:, None]
     scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+    gumbel = gumbel_noise(noise_bits(seeds, steps, logits.shape[-1]))
     return torch.where(temperatures <= 0, logits.argmax(dim=-1), (scaled + gumbel).argmax(dim=-1))
 
 
@@ -90,23 +122,34 @@ class Sampler(nn.Module):
     def check_one_pass(self, vocab_size: int, device: torch.device) -> str | None:
         """Compile the one-pass kernel and compare it with the torch sampler on random logits.
 
+        Two of the rows give a token with a poor logit the largest u's (where a log taken near 1 turns the
+        noise into +inf). The draws must agree, or differ only at a float32 near-tie of ``scaled + noise``.
         On any error, or if it picks other tokens, sampling falls back to the torch path for good;
         returns the reason then (for the start-up log), else None.
         """
         gen = torch.Generator(device=device).manual_seed(0)
-        logits = torch.randn(4, vocab_size, device=device, generator=gen) * 4
-        temps = torch.tensor([0.0, 0.7, 1.0, 1.3], device=device)
-        min_ps = torch.tensor([0.0, 0.1, 0.0, 0.05], device=device)
-        seeds = torch.tensor([1, 2, 3, 2**40 + 7], device=device)
-        steps = torch.tensor([0, 5, 17, 1000], device=device)
+        logits = torch.randn(6, vocab_size, device=device, generator=gen) * 4
+        temps = torch.tensor([0.0, 0.7, 1.0, 1.3, 1.0, 1.0], device=device)
+        min_ps = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.0], device=device)
+        poor = [vocab_size // 3, vocab_size - 1]
+        extreme = [seed_for_row_key(_unmix32(((1 << 24) - 1 - i) << 8) ^ t) for i, t in enumerate(poor)]
+        seeds = torch.tensor([1, 2, 3, 2**40 + 7] + extreme, device=device)
+        steps = torch.tensor([0, 5, 17, 1000, 0, 0], device=device)
+        logits[[4, 5], poor] = -40.0
         try:
             from llmcli.kernels.triton_sample import sample_unfiltered
 
             ours = sample_unfiltered(logits, temps, min_ps, compiled_row_keys(seeds, steps))
             no_k, no_p = torch.full_like(seeds, -1), torch.ones_like(temps)
             ref = sample(logits, temps, no_k, no_p, min_ps, seeds, steps, False)
-            # the sampled rows may differ only where float32 logs differ at a near-tie: one row at most
-            if ours[0] != ref[0] or int((ours != ref).sum()) > 1:
+            scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+            scores = scaled + gumbel_noise(noise_bits(seeds, steps, vocab_size))
+            scores = scores.masked_fill(scaled < scaled.amax(-1, keepdim=True) + torch.log(min_ps)[:, None],
+                                        float("-inf"))
+            rows = torch.arange(len(seeds), device=device)
+            gap = (scores[rows, ours] - scores[rows, ref]).abs()
+            near_tie = gap <= 1e-4 * (1.0 + scores[rows, ref].abs())  # float32 logs differing in the last bits
+            if ours[0] != ref[0] or not bool(((ours == ref) | near_tie).all()):
                 raise RuntimeError(f"tokens {ours.tolist()} != the torch sampler's {ref.tolist()}")
         except Exception as exc:  # noqa: BLE001 - any failure: keep the slower path that is known to work
             self.one_pass = False
