@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmcli.layers.compile import compile_on_cuda
+from llmcli.layers.compile import triton_on_cuda
 
 
-@compile_on_cuda
+@triton_on_cuda("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
@@ -15,7 +15,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-@compile_on_cuda
+@triton_on_cuda("add_rms_norm")
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     x = x + residual  # in the model dtype, as the reference implementation adds
     return rms_norm.__wrapped__(x, weight, eps), x

@@ -10,7 +10,7 @@ from llmcli.kernels.backend import AttentionBackend
 from llmcli.kernels import MAX_THIN_M
 from llmcli.layers.activation import SiluAndMul
 from llmcli.layers.attention import Attention
-from llmcli.layers.compile import compile_on_cuda
+from llmcli.layers.compile import triton_on_cuda
 from llmcli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmcli.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmcli.layers.norm import RMSNorm, rms_norm
@@ -21,11 +21,11 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-@compile_on_cuda
+@triton_on_cuda("qk_norm_rotary")
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
                    k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """Qwen3's per-head RMSNorm of q and k, then the rotary embedding, as one compiled region rather than
-    three, so that Inductor can fuse them into fewer kernels (a decode step launches hundreds of tiny ones)."""
+    """Qwen3's per-head RMSNorm of q and k, then the rotary embedding: one kernel on CUDA rather than three
+    (kernels/triton_elementwise.py; a decode step launches hundreds of tiny ones), the eager reference here."""
     q = rms_norm.__wrapped__(q, q_weight, eps)
     k = rms_norm.__wrapped__(k, k_weight, eps)
     return apply_rotary.__wrapped__(positions, q, k, cos, sin)

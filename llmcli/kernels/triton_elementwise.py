@@ -1,0 +1,186 @@
+"""Hand-written Triton kernels for the model's elementwise work: RMSNorm (with the residual add), SiLU-and-mul,
+and Qwen3's per-head q/k RMSNorm fused with the rotary embedding.
+
+Each kernel is specialised on its feature sizes (hidden size, intermediate size, heads, head_dim) as constexprs,
+so that it compiles to straight-line vectorised code once per model, and takes the token count M at run time
+(no specialisation on it): any batch works, inside CUDA graphs too (no host syncs; outputs come from
+``torch.empty``). Every kernel rounds to the tensors' dtype exactly where the eager torch code in
+``llmcli.layers`` does (a bfloat16 add, the norm in float32 then ``.to(dtype)`` then times the weight, each
+rotary product rounded, ...), so greedy outputs stay as close to transformers as the eager code keeps them.
+The signatures are the eager functions' own, so the layers can dispatch to them one for one.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of an RMSNorm handled by one program: enough elements per program for wide loads and few programs.
+_NORM_ELEMENTS = 2048
+# Columns of SiLU-and-mul per program.
+_SILU_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["M"])
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, x_stride, res_stride, out_stride,
+                     res_out_stride, eps, N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
+        # x + residual in the tensors' dtype, as the eager code adds; this sum is also the new residual
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows[:, None] * res_out_stride + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+    normed = (xf * rstd[:, None]).to(x.dtype)  # .to(dtype) before the weight, as the eager code rounds
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    out = (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, last dim] with unit stride along the last dim (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_norm(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                 res_out: torch.Tensor | None, eps: float) -> None:
+    m, n = x2.shape
+    block_n = triton.next_power_of_2(n)
+    rows = max(1, min(_NORM_ELEMENTS // block_n, 16))
+    has_res = res2 is not None
+    _rms_norm_kernel[(triton.cdiv(m, rows),)](
+        x2, res2 if has_res else x2, weight, out, res_out if has_res else out, m, x2.stride(0),
+        res2.stride(0) if has_res else 0, out.stride(0), res_out.stride(0) if has_res else 0, eps,
+        N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=has_res, num_warps=8 if block_n >= 4096 else 4)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x)).to(x.dtype)`` over the last dimension."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if x2.shape[0]:
+        _launch_norm(x2, None, weight, out, None, eps)
+    return out.view(*x.shape[:-1], x.shape[-1])
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(rms_norm(x + residual), x + residual)``, the sum in the tensors' dtype."""
+    x2, r2 = _rows(x), _rows(residual)
+    res_dtype = torch.promote_types(x.dtype, residual.dtype)
+    res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
+    if x2.shape[0]:
+        _launch_norm(x2, r2, weight, out, res_out, eps)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _silu_and_mul_kernel(x_ptr, out_ptr, M, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr):
+    blocks_per_row: tl.constexpr = (N + BLOCK - 1) // BLOCK
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // blocks_per_row
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + N + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu rounds to the dtype before the product
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where ``x`` is ``[..., 2I]`` = ``cat(gate, up)``."""
+    x2 = _rows(x)
+    m, n = x2.shape[0], x2.shape[1] // 2
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block = min(_SILU_BLOCK, triton.next_power_of_2(n))
+    if m:
+        _silu_and_mul_kernel[(m * triton.cdiv(n, block),)](x2, out, m, x2.stride(0), out.stride(0), N=n,
+                                                           BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_stride, c1, c2, s1, s2, eps,
+                       H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """RMSNorm then rotary of one token's ``H`` heads, the two halves of each head kept apart (rotate-half)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    mask = (heads[:, None] < H) & (dims[None, :] < HALF)
+    first_ptrs = src_ptr + src_row + heads[:, None] * src_head_stride + dims[None, :]
+    x1 = tl.load(first_ptrs, mask=mask, other=0.0)
+    x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    out_dtype = dst_ptr.dtype.element_ty
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)[:, None]
+    dmask = dims < HALF
+    w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype
+    n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
+    n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
+    o1 = (n1 * c1).to(out_dtype).to(tl.float32) + (-n2 * s1).to(out_dtype).to(tl.float32)
+    o2 = (n2 * c2).to(out_dtype).to(tl.float32) + (n1 * s2).to(out_dtype).to(tl.float32)
+    out_ptrs = dst_ptr + dst_row + heads[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(out_ptrs, o1.to(out_dtype), mask=mask)
+    tl.store(out_ptrs + HALF, o2.to(out_dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, M,
+                           q_stride, q_head_stride, k_stride, k_head_stride, cos_stride, sin_stride, eps,
+                           HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    dmask = dims < HALF
+    out_dtype = q_out_ptr.dtype.element_ty
+    # cos/sin rounded to the dtype first (``cos_table[positions].to(q.dtype)``), shared by q's and k's heads
+    c1 = tl.load(cos_ptr + pos * cos_stride + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + pos * cos_stride + HALF + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + pos * sin_stride + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + pos * sin_stride + HALF + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    _norm_rotate_heads(q_ptr, q_out_ptr, qw_ptr, token * q_stride, token * (HQ * HEAD_DIM), q_head_stride,
+                       c1, c2, s1, s2, eps, HQ, BLOCK_HQ, HEAD_DIM, BLOCK_HALF)
+    _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM), k_head_stride,
+                       c1, c2, s1, s2, eps, HK, BLOCK_HK, HEAD_DIM, BLOCK_HALF)
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head RMSNorm of ``q`` [M, Hq, D] and ``k`` [M, Hk, D], then neox-style rotary at ``positions``.
+
+    ``q`` and ``k`` may be strided views (of the fused qkv projection) as long as each head is contiguous;
+    the results are new contiguous tensors. ``cos``/``sin`` are the [max_position, D] tables."""
+    m, hq, d = q.shape
+    hk = k.shape[1]
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    q_dtype = torch.promote_types(q.dtype, q_weight.dtype)
+    k_dtype = torch.promote_types(k.dtype, k_weight.dtype)
+    if q_dtype != k_dtype or q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype (got {q.dtype}/{q_weight.dtype} and {k.dtype}/{k_weight.dtype})")
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("the cos/sin tables must be contiguous along the head dimension")
+    q_out = torch.empty((m, hq, d), dtype=q_dtype, device=q.device)
+    k_out = torch.empty((m, hk, d), dtype=k_dtype, device=k.device)
+    if m:
+        block_half = triton.next_power_of_2(d // 2)
+        _qk_norm_rotary_kernel[(m,)](
+            q, k, positions, q_weight, k_weight, cos, sin, q_out, k_out, m, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), cos.stride(0), sin.stride(0), eps, HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk,
+            BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d, BLOCK_HALF=block_half, num_warps=4)
+    return q_out, k_out

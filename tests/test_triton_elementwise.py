@@ -1,0 +1,146 @@
+"""The elementwise Triton kernels (kernels/triton_elementwise.py) against the eager torch functions they replace.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before the kernel module is
+imported) in float32 and float16; with CUDA on the GPU, in bfloat16 too, plus a CUDA-graph capture. The
+reference is the eager code in llmcli.layers / llmcli.models (``fn.__wrapped__``), on fresh random inputs.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "llmcli.kernels.triton_elementwise" in sys.modules:  # decorated before the switch: redo it
+        importlib.reload(sys.modules["llmcli.kernels.triton_elementwise"])
+
+from llmcli.kernels import triton_elementwise as te  # noqa: E402
+from llmcli.layers.activation import silu_and_mul  # noqa: E402
+from llmcli.layers.compile import elementwise_mode  # noqa: E402
+from llmcli.layers.norm import add_rms_norm, rms_norm  # noqa: E402
+from llmcli.layers.rotary import RotaryEmbedding  # noqa: E402
+from llmcli.models.qwen3 import qk_norm_rotary  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need CUDA")
+EPS = 1e-6
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal up to float32 summation order, or one rounding step of a half-precision dtype."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype != torch.float32:  # a rounding step apart now and then, not everywhere
+        assert (out != ref).float().mean().item() <= 0.02
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("hidden", [64, 96, 1024])
+def test_rms_norm_matches_eager(dtype, m, hidden):
+    x, w = randn(m, hidden, dtype=dtype), 1 + 0.1 * randn(hidden, dtype=dtype)
+    before = x.clone()
+    close(te.rms_norm(x, w, EPS), rms_norm.__wrapped__(x, w, EPS), dtype)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("hidden", [64, 96, 1024])
+def test_add_rms_norm_matches_eager(dtype, m, hidden):
+    x, res = randn(m, hidden, dtype=dtype), randn(m, hidden, dtype=dtype)
+    w = 1 + 0.1 * randn(hidden, dtype=dtype)
+    out, new_res = te.add_rms_norm(x, res, w, EPS)
+    ref_out, ref_res = add_rms_norm.__wrapped__(x, res, w, EPS)
+    assert torch.equal(new_res, ref_res)  # one add in the dtype: nothing to differ on
+    close(out, ref_out, dtype)
+
+
+def test_rms_norm_of_a_strided_3d_view():
+    """Rows that are not contiguous with each other (a slice of a wider tensor), over a leading batch shape."""
+    wide = randn(3, 5, 160, dtype=torch.float32)
+    x, w = wide[..., :96], randn(96, dtype=torch.float32)
+    close(te.rms_norm(x, w, EPS), rms_norm.__wrapped__(x, w, EPS), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 31])
+@pytest.mark.parametrize("inter", [80, 1100])  # 1100: two column blocks, the second part masked
+def test_silu_and_mul_matches_eager(dtype, m, inter):
+    x = 3 * randn(m, 2 * inter, dtype=dtype)
+    close(te.silu_and_mul(x), silu_and_mul.__wrapped__(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (6, 2, 64), (5, 3, 128), (4, 1, 64)])
+def test_qk_norm_rotary_matches_eager(dtype, m, heads, kv_heads, head_dim):
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
+    # q and k as strided views of a fused qkv projection, as the model passes them
+    qkv = randn(m, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(m, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(m, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (m,), device=DEVICE)
+    positions[0] = 4095  # the table's last row
+    qw, kw = 1 + 0.1 * randn(head_dim, dtype=dtype), 1 + 0.1 * randn(head_dim, dtype=dtype)
+    before = qkv.clone()
+    q_out, k_out = te.qk_norm_rotary(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
+    q_ref, k_ref = qk_norm_rotary.__wrapped__(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
+    close(q_out, q_ref, dtype)
+    close(k_out, k_ref, dtype)
+    assert torch.equal(qkv, before)
+
+
+def test_elementwise_mode_from_environment(monkeypatch):
+    monkeypatch.delenv("LLMCLI_EAGER", raising=False)
+    monkeypatch.delenv("LLMCLI_ELEMENTWISE", raising=False)
+    assert elementwise_mode() == "triton"
+    monkeypatch.setenv("LLMCLI_ELEMENTWISE", "compile")
+    assert elementwise_mode() == "compile"
+    monkeypatch.setenv("LLMCLI_EAGER", "1")
+    assert elementwise_mode() == "eager"  # LLMCLI_EAGER=1 wins: everything eager
+    monkeypatch.delenv("LLMCLI_EAGER")
+    monkeypatch.setenv("LLMCLI_ELEMENTWISE", "inductor")
+    with pytest.raises(ValueError, match="LLMCLI_ELEMENTWISE"):
+        elementwise_mode()
+
+
+@gpu_only
+def test_kernels_replay_in_a_cuda_graph():
+    """Captured once, replayed on new inputs written into the same buffers: outputs follow the inputs."""
+    dtype, m, hidden, inter, heads, kv_heads, head_dim = torch.bfloat16, 12, 1024, 3072, 16, 8, 128
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
+    w, qw, kw = randn(hidden, dtype=dtype), randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
+    x, res, gate_up = randn(m, hidden, dtype=dtype), randn(m, hidden, dtype=dtype), randn(m, 2 * inter, dtype=dtype)
+    qkv = randn(m, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.randint(0, 4096, (m,), device=DEVICE)
+
+    def body():
+        q = qkv[:, : heads * head_dim].view(m, heads, head_dim)
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(m, kv_heads, head_dim)
+        return (te.rms_norm(x, w, EPS), *te.add_rms_norm(x, res, w, EPS), te.silu_and_mul(gate_up),
+                *te.qk_norm_rotary(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin))
+
+    body()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = body()
+    for t in (x, res, gate_up, qkv):
+        t.copy_(torch.randn_like(t))
+    positions.copy_(torch.randint(0, 4096, (m,), device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, ref in zip(outs, body()):
+        assert torch.equal(out, ref)
