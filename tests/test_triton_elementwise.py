@@ -102,6 +102,28 @@ def test_qk_norm_rotary_matches_eager(dtype, m, heads, kv_heads, head_dim):
     assert torch.equal(qkv, before)
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU-only: the interpreter in the CPU model; GPU e2e covers the real path")
+def test_tiny_model_with_the_kernels_matches_transformers(tiny_model, hf_oracle, monkeypatch):
+    """The kernels at the model's own call sites (shapes, strided q/k views, argument order): greedy float32
+    generation through the engine, every elementwise function swapped for its kernel, against transformers."""
+    from llmcli import LLM, SamplingParams
+    from tests.test_engine_vs_hf import assert_same_tokens, random_prompts
+
+    monkeypatch.setattr("llmcli.layers.norm.rms_norm", te.rms_norm)
+    monkeypatch.setattr("llmcli.layers.norm.add_rms_norm", te.add_rms_norm)
+    monkeypatch.setattr("llmcli.layers.activation.silu_and_mul", te.silu_and_mul)
+    monkeypatch.setattr("llmcli.models.qwen3.qk_norm_rotary", te.qk_norm_rotary)
+    prompts = random_prompts([1, 6, 19], seed=7)
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=16,
+              max_num_batched_tokens=32, max_num_seqs=4, max_model_len=48, enable_prefix_caching=False)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    expected = hf_oracle.greedy(tiny_model, prompts, 6)
+    assert_same_tokens(hf_oracle, tiny_model, prompts, outs, expected, "triton elementwise kernels")
+
+
 def test_elementwise_mode_from_environment(monkeypatch):
     monkeypatch.delenv("LLMCLI_EAGER", raising=False)
     monkeypatch.delenv("LLMCLI_ELEMENTWISE", raising=False)

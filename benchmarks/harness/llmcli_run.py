@@ -60,10 +60,11 @@ def compiled_so_far() -> dict[str, int | None]:
     """
     out: dict[str, int | None] = {"triton_variants": None, "dynamo_graphs": None}
     with contextlib.suppress(Exception):
-        from llmcli.kernels import triton_decode, triton_prefill, triton_store
+        from llmcli.kernels import triton_decode, triton_elementwise, triton_prefill, triton_store
 
         fns = [triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel,
-               triton_prefill._prefill_kernel, triton_store._store_kv_kernel]
+               triton_prefill._prefill_kernel, triton_store._store_kv_kernel, triton_elementwise._rms_norm_kernel,
+               triton_elementwise._silu_and_mul_kernel, triton_elementwise._qk_norm_rotary_kernel]
         out["triton_variants"] = sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
     with contextlib.suppress(Exception):
         from torch._dynamo.utils import counters
