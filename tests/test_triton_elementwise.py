@@ -124,6 +124,61 @@ def test_tiny_model_with_the_kernels_matches_transformers(tiny_model, hf_oracle,
     assert_same_tokens(hf_oracle, tiny_model, prompts, outs, expected, "triton elementwise kernels")
 
 
+# Run in a fresh interpreter-free process: Triton decides interpreted vs compiled at import and decoration time.
+PTX_SCRIPT = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmcli.kernels import triton_elementwise as te
+
+bf, i32, c = "*bf16", "i32", "constexpr"
+rms = dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf, M=i32, x_stride=i32, res_stride=i32,
+           out_stride=i32, res_out_stride=i32, eps="fp32", N=c, BLOCK_N=c, ROWS=c, HAS_RESIDUAL=c)
+silu = dict(x_ptr=bf, out_ptr=bf, M=i32, x_stride=i32, out_stride=i32, N=c, BLOCK=c)
+qk = dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", qw_ptr=bf, kw_ptr=bf, cos_ptr="*fp32", sin_ptr="*fp32",
+          q_out_ptr=bf, k_out_ptr=bf, M=i32, q_stride=i32, q_head_stride=i32, k_stride=i32, k_head_stride=i32,
+          cos_stride=i32, sin_stride=i32, eps="fp32", HQ=c, BLOCK_HQ=c, HK=c, BLOCK_HK=c, HEAD_DIM=c, BLOCK_HALF=c)
+cases = {
+    "rms_norm": (te._rms_norm_kernel, rms, dict(N=1024, BLOCK_N=1024, ROWS=2, HAS_RESIDUAL=True)),
+    "silu_and_mul": (te._silu_and_mul_kernel, silu, dict(N=3072, BLOCK=1024)),
+    "qk_norm_rotary": (te._qk_norm_rotary_kernel, qk,
+                       dict(HQ=16, BLOCK_HQ=16, HK=8, BLOCK_HK=8, HEAD_DIM=128, BLOCK_HALF=64)),
+}
+out = {}
+for name, (fn, signature, constexprs) in cases.items():
+    # pointers and row strides 16-aligned, as torch allocates them (Triton specialises on that at launch)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, (arg, kind) in enumerate(signature.items())
+               if kind.startswith("*") or arg.endswith("stride")}
+    k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out[name] = {"ptx": k.asm["ptx"], "has_cubin": "cubin" in k.asm}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif("nvidia" not in __import__("triton.backends").backends.backends, reason="no CUDA backend")
+def test_kernels_compile_for_h200_with_vector_loads():
+    """The kernels build for sm_90 (no GPU needed: Triton's compiler and its ptxas) at Qwen3-0.6B's sizes, and
+    their bf16 loads and stores are 16-byte vectors: the looped, unvectorised code that dynamic torch.compile
+    produced is what they replace."""
+    import json
+    import re
+    import subprocess
+
+    from tests.processes import env
+
+    e = env()
+    e.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", PTX_SCRIPT], env=e, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, got in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        ptx = got["ptx"]
+        assert got["has_cubin"], name
+        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx) and re.search(r"st\.global(\.\w+)*\.v4\.b32", ptx), name
+        assert not re.search(r"(ld|st)\.global(\.\w+)*\.b16\b", ptx), f"{name}: scalar bf16 loads or stores"
+
+
 def test_elementwise_mode_from_environment(monkeypatch):
     monkeypatch.delenv("LLMCLI_EAGER", raising=False)
     monkeypatch.delenv("LLMCLI_ELEMENTWISE", raising=False)
