@@ -82,7 +82,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 @triton.jit(do_not_specialize=["M"])
 def _silu_and_mul_kernel(x_ptr, out_ptr, M, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr):
-    blocks_per_row: tl.constexpr = (N + BLOCK - 1) // BLOCK
+    blocks_per_row = (N + BLOCK - 1) // BLOCK  # constexpr arithmetic: folded at compile time
     pid = tl.program_id(0).to(tl.int64)
     row = pid // blocks_per_row
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
@@ -111,7 +111,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_stride, c1, c2, s1, s2, eps,
                        H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """RMSNorm then rotary of one token's ``H`` heads, the two halves of each head kept apart (rotate-half)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
+    HALF = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < H) & (dims[None, :] < HALF)
@@ -140,7 +140,7 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
                            q_stride, q_head_stride, k_stride, k_head_stride, cos_stride, sin_stride, eps,
                            HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    HALF: tl.constexpr = HEAD_DIM // 2
+    HALF = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
