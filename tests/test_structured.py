@@ -184,6 +184,19 @@ def test_a_constraint_of_many_requests_gets_independent_templates(llm, monkeypat
         compiler.shutdown()
 
 
+def test_a_masked_token_is_never_sampled_at_the_noise_hash_edge(llm):
+    """Each (seed, step) below gives one token the top 24-bit noise hash (the uniform rounded to 1.0: infinite
+    Gumbel noise, NaN on a masked logit) at the step where the regex forbids it: 'm', an id past the
+    tokenizer's 600 tokens, 'Fr'. The sampler drew that token and the matcher refused it ("abort"); as the
+    structured bench's request 213 did with token 86015 at its step 534."""
+    edges = [(7719, 2), (4955, 3), (3000, 8)]
+    outs = llm.generate(["Digits:"] * len(edges), [constrained(temperature=1.0, seed=seed, regex="[0-9]{12}",
+                                                               max_tokens=40) for seed, _ in edges])
+    for out, (seed, step) in zip(outs, edges):
+        assert out.finish_reason == "stop", (seed, out.finish_reason, out.text)
+        assert re.fullmatch("[0-9]{12}", out.text) and len(out.token_ids) > step
+
+
 def test_token_bitmask_on_logits():
     vocab = 70  # three 32-bit words, the last one partly used
     allowed = {0, 5, 31, 32, 63, 64, 69}
