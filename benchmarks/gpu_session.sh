@@ -7,7 +7,8 @@
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
 #   stopped-rank  benchmarks/stopped_rank_gpu.py: SIGSTOP of a TP=2 rank, heartbeat limit 5 s (needs 2 GPUs)
 #   logprobs  benchmarks/logprobs_cost.py: bench workload with and without logprobs=5 (issue 15: cost <= 10%)
-#   structured  benchmarks/structured_bench.py: bench workload unconstrained / one JSON schema / 64 schemas
+#   structured  benchmarks/structured_step_cpu.py (the mask fill on this host, one template vs independent ones),
+#           then benchmarks/structured_bench.py: bench workload unconstrained / one JSON schema / 64 schemas
 #           (needs .whl/llguidance-*.whl), extra args in STRUCTURED_ARGS
 #   speed   issue #13 (one H200, <= 6 min): benchmarks/host_step_cpu.py (host ms per decode step on this CPU), then
 #           benchmarks/speed_gpu.py (mixed_steps, sample_in_graph, decode_gemm on/off; share of bound), args in SPEED_ARGS
@@ -53,8 +54,12 @@ for stage in "$@"; do
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
     speed) timeout 30 python3 benchmarks/host_step_cpu.py --steps 200 2>&1 | tee "$OUT/host_step.log"
       timeout 330 python3 benchmarks/speed_gpu.py ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed.log" ;;
-    structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 \
-      | tee "$OUT/structured.log" ;;
+    # the host's mask fill alone first: every matcher a copy of one template (--shards 1, the old way), then
+    # the compiler's independent templates (copies of one template share a lexer lock)
+    structured) timeout 60 python3 benchmarks/structured_step_cpu.py --steps 40 --shards 1 2>&1 | tail -3 \
+        | tee "$OUT/structured_step.log"
+      timeout 60 python3 benchmarks/structured_step_cpu.py --steps 40 2>&1 | tail -1 | tee -a "$OUT/structured_step.log"
+      timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
   esac
 done
 echo "=== done $(date -u +%H:%M:%S)"

@@ -71,6 +71,7 @@ def run(engine: LLMEngine, requests: list, temperature: float, schemas: list[dic
            for q in (50, 90, 99, 100)}
     return {"requests": len(outs), "output_tokens": n_out, "expected_tokens": want, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "finish": sorted({o.finish_reason for o in outs}),
+            "aborted": sum(o.finish_reason == "abort" for o in outs),
             "decode_steps": decode.get("steps", 0), "wait_ms": decode.get("wait_ms", 0.0),
             "mask_ms": decode.get("mask_ms", 0.0), "host_ms": decode.get("host_ms", 0.0)} | pct
 
@@ -118,6 +119,7 @@ def main() -> int:
         compiled = set(engine.structured.compiler.compile_seconds)
         result["one_schema"] = run(engine, requests, w.temperature, [schema(0)])
         print("one schema", json.dumps(result["one_schema"]), flush=True)
+        result["one_schema_templates"] = engine.structured.compiler.templates(StructuredOutputsParams(json=schema(0)))
         result["many_schemas"] = run(engine, requests, w.temperature, [schema(i + 1) for i in range(args.schemas)])
         print(f"{args.schemas} schemas", json.dumps(result["many_schemas"]), flush=True)
         seconds = [s for k, s in engine.structured.compiler.compile_seconds.items() if k not in compiled]
@@ -130,17 +132,19 @@ def main() -> int:
     ok = all(result[k]["output_tokens"] == result[k]["expected_tokens"]
              for k in ("unconstrained", "one_schema", "many_schemas"))
     print(f"\n| run | output tok/s | vs unconstrained | decode ms/step: wait | mask | host | "
-          f"mask fill ms p50 / p90 / p99 / max |\n|---|---|---|---|---|---|---|")
+          f"mask fill ms p50 / p90 / p99 / max | aborted |\n|---|---|---|---|---|---|---|---|")
     for key, label in (("unconstrained", "unconstrained"), ("one_schema", "one JSON schema"),
                        ("many_schemas", f"{args.schemas} distinct schemas")):
         r = result[key]
         print(f"| {label} | {r['output_tok_s']:,.0f} | {r['output_tok_s'] / base:.3f} | {r['wait_ms']:.2f} | "
               f"{r['mask_ms']:.2f} | {r['host_ms']:.2f} | {r['fill_p50_ms']:.2f} / {r['fill_p90_ms']:.2f} / "
-              f"{r['fill_p99_ms']:.2f} / {r['fill_p100_ms']:.2f} |")
+              f"{r['fill_p99_ms']:.2f} / {r['fill_p100_ms']:.2f} | {r['aborted']} |")
     c = result["compile_ms"]
     print(f"\nschema compile: {c['count']} schemas, mean {c['mean']:.1f} ms, max {c['max']:.1f} ms "
           f"(warm-up incl. tokenizer tables and the first compile: {result['warmup_s']:.1f} s); "
-          f"every request produced its full length: {ok}; mask threads: {engine.structured.masks.threads}")
+          f"every request produced its full length: {ok}; mask threads: {engine.structured.masks.threads}; "
+          f"compiled templates of the one schema: {result['one_schema_templates']} (copies of one template "
+          f"share a lexer lock)")
     return 0 if ok else 1
 
 

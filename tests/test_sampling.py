@@ -243,3 +243,42 @@ def test_seeded_sampling_respects_top_k_through_the_engine(llm, hf_oracle, tiny_
     want = hf_oracle.greedy(tiny_model, prompts, 16)
     outs = llm.generate(prompts, SamplingParams(temperature=1.3, top_k=1, max_tokens=16, seed=5, ignore_eos=True))
     assert [list(o["token_ids"]) for o in outs] == want
+
+
+# Request 213 of structured_bench.py (seed 213) at its 535th token (step 534): the hash of token 86015 is the
+# largest 24-bit value, whose uniform (2**24 - 0.5) / 2**24 rounds to 1.0 in float32. Gumbel noise there was
+# -log(-log 1) = +inf, and a masked (-inf) logit plus +inf is NaN, which argmax picks: the engine sampled a
+# token the grammar's mask had removed, and the matcher refused it. (Noise now finite: gumbel_noise.)
+EDGE_SEED, EDGE_STEP, EDGE_TOKEN = 213, 534, 86015
+
+
+def test_the_edge_case_input_hits_the_top_hash_value():
+    from llmcli.layers.sampler import _mix32, row_keys
+
+    key = row_keys(torch.tensor([EDGE_SEED]), torch.tensor([EDGE_STEP]))
+    assert int(_mix32(key ^ EDGE_TOKEN) >> 8) == (1 << 24) - 1  # else pick another input for the tests below
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.2])
+def test_a_masked_token_is_never_drawn_even_at_the_top_hash_value(min_p):
+    vocab = EDGE_TOKEN + 100
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    logits[:, EDGE_TOKEN] = float("-inf")  # what a token bitmask does to a disallowed token
+    ones = torch.ones(2)
+    seeds, steps = torch.tensor([EDGE_SEED, EDGE_SEED]), torch.tensor([EDGE_STEP, EDGE_STEP])
+    for use_filters in (False, True):
+        got = Sampler()(logits, ones * 0.6, torch.full((2,), -1), ones, ones * min_p, seeds, steps, use_filters)
+        assert EDGE_TOKEN not in got.tolist()
+        assert torch.isfinite(logits.gather(1, got[:, None])).all()
+
+
+def test_an_allowed_token_at_the_top_hash_value_is_not_forced():
+    """The same hash value on an allowed token gave it infinite noise: drawn whatever its logit."""
+    vocab = EDGE_TOKEN + 100
+    logits = torch.zeros(1, vocab)
+    logits[0, EDGE_TOKEN] = -60.0  # probability ~e^-100 at temperature 0.6: never drawn
+    logits[0, 7] = 10.0
+    one = torch.ones(1)
+    got = Sampler()(logits, one * 0.6, torch.full((1,), -1), one, one * 0.0, torch.tensor([EDGE_SEED]),
+                    torch.tensor([EDGE_STEP]), False)
+    assert got.item() != EDGE_TOKEN

@@ -149,6 +149,54 @@ def test_compiler_compiles_each_distinct_constraint_once(llm):
     assert compiler.submit(a) is not compiler.submit(StructuredOutputsParams(regex="zz"))
 
 
+def test_a_constraint_of_many_requests_gets_independent_templates(llm, monkeypatch):
+    """llguidance's copies of one matcher share its lexer, behind one lock held for a whole mask: the masks
+    of 256 requests under one schema were filled one at a time on any number of threads. Requests of one
+    constraint are spread over a few templates compiled on their own, whose lexers are independent (seen
+    here through a lexer failure: it reaches every copy of its template, and no other template)."""
+    from llmcli.engine.structured import GrammarCompiler, grammar
+    from llmcli.engine.structured.compiler import ROWS_PER_SHARD
+
+    monkeypatch.setitem(grammar.PARSER_LIMITS, "step_lexer_fuel", 50)  # the first string is too much
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.eos_token_ids, llm.engine.config.hf_config.vocab_size,
+                               shards=3)
+    try:
+        spec = StructuredOutputsParams(json={"type": "object", "properties": {"name": {"type": "string"}},
+                                             "required": ["name"], "title": "independent templates"})
+        futures = [compiler.submit(spec) for _ in range(4 * ROWS_PER_SHARD)]
+        distinct = list(dict.fromkeys(futures))
+        assert len(distinct) == 3 == compiler.templates(spec)
+        assert futures[:ROWS_PER_SHARD] == [distinct[0]] * ROWS_PER_SHARD  # consecutive requests share one
+        assert futures[3 * ROWS_PER_SHARD] is distinct[0]  # then they come round again
+        few = StructuredOutputsParams(regex="[a-z]{1,4}")
+        assert len({compiler.submit(few) for _ in range(ROWS_PER_SHARD)}) == 1  # a few requests: one compile
+        first, sibling = distinct[0].result().deep_copy(), distinct[0].result().deep_copy()
+        other = distinct[1].result().deep_copy()
+        prefix = llm.tokenizer.encode('{"name": "')
+        assert first.consume_tokens(prefix)
+        first.compute_bitmask()
+        assert first.is_error() and "lexer" in first.get_error()
+        for matcher in (sibling, other):
+            matcher.compute_bitmask()  # at the start: no string yet, well within the fuel
+        assert sibling.is_error()  # the same lexer as ``first``
+        assert not other.is_error(), other.get_error()
+    finally:
+        compiler.shutdown()
+
+
+def test_a_masked_token_is_never_sampled_at_the_noise_hash_edge(llm):
+    """Each (seed, step) below gives one token the top 24-bit noise hash (the uniform rounded to 1.0: infinite
+    Gumbel noise, NaN on a masked logit) at the step where the regex forbids it: 'm', an id past the
+    tokenizer's 600 tokens, 'Fr'. The sampler drew that token and the matcher refused it ("abort"); as the
+    structured bench's request 213 did with token 86015 at its step 534."""
+    edges = [(7719, 2), (4955, 3), (3000, 8)]
+    outs = llm.generate(["Digits:"] * len(edges), [constrained(temperature=1.0, seed=seed, regex="[0-9]{12}",
+                                                               max_tokens=40) for seed, _ in edges])
+    for out, (seed, step) in zip(outs, edges):
+        assert out.finish_reason == "stop", (seed, out.finish_reason, out.text)
+        assert re.fullmatch("[0-9]{12}", out.text) and len(out.token_ids) > step
+
+
 def test_token_bitmask_on_logits():
     vocab = 70  # three 32-bit words, the last one partly used
     allowed = {0, 5, 31, 32, 63, 64, 69}

@@ -580,3 +580,18 @@ def test_logprobs_kernel_matches_log_softmax(dtype, k):
     assert all(len(set(row)) == k for row in ids.tolist())
     if k >= 3:
         assert ids[2, :3].tolist() == [5, triton_logprobs.CHUNK + 9, vocab - 10]  # ties: lower id first
+
+
+def test_one_pass_sampler_never_draws_a_masked_token_at_the_top_hash_value():
+    """Seed 213, step 534: token 86015's hash is the largest 24-bit value (tests/test_sampling.py), whose
+    uniform rounded to 1.0: infinite Gumbel noise, NaN on the masked token, which won the draw."""
+    seed, step, token = 213, 534, 86015
+    vocab = token + 100
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    logits[:, token] = float("-inf")  # disallowed by a token bitmask
+    temps, min_ps = torch.tensor([0.6, 0.6]), torch.tensor([0.0, 0.2])
+    keys = row_keys(torch.tensor([seed, seed]), torch.tensor([step, step]))
+    got = sample_unfiltered(logits.to(DEVICE), temps.to(DEVICE), min_ps.to(DEVICE), keys.to(DEVICE)).cpu()
+    assert token not in got.tolist()
+    ref = sample(logits, temps, None, None, min_ps, torch.tensor([seed, seed]), torch.tensor([step, step]), False)
+    assert torch.equal(got, ref)
