@@ -8,6 +8,12 @@ so that it compiles to straight-line vectorised code once per model, and takes t
 ``llmcli.layers`` does (a bfloat16 add, the norm in float32 then ``.to(dtype)`` then times the weight, each
 rotary product rounded, ...), so greedy outputs stay as close to transformers as the eager code keeps them.
 The signatures are the eager functions' own, so the layers can dispatch to them one for one.
+
+Every launch passes ``enable_fp_fusion=False``. LLVM narrows ``(a.to(f32) * b.to(f32)).to(bf16)`` to a native bf16
+multiply (exact, so harmless), but with Triton's default FP fusion the NVPTX backend then contracts that multiply
+and the following add into one ``fma.rn.bf16x2``, dropping the product's rounding that the source spells out:
+the rotary sums came out a bf16 ulp off eager in ~21% of elements on an H200. Eager torch never fuses across ops,
+so no kernel here may either (tests/test_triton_elementwise.py checks the sm_90 PTX has no ``fma``).
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import triton.language as tl
 _NORM_ELEMENTS = 2048
 # Columns of SiLU-and-mul per program.
 _SILU_BLOCK = 1024
+# Compile option for every launch: no mul+add contraction into FMAs across the roundings (module docstring).
+_UNFUSED = {"enable_fp_fusion": False}
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -57,7 +65,8 @@ def _launch_norm(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tens
     _rms_norm_kernel[(triton.cdiv(m, rows),)](
         x2, res2 if has_res else x2, weight, out, res_out if has_res else out, m, x2.stride(0),
         res2.stride(0) if has_res else 0, out.stride(0), res_out.stride(0) if has_res else 0, eps,
-        N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=has_res, num_warps=8 if block_n >= 4096 else 4)
+        N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=has_res, num_warps=8 if block_n >= 4096 else 4,
+        **_UNFUSED)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,7 +112,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(_SILU_BLOCK, triton.next_power_of_2(n))
     if m:
         _silu_and_mul_kernel[(m * triton.cdiv(n, block),)](x2, out, m, x2.stride(0), out.stride(0), N=n,
-                                                           BLOCK=block, num_warps=4)
+                                                           BLOCK=block, num_warps=4, **_UNFUSED)
     return out.view(*x.shape[:-1], n)
 
 
@@ -125,7 +134,8 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
     dmask = dims < HALF
     w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype
+    # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype (this is where
+    # FP fusion would turn a product and the sum into one fma: the launch turns it off)
     n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
     n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
     o1 = (n1 * c1).to(out_dtype).to(tl.float32) + (-n2 * s1).to(out_dtype).to(tl.float32)
@@ -182,5 +192,5 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_
         _qk_norm_rotary_kernel[(m,)](
             q, k, positions, q_weight, k_weight, cos, sin, q_out, k_out, m, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), cos.stride(0), sin.stride(0), eps, HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk,
-            BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d, BLOCK_HALF=block_half, num_warps=4)
+            BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d, BLOCK_HALF=block_half, num_warps=4, **_UNFUSED)
     return q_out, k_out
