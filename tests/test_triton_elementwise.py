@@ -37,8 +37,11 @@ def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
-    if dtype != torch.float32:  # a rounding step apart now and then, not everywhere
-        assert (out != ref).float().mean().item() <= 0.02
+    if dtype != torch.float32:  # a rounding step apart now and then (float32 sums in another order), not everywhere
+        # bfloat16 runs on the GPU only: every rounding where eager rounds it, and a flip needs a float32 value
+        # within an ulp or two of a bfloat16 tie (an FMA across a rounding flipped ~21% of qk_norm_rotary's)
+        share = 0.002 if dtype == torch.bfloat16 else 0.02
+        assert (out != ref).sum().item() <= 1 + share * ref.numel()
 
 
 def randn(*shape, dtype):

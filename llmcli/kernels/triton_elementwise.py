@@ -43,7 +43,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, x_stride, r
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + rows[:, None] * res_out_stride + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) * (1.0 / N) + eps)  # torch's mean: the sum times 1/N
     normed = (xf * rstd[:, None]).to(x.dtype)  # .to(dtype) before the weight, as the eager code rounds
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
     out = (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
@@ -130,7 +130,7 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
     dtype = x1.dtype
     out_dtype = dst_ptr.dtype.element_ty
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)[:, None]
+    rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) * (1.0 / HEAD_DIM) + eps)[:, None]
     dmask = dims < HALF
     w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
