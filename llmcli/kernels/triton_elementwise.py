@@ -17,9 +17,12 @@ so no kernel here may either (tests/test_triton_elementwise.py checks the sm_90 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Rows of an RMSNorm handled by one program: enough elements per program for wide loads and few programs.
 _NORM_ELEMENTS = 2048
@@ -27,6 +30,8 @@ _NORM_ELEMENTS = 2048
 _SILU_BLOCK = 1024
 # Compile option for every launch: no mul+add contraction into FMAs across the roundings (module docstring).
 _UNFUSED = {"enable_fp_fusion": False}
+# libdevice's expf, as torch's CUDA code calls it; Triton's interpreter (CPU tests) has no libdevice.
+_LIBDEVICE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -90,7 +95,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _silu_and_mul_kernel(x_ptr, out_ptr, M, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, M, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr,
+                         LIBDEVICE_EXP: tl.constexpr):
     blocks_per_row = (N + BLOCK - 1) // BLOCK  # constexpr arithmetic: folded at compile time
     pid = tl.program_id(0).to(tl.int64)
     row = pid // blocks_per_row
@@ -99,7 +105,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, M, x_stride, out_stride, N: tl.constexp
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + N + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu rounds to the dtype before the product
+    # torch's CUDA silu: x / (1 + expf(-x)), an IEEE division; tl.exp and / would be the approximate ex2.approx
+    # and div.full, a few float32 ulps off, enough to flip the bfloat16 rounding now and then
+    e = libdevice.exp(-g) if LIBDEVICE_EXP else tl.exp(-g)
+    act = tl.div_rn(g, 1.0 + e).to(gate.dtype)  # F.silu rounds to the dtype before the product
     out = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
@@ -112,7 +121,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(_SILU_BLOCK, triton.next_power_of_2(n))
     if m:
         _silu_and_mul_kernel[(m * triton.cdiv(n, block),)](x2, out, m, x2.stride(0), out.stride(0), N=n,
-                                                           BLOCK=block, num_warps=4, **_UNFUSED)
+                                                           BLOCK=block, LIBDEVICE_EXP=_LIBDEVICE_EXP, num_warps=4,
+                                                           **_UNFUSED)
     return out.view(*x.shape[:-1], n)
 
 
