@@ -17,8 +17,6 @@ so no kernel here may either (tests/test_triton_elementwise.py checks the sm_90 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -30,8 +28,6 @@ _NORM_ELEMENTS = 2048
 _SILU_BLOCK = 1024
 # Compile option for every launch: no mul+add contraction into FMAs across the roundings (module docstring).
 _UNFUSED = {"enable_fp_fusion": False}
-# libdevice's expf, as torch's CUDA code calls it; Triton's interpreter (CPU tests) has no libdevice.
-_LIBDEVICE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -111,6 +107,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, M, x_stride, out_stride, N: tl.constexp
     act = tl.div_rn(g, 1.0 + e).to(gate.dtype)  # F.silu rounds to the dtype before the product
     out = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+
+
+# libdevice's expf, as torch's CUDA silu calls it, in compiled kernels; Triton's interpreter (TRITON_INTERPRET,
+# the CPU tests) has no libdevice.
+_LIBDEVICE_EXP = isinstance(_silu_and_mul_kernel, triton.runtime.jit.JITFunction)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
