@@ -36,6 +36,7 @@ from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel  # noqa: E402
 from llmcli.kernels.triton_prefill import prefill_paged, prefill_varlen  # noqa: E402
 from llmcli.kernels.triton_sample import CHUNK, _gumbel, sample_unfiltered  # noqa: E402
+from llmcli.kernels import triton_sample  # noqa: E402
 from llmcli.kernels import triton_logprobs  # noqa: E402
 from llmcli.kernels.triton_store import store_kv  # noqa: E402
 from llmcli.layers.sampler import row_keys, sample  # noqa: E402
@@ -523,6 +524,7 @@ def test_samplers_draw_the_exact_gumbel_max_where_u_is_largest(dtype, monkeypatc
             top2 = scores[r, order[r, :2]]
             allowed = order[r, :2] if top2[0] - top2[1] < 1e-4 * abs(top2[0]) else order[r, :1]
             assert int(got[r]) in allowed.tolist(), f"{name} sampler, bits {EXTREME_BITS[r]}: drew {int(got[r])}"
+from llmcli.kernels import triton_sample  # noqa: E402
 
 
 def test_start_up_check_keeps_a_correct_one_pass_sampler_and_drops_a_wrong_one(monkeypatch):

@@ -23,18 +23,45 @@ F32_ROWS = ("temperatures", "min_ps")
 _SLOTS, _PENDING, _TABLE_ROWS = (I64_ROWS.index(name) for name in ("slots", "pending", "table_rows"))
 
 
-def graph_batch_sizes(max_num_seqs: int, spacing: str | None = None) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to the largest decode batch.
+GRAPH_SPACINGS = ("spaced", "pow2", "every16")
 
-    ``spacing="pow2"`` (or ``LLMCLI_GRAPH_SIZES=pow2``) captures powers of two only (and the largest batch):
-    a third of the graphs, so a shorter start-up, for up to twice the rows in a padded decode step.
+
+def graph_batch_sizes(max_num_seqs: int, spacing: str | None = None) -> list[int]:
+    """The decode batch sizes that get a CUDA graph; a step of n rows replays the smallest one of at least n.
+
+    ``spacing`` (default: ``LLMCLI_GRAPH_SIZES``, else ``"spaced"``):
+
+    - ``"spaced"``: 1, 2, 4, 8, 16, then powers of two and the midpoints between them (32, 48, 64, 96, 128,
+      192, ...): 14 graphs at 512 rows, and a padded step runs at most 1.5x its rows. Decode GEMMs of up to a
+      few hundred rows cost what their weights cost to read, and padding rows attend to nothing, so the
+      padding is nearly free while each graph fewer saves its capture at start-up.
+    - ``"pow2"``: powers of two only (10 graphs at 512; up to 2x the rows).
+    - ``"every16"``: 1, 2, 4, 8 and every multiple of 16 (36 graphs at 512; the least padding).
+    - a comma-separated list of sizes (for measurements).
+
+    Every size is 1, 2, 4, 8 or a multiple of 16, like the sizes a real step would otherwise pad to, so the
+    kernels compiled for the graphs are the usual ones. The largest decode batch always gets a graph.
     """
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
-    spacing = spacing if spacing is not None else os.environ.get("LLMCLI_GRAPH_SIZES", "")
-    if spacing == "pow2":
-        return sorted({b for b in (1 << i for i in range(10)) if b < top} | {top})
-    sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16)) + [top]
-    return sorted(set(sizes))
+    spacing = spacing if spacing is not None else os.environ.get("LLMCLI_GRAPH_SIZES", "") or "spaced"
+    if spacing[:1].isdigit():
+        try:
+            listed = {int(part) for part in spacing.split(",") if part.strip()}
+        except ValueError:
+            raise ValueError(f"LLMCLI_GRAPH_SIZES={spacing!r}: expected {', '.join(GRAPH_SPACINGS)} "
+                             "or a comma-separated list of batch sizes") from None
+        return sorted({b for b in listed if 0 < b < top} | {top})
+    small = [b for b in (1, 2, 4, 8, 16) if b < top]
+    if spacing == "every16":
+        sizes = small[:4] + list(range(16, top, 16))
+    elif spacing == "pow2":
+        sizes = small + [1 << i for i in range(5, 10)]
+    elif spacing == "spaced":
+        sizes = small + [b for i in range(5, 10) for b in (1 << i, 3 << (i - 1))]  # 32, 48, 64, 96, ...
+    else:
+        raise ValueError(f"LLMCLI_GRAPH_SIZES={spacing!r}: expected {', '.join(GRAPH_SPACINGS)} "
+                         "or a comma-separated list of batch sizes")
+    return sorted({b for b in sizes if b < top} | {top})
 
 
 class DecodeGraphs:
@@ -92,10 +119,10 @@ class DecodeGraphs:
         hidden = self.model(ids, row["positions"])
         if self.sample_in_graph:
             from llmcli.kernels.triton_sample import sample_unfiltered
-            from llmcli.layers.sampler import compiled_row_keys
+            from llmcli.layers.sampler import fused_row_keys
 
             logits = self.model.compute_logits(hidden)
-            keys = compiled_row_keys(row["seeds"], row["steps"])
+            keys = fused_row_keys(row["seeds"], row["steps"])
             self.tokens[:bs].copy_(sample_unfiltered(logits, self.f32[0, :bs], self.f32[1, :bs], keys))
         return hidden
 

@@ -69,6 +69,27 @@ def _sample_chunk_kernel(
     tl.store(part_idx_ptr + row * n_chunks + chunk, chunk * CHUNK + best_pos)
 
 
+@triton.jit(do_not_specialize=["n"])
+def _row_keys_kernel(seeds_ptr, steps_ptr, keys_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < n
+    seed = tl.load(seeds_ptr + i, mask=valid, other=0)
+    step = tl.load(steps_ptr + i, mask=valid, other=0)
+    # the low and high words of the seed, and the step's low word: what ``& 0xFFFFFFFF`` keeps in int64
+    lo, hi = seed.to(tl.uint32), (seed >> 32).to(tl.uint32)
+    key = _mix32_u32(_mix32_u32(lo ^ _mix32_u32(hi)) ^ step.to(tl.uint32))
+    tl.store(keys_ptr + i, key.to(tl.int64), mask=valid)
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``llmcli.layers.sampler.row_keys`` as one kernel: [B] int64 keys from [B] int64 seeds and steps."""
+    n = seeds.numel()
+    keys = torch.empty(n, dtype=torch.int64, device=seeds.device)
+    block = 128
+    _row_keys_kernel[(triton.cdiv(n, block),)](seeds.contiguous(), steps.contiguous(), keys, n, BLOCK=block)
+    return keys
+
+
 def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor,
                       row_keys: torch.Tensor) -> torch.Tensor:
     """[B] int64 tokens for [B, V] logits (any float dtype, last dimension contiguous); ``row_keys`` are

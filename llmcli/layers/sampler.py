@@ -3,13 +3,16 @@
 Randomness comes from a counter-based hash of (request seed, generation step,
 token id), turned into Gumbel noise. Each request's draws therefore depend only on
 its own seed and step, never on what it is batched with.
+
+On CUDA the draw itself is the one-pass Triton kernel (llmcli.kernels.triton_sample), after the
+sort-based top-k/top-p filter when a row asks for one; the torch code below is the CPU path, the
+fallback, and the reference. Nothing here uses torch.compile: importing Dynamo and Inductor alone
+costs seconds of start-up.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from llmcli.layers.compile import compile_on_cuda
 
 _M32 = 0xFFFFFFFF
 
@@ -80,17 +83,21 @@ def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-compiled_row_keys = compile_on_cuda(row_keys)  # one fused kernel instead of a dozen tiny ones
+def fused_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``row_keys`` as one Triton kernel on CUDA (a dozen tiny kernels otherwise, e.g. in a decode graph)."""
+    if seeds.is_cuda:
+        from llmcli.kernels.triton_sample import row_keys as triton_row_keys
+
+        return triton_row_keys(seeds, steps)
+    return row_keys(seeds, steps)
 
 
-@compile_on_cuda
 def scale_logits(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """float32 logits divided by each row's temperature (greedy rows left as they are)."""
     logits = logits.float()
     return logits / torch.where(temperatures <= 0, 1.0, temperatures)[:, None]
 
 
-@compile_on_cuda
 def draw(logits, scaled, temperatures, min_ps, seeds, steps):
     """Gumbel-max over the (filtered) scaled logits, after min-p; argmax of the raw logits for greedy rows."""
     floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps)[:, None]
@@ -112,6 +119,23 @@ def sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filte
         # H200 (torch 2.11, InductorError in get_block_shape) once a new batch size came along mid-run.
         scaled = filter_logits(scaled, top_ks, top_ps)
     return draw(logits.float(), scaled, temperatures, min_ps, seeds, steps)
+
+
+def sample_one_pass(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters: bool):
+    """``sample`` with the draw in the one-pass Triton kernel (llmcli.kernels.triton_sample).
+
+    With top-k/top-p the sort-based filter runs first on the scaled logits; the kernel then samples those
+    at temperature 1, min-p applying to the kept tokens as in ``draw``; greedy rows take the raw argmax.
+    """
+    from llmcli.kernels.triton_sample import sample_unfiltered
+
+    keys = fused_row_keys(seeds, steps)
+    if not use_filters:
+        return sample_unfiltered(logits, temperatures, min_ps, keys)
+    greedy = temperatures <= 0
+    kept = filter_logits(scale_logits(logits, temperatures), top_ks, top_ps)
+    drawn = sample_unfiltered(kept, (~greedy).float(), min_ps, keys)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
 class Sampler(nn.Module):
@@ -139,7 +163,7 @@ class Sampler(nn.Module):
         try:
             from llmcli.kernels.triton_sample import sample_unfiltered
 
-            ours = sample_unfiltered(logits, temps, min_ps, compiled_row_keys(seeds, steps))
+            ours = sample_unfiltered(logits, temps, min_ps, fused_row_keys(seeds, steps))
             no_k, no_p = torch.full_like(seeds, -1), torch.ones_like(temps)
             ref = sample(logits, temps, no_k, no_p, min_ps, seeds, steps, False)
             scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
@@ -167,9 +191,6 @@ class Sampler(nn.Module):
         steps: torch.Tensor,  # [B] int64, index of the token being generated
         use_filters: bool = True,  # False when no row uses top-k/top-p (skips the sort)
     ) -> torch.Tensor:
-        if not use_filters and logits.is_cuda and self.one_pass:
-            # the same draw in one pass (llmcli.kernels.triton_sample); top-k/top-p need the sort below
-            from llmcli.kernels.triton_sample import sample_unfiltered
-
-            return sample_unfiltered(logits, temperatures, min_ps, compiled_row_keys(seeds, steps))
+        if logits.is_cuda and self.one_pass:
+            return sample_one_pass(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters)
         return sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters)
