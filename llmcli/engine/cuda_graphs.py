@@ -43,7 +43,7 @@ def graph_batch_sizes(max_num_seqs: int, spacing: str | None = None) -> list[int
     kernels compiled for the graphs are the usual ones. The largest decode batch always gets a graph.
     """
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
-    spacing = spacing if spacing is not None else os.environ.get("LLMCLI_GRAPH_SIZES", "") or "spaced"
+    spacing = (spacing if spacing is not None else os.environ.get("LLMCLI_GRAPH_SIZES", "")).strip() or "spaced"
     if spacing[:1].isdigit():
         try:
             listed = {int(part) for part in spacing.split(",") if part.strip()}
