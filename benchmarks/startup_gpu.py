@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Engine start-up from process start (issue 12: Qwen3-0.6B <= 10 s warm, <= 20 s fresh; Qwen3-8B <= 15 s warm).
+
+Each run is a fresh ``python -c`` process that imports llmcli, builds ``LLM(...)`` (dummy weights) and
+exits; the parent times it from the moment it launches the process to the moment the engine is ready,
+so interpreter start and imports count. Reported per run: that figure, the imports alone, ``LLM()``
+alone, the engine's phases, the number of decode graphs, and which heavy modules the process imported.
+Run it first on a fresh machine: the first run of each model is then the cold start.
+
+    python benchmarks/startup_gpu.py --smoke                 # CPU, tiny model
+    python benchmarks/startup_gpu.py                         # one H200: 0.6B x3 (cold, warm, warm), 0.6B with
+                                                             # every16 and pow2 graph sizes, 8B x2 (~3-4 min)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.fsdp", "torch.distributed.tensor",
+         "torch.onnx", "transformers.generation.utils", "transformers.modeling_utils", "sklearn")
+CHILD = r'''
+import json, sys, time
+t0 = time.perf_counter()
+from llmcli import LLM
+t1 = time.perf_counter()
+args = json.loads(sys.argv[1])
+llm = LLM(args["model"], **args["engine"])
+ready = time.time()
+t2 = time.perf_counter()
+runner = getattr(llm.engine, "model_runner", None)
+graphs = getattr(runner, "graphs", None)
+print("RESULT " + json.dumps(dict(ready_epoch=ready, import_s=t1 - t0, llm_s=t2 - t1, phases=llm.engine.startup_s,
+                                  graphs=len(graphs.batch_sizes) if graphs is not None else 0,
+                                  heavy=[m for m in args["heavy"] if m in sys.modules])), flush=True)
+llm.shutdown()
+'''
+
+
+def run_once(model: str, engine: dict, env: dict[str, str]) -> dict:
+    arg = json.dumps(dict(model=model, engine=engine, heavy=HEAVY))
+    launched = time.time()
+    proc = subprocess.run([sys.executable, "-c", CHILD, arg], capture_output=True, timeout=600,
+                          env={**os.environ, **env}, cwd=REPO)
+    out = proc.stdout.decode(errors="replace")
+    if proc.returncode != 0 or "RESULT " not in out:
+        raise SystemExit(f"start-up run failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
+    result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    result["from_launch_s"] = result["ready_epoch"] - launched
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, one run each")
+    ap.add_argument("--runs", default="0.6B:3,0.6B@every16:1,0.6B@pow2:1,8B:2",
+                    help="MODEL[@GRAPH_SIZES]:COUNT,... (MODEL: a folder under configs/ without 'Qwen3-', or a path)")
+    args = ap.parse_args()
+    engine: dict = {"load_format": "dummy"}
+    if args.smoke:
+        engine.update(device="cpu", num_kvcache_blocks=64)
+        args.runs = "tiny:1,tiny@pow2:1"
+    rows = []
+    for item in args.runs.split(","):
+        spec, count = item.rsplit(":", 1)
+        name, _, sizes = spec.partition("@")
+        model = (str(REPO / "examples" / "tiny-qwen3") if name == "tiny" else
+                 name if "/" in name else str(REPO / "configs" / f"Qwen3-{name}"))
+        env = {"LLMCLI_GRAPH_SIZES": sizes} if sizes else {}
+        for i in range(1, int(count) + 1):
+            r = run_once(model, engine, env)
+            label = f"{name}{'@' + sizes if sizes else ''} #{i}"
+            rows.append((label, r))
+            print(f"[{label}] ready {r['from_launch_s']:.1f} s after launch (imports {r['import_s']:.1f} s, LLM() "
+                  f"{r['llm_s']:.1f} s); phases {r['phases']}; {r['graphs']} graphs; heavy modules: "
+                  f"{', '.join(r['heavy']) or 'none'}", flush=True)
+    print("\nrun              | from launch | imports | LLM() | probe | compile | graphs (n)  | weights")
+    for label, r in rows:
+        p = r["phases"]
+        print(f"{label:<16} | {r['from_launch_s']:10.1f}s | {r['import_s']:6.1f}s | {r['llm_s']:4.1f}s | "
+              f"{p.get('probe', 0):4.1f}s | {p.get('compile', 0):6.1f}s | {p.get('graphs', 0):5.1f}s ({r['graphs']:2d}) | "
+              f"{p.get('weights', 0):.1f}s")
+
+
+if __name__ == "__main__":
+    main()
