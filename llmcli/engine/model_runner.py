@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -93,20 +94,29 @@ class ModelRunner:
             self.model = self._build_model()
         self.init_host_state(config, self.device, 0)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        with clock.phase("probe"):
-            activation_peak = self._warmup()
-            per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
-            self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
-            self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
-        if self.num_blocks == 0:
-            raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
-        with clock.phase("kv_cache"):
-            self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
-                                              self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
-        if self.device.type == "cuda":
-            with clock.phase("compile"):
-                self._compile_variants()
-            log.info("compiled the prefill and sampler variants in %.1f s", clock.seconds["compile"])
+        # kernels that need no forward compile on worker threads meanwhile (joined before graph capture)
+        side = self._start_side_compile()
+        try:
+            with clock.phase("probe"):
+                activation_peak = self._warmup()
+                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
+                self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
+                self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
+            if self.num_blocks == 0:
+                raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
+            with clock.phase("kv_cache"):
+                self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
+                                                  self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+            if self.device.type == "cuda":
+                with clock.phase("compile"):
+                    self._compile_variants()
+                    failed = side.join() if side is not None else 0
+                log.info("compiled the prefill and sampler variants in %.1f s", clock.seconds["compile"])
+                if failed:
+                    log.info("%d side compile tasks failed; those kernels compile when first launched", failed)
+        finally:
+            if side is not None:
+                side.join()  # start-up failed on the way: no thread outlives it
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from llmcli.engine.cuda_graphs import DecodeGraphs
 
@@ -117,6 +127,17 @@ class ModelRunner:
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
             log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
                      clock.seconds["graphs"])
+
+    def _start_side_compile(self):
+        """Worker threads compiling the sampler, logprobs and thin-GEMM kernels (llmcli.engine.side_compile);
+        None on CPU, with tensor parallelism, or with LLMCLI_SIDE_COMPILE=0."""
+        if self.device.type != "cuda" or self.world > 1 or os.environ.get("LLMCLI_SIDE_COMPILE") == "0":
+            return None
+        from llmcli.engine.side_compile import SideCompile, kernel_tasks, thin_gemm_block_rows
+
+        rows = thin_gemm_block_rows(list(range(1, self.config.max_num_seqs + 1)))
+        tasks = kernel_tasks(self.model, self.config.hf_config.vocab_size, self.config.torch_dtype, self.device, rows)
+        return SideCompile(tasks, self.device)
 
     @property
     def startup_s(self) -> dict[str, float]:

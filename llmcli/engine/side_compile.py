@@ -1,0 +1,118 @@
+"""Compiling the Triton kernels that need no forward pass on worker threads, while start-up runs the forwards.
+
+Triton compiles a kernel variant the first time a launch needs it, and on a fresh machine most of that time
+is spent waiting for ptxas subprocesses; start-up used to meet the variants one after another. The sampler,
+row-key, logprobs and thin-GEMM kernels need only tensors of the right shapes and dtypes, so worker threads
+launch each once on small dummies while the main thread runs the memory probe and the prefill variants; on
+a warm cache each launch just loads its kernel. Best effort by design: whatever the threads miss or fail on,
+the main thread's own passes (``ModelRunner._compile_variants``, graph capture) still compile before any real
+step. The dummies are a few tens of MiB at most, so the probe's activation peak moves by no more than that.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+from torch import nn
+
+from llmcli.kernels import MAX_THIN_M
+from llmcli.layers.linear import LinearBase
+
+log = logging.getLogger("llmcli")
+Task = Callable[[], object]
+
+
+def thin_gemm_block_rows(batch_sizes: list[int]) -> list[int]:
+    """One decode batch size per row tile of the thin GEMM that these batch sizes will use."""
+    from llmcli.kernels.triton_gemm import _block_m
+
+    seen: dict[int, int] = {}
+    for b in batch_sizes:
+        if b <= MAX_THIN_M:
+            seen.setdefault(_block_m(b), b)
+    return sorted(seen.values())
+
+
+def _dummy_logits(rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Spread-out values without touching the default random generator (the main thread may be using it)."""
+    ids = torch.arange(rows * vocab_size, device=device, dtype=torch.float32).view(rows, vocab_size)
+    return torch.sin(ids * 0.618) * 4
+
+
+def kernel_tasks(model: nn.Module, vocab_size: int, dtype: torch.dtype, device: torch.device,
+                 decode_rows: list[int]) -> list[Task]:
+    """Launches that compile the kernels a decode step and the sampler use, on dummies of the real shapes."""
+    from llmcli.kernels.triton_gemm import linear, silu_mul_linear
+    from llmcli.kernels.triton_logprobs import token_logprobs_triton
+    from llmcli.kernels.triton_sample import row_keys, sample_unfiltered
+
+    rows = 4
+    tasks: list[Task] = []
+
+    def sampler(logits_dtype: torch.dtype) -> Task:
+        def run() -> object:
+            logits = _dummy_logits(rows, vocab_size, device).to(logits_dtype)
+            temps = torch.ones(rows, device=device)
+            keys = row_keys(torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
+            return sample_unfiltered(logits, temps, temps * 0.05, keys)
+        return run
+
+    tasks += [sampler(dtype), sampler(torch.float32)]  # in the decode graph; after the top-k/top-p sort
+
+    def logprobs(k: int) -> Task:
+        def run() -> object:
+            logits = _dummy_logits(rows, vocab_size, device).to(dtype)
+            return token_logprobs_triton(logits, logits.argmax(dim=-1), k)
+        return run
+
+    tasks += [logprobs(1), logprobs(5)]
+    shapes: dict[tuple, tuple[torch.Tensor, bool]] = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.thin_gemm:
+            shapes.setdefault((tuple(module.weight.shape), False), (module.weight, False))
+        if getattr(module, "fused_silu_gemm", False) and hasattr(module, "gate_up_proj"):
+            weight = module.gate_up_proj.weight
+            shapes.setdefault((tuple(weight.shape), True), (weight, True))
+
+    def gemm(weight: torch.Tensor, silu: bool, m: int) -> Task:
+        def run() -> object:
+            x = torch.zeros(m, weight.shape[1], dtype=weight.dtype, device=device)
+            return silu_mul_linear(x, weight) if silu else linear(x, weight)
+        return run
+
+    tasks += [gemm(w, silu, m) for w, silu in shapes.values() for m in decode_rows]
+    return tasks
+
+
+class SideCompile:
+    """Runs ``tasks`` on a few worker threads (CUDA device set, inference mode) until ``join``."""
+
+    def __init__(self, tasks: list[Task], device: torch.device, workers: int | None = None) -> None:
+        self.device = device
+        workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1, len(tasks)))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmcli-compile")
+        self._futures: list[Future] = [self._pool.submit(self._run, task) for task in tasks]
+
+    def _run(self, task: Task) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with torch.inference_mode():
+            task()
+
+    def join(self) -> int:
+        """Wait for every task (and the device work they queued); returns how many failed (logged, not raised).
+        A second call returns 0 at once."""
+        failed = 0
+        futures, self._futures = self._futures, []
+        for future in futures:
+            exc = future.exception()
+            if exc is not None:
+                failed += 1
+                log.debug("side compile task failed (the main thread compiles it instead): %r", exc)
+        self._pool.shutdown(wait=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return failed
