@@ -59,3 +59,28 @@ def test_a_failing_side_task_is_counted_not_raised():
 
     side = SideCompile([broken, lambda: None], DEVICE, workers=2)
     assert side.join() == 1
+
+
+def test_attention_tasks_cover_the_prefill_variants_and_each_decode_split_count():
+    from llmcli.kernels.triton_backend import TritonAttentionBackend
+    from llmcli.kernels.triton_decode import choose_num_splits
+    from llmcli.engine.side_compile import attention_tasks
+
+    backend = TritonAttentionBackend(4, 2, 16, 0.25, 16)
+    sizes = graph_batch_sizes(512, "spaced")
+    tasks = attention_tasks(backend, torch.float32, DEVICE, 4096, 64, sizes)
+    # varlen and paged at chunk lengths 16 and 64 (the long variant, clipped to the largest chunk)
+    splits = {choose_num_splits(b, 2, 4096, backend._sms(DEVICE)) for b in sizes}
+    assert 1 in splits and len(splits) > 1  # small graphs split their contexts, large ones do not
+    assert len(tasks) == 4 + len({(n > 1, triton_pad(n), n % 16 == 0) for n in splits})
+    outputs = [task() for task in tasks]
+    for out in outputs:  # zero queries, keys and values: every row attends to zeros (or to nothing)
+        assert out.shape[1:] == (4, 16) and torch.count_nonzero(out) == 0
+    assert {out.shape[0] for out in outputs} == {16, 64, 1}
+    assert attention_tasks(object(), torch.float32, DEVICE, 4096, 64, sizes) == []  # other backends: nothing
+
+
+def triton_pad(n: int) -> int:
+    import triton
+
+    return triton.next_power_of_2(n)

@@ -133,10 +133,14 @@ class ModelRunner:
         None on CPU, with tensor parallelism, or with LLMCLI_SIDE_COMPILE=0."""
         if self.device.type != "cuda" or self.world > 1 or os.environ.get("LLMCLI_SIDE_COMPILE") == "0":
             return None
-        from llmcli.engine.side_compile import SideCompile, kernel_tasks, thin_gemm_block_rows
+        from llmcli.engine.cuda_graphs import graph_batch_sizes
+        from llmcli.engine.side_compile import SideCompile, attention_tasks, kernel_tasks, thin_gemm_block_rows
 
-        rows = thin_gemm_block_rows(list(range(1, self.config.max_num_seqs + 1)))
-        tasks = kernel_tasks(self.model, self.config.hf_config.vocab_size, self.config.torch_dtype, self.device, rows)
+        cfg = self.config
+        rows = thin_gemm_block_rows(list(range(1, cfg.max_num_seqs + 1)))
+        tasks = attention_tasks(self.backend, cfg.torch_dtype, self.device, cfg.max_model_len,
+                                cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs))
+        tasks += kernel_tasks(self.model, cfg.hf_config.vocab_size, cfg.torch_dtype, self.device, rows)
         return SideCompile(tasks, self.device)
 
     @property

@@ -1,10 +1,10 @@
-"""Compiling the Triton kernels that need no forward pass on worker threads, while start-up runs the forwards.
+"""Compiling Triton kernels on worker threads while start-up's main thread runs the probe and the compile pass.
 
 Triton compiles a kernel variant the first time a launch needs it, and on a fresh machine most of that time
 is spent waiting for ptxas subprocesses; start-up used to meet the variants one after another. The sampler,
-row-key, logprobs and thin-GEMM kernels need only tensors of the right shapes and dtypes, so worker threads
-launch each once on small dummies while the main thread runs the memory probe and the prefill variants; on
-a warm cache each launch just loads its kernel. Best effort by design: whatever the threads miss or fail on,
+row-key, logprobs, thin-GEMM and attention kernels need only tensors of the right shapes, strides and dtypes,
+so worker threads launch each once on small dummies while the main thread runs the memory probe and the
+prefill variants; on a warm cache each launch just loads its kernel. Best effort by design: whatever the threads miss or fail on,
 the main thread's own passes (``ModelRunner._compile_variants``, graph capture) still compile before any real
 step. The dummies are a few tens of MiB at most, so the probe's activation peak moves by no more than that.
 """
@@ -84,6 +84,60 @@ def kernel_tasks(model: nn.Module, vocab_size: int, dtype: torch.dtype, device: 
         return run
 
     tasks += [gemm(w, silu, m) for w, silu in shapes.values() for m in decode_rows]
+    return tasks
+
+
+def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                    max_num_batched_tokens: int, graph_batch_sizes: list[int]) -> list[Task]:
+    """Launches that compile the Triton attention kernels start-up meets later: the prefill variants of
+    ``ModelRunner._compile_variants`` (varlen and paged, short and long chunks) and one decode launch per
+    split count the decode graphs will use. Inputs are small dummies with the real strides; nothing is stored."""
+    if getattr(backend, "name", None) != "triton":
+        return []
+    from llmcli.kernels.triton_decode import paged_decode
+    from llmcli.kernels.triton_prefill import prefill_paged, prefill_varlen
+
+    heads, kv_heads, dim = backend.num_heads, backend.num_kv_heads, backend.head_dim
+    bs, scale = backend.block_size, backend.scale
+    max_blocks = -(-max_model_len // bs)
+    i32 = dict(dtype=torch.int32, device=device)
+
+    def prefill(q_len: int, k_len: int) -> Task:
+        def run() -> object:
+            q = torch.zeros(q_len, heads, dim, dtype=dtype, device=device)
+            cu_q = torch.tensor([0, q_len], **i32)
+            if k_len == q_len:
+                k = torch.zeros(q_len, kv_heads, dim, dtype=dtype, device=device)
+                return prefill_varlen(q, k, k, cu_q, q_len, scale)
+            blocks = -(-k_len // bs)
+            cache = torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype, device=device)
+            table = torch.arange(blocks, **i32)[None, :]  # as _prefill_metadata builds it: one row
+            return prefill_paged(q, cache, cache, table, cu_q, torch.tensor([k_len], **i32), q_len, scale)
+        return run
+
+    tasks: list[Task] = []
+    biggest = min(max_num_batched_tokens, max_model_len - 1)
+    for q_len in sorted({min(n, biggest) for n in backend.prefill_variant_lengths}):
+        tasks.append(prefill(q_len, q_len))
+        k_len = q_len + min(bs, max_model_len - q_len)
+        if k_len > q_len:
+            tasks.append(prefill(q_len, k_len))
+
+    def decode(num_splits: int) -> Task:
+        def run() -> object:
+            q = torch.zeros(1, heads, dim, dtype=dtype, device=device)
+            cache = torch.zeros(1, bs, kv_heads, dim, dtype=dtype, device=device)
+            table = torch.zeros(1, max_blocks, **i32)  # the graphs' table buffer is max_blocks wide
+            return paged_decode(q, cache, cache, table, torch.zeros(1, **i32), scale, num_splits=num_splits)
+        return run
+
+    # one launch per compiled variant: split or not, the reduce's padded width, and how Triton specializes
+    # the count itself (1, a multiple of 16, other)
+    variants: dict[tuple, int] = {}
+    for b in graph_batch_sizes:
+        n = backend._splits_for(b, max_blocks * bs, device)
+        variants.setdefault((n > 1, 1 << max(0, n - 1).bit_length(), n % 16 == 0), n)
+    tasks += [decode(n) for n in variants.values()]
     return tasks
 
 
