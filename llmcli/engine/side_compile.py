@@ -4,9 +4,9 @@ Triton compiles a kernel variant the first time a launch needs it, and on a fres
 is spent waiting for ptxas subprocesses; start-up used to meet the variants one after another. The sampler,
 row-key, logprobs, thin-GEMM and attention kernels need only tensors of the right shapes, strides and dtypes,
 so worker threads launch each once on small dummies while the main thread runs the memory probe and the
-prefill variants; on a warm cache each launch just loads its kernel. Best effort by design: whatever the threads miss or fail on,
-the main thread's own passes (``ModelRunner._compile_variants``, graph capture) still compile before any real
-step. The dummies are a few tens of MiB at most, so the probe's activation peak moves by no more than that.
+prefill variants; on a warm cache each launch just loads its kernel. Best effort by design: whatever the
+threads miss or fail on, the main thread's own passes (``ModelRunner._compile_variants``, graph capture)
+still compile before any real step. The dummies take well under 100 MiB, so the probe's activation peak (hence the KV pool) moves by less.
 """
 from __future__ import annotations
 
