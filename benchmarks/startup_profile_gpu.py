@@ -51,6 +51,9 @@ def main() -> None:
     prof.disable()
     startup = time.perf_counter() - t
     print(f"LLM() {startup:.2f} s; phases {llm.engine.startup_s}; process so far {time.perf_counter() - t_start:.2f} s")
+    heavy = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.fsdp", "torch.distributed.tensor",
+             "torch.onnx", "transformers.generation.utils", "sklearn")
+    print("heavy modules imported: " + (", ".join(m for m in heavy if m in sys.modules) or "none"))
     s = io.StringIO()
     stats = pstats.Stats(prof, stream=s)
     stats.sort_stats("cumulative").print_stats(args.top)
