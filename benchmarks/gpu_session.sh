@@ -18,7 +18,8 @@
 #   job     benchmarks/job_gpu.py: `llmcli generate` wall vs the engine alone (issue 12), extra args in JOB_ARGS
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   startup benchmarks/startup_gpu.py: process launch to a ready engine, 0.6B x3 (first = cold on a fresh machine),
-#           0.6B with every16 and pow2 graph sizes, 8B x2; run it FIRST on a fresh machine; args in STARTUP_ARGS
+#           0.6B with every16 and pow2 graph sizes, 8B x2; run it FIRST on a fresh machine; args in STARTUP_ARGS.
+#           Then benchmarks/sampler_check_gpu.py: the Triton sampler (now also behind top-k/top-p) on every path
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -52,7 +53,8 @@ for stage in "$@"; do
     logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
     # the tokenizer's batch encoding uses its own threads here, as for a user (the session turns them off above)
     job) env -u TOKENIZERS_PARALLELISM timeout 580 python3 benchmarks/job_gpu.py ${JOB_ARGS:-} 2>&1 | tee "$OUT/job.log" ;;
-    startup) timeout 420 python3 benchmarks/startup_gpu.py ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" ;;
+    startup) timeout 420 python3 benchmarks/startup_gpu.py ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log"
+      timeout 120 python3 benchmarks/sampler_check_gpu.py 2>&1 | tail -8 | tee "$OUT/sampler_check.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
     speed) timeout 30 python3 benchmarks/host_step_cpu.py --steps 200 2>&1 | tee "$OUT/host_step.log"
