@@ -8,16 +8,20 @@ alone, the engine's phases, the number of decode graphs, and which heavy modules
 Run it first on a fresh machine: the first run of each model is then the cold start.
 
     python benchmarks/startup_gpu.py --smoke                 # CPU, tiny model
-    python benchmarks/startup_gpu.py                         # one H200: 0.6B x3 (cold, warm, warm), 0.6B with
-                                                             # every16 and pow2 graph sizes, 8B x2 (~3-4 min)
+    python benchmarks/startup_gpu.py                         # one H200, ~4 min: see --runs
+
+A run spec is ``MODEL[@GRAPH_SIZES][+cold][+serial]:COUNT``: ``+cold`` gives the run empty Triton and Inductor
+cache folders (a cold compile on a warm machine), ``+serial`` sets LLMCLI_SIDE_COMPILE=0 (no worker threads).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,31 +62,41 @@ def run_once(model: str, engine: dict, env: dict[str, str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, one run each")
-    ap.add_argument("--runs", default="0.6B:3,0.6B@every16:1,0.6B@pow2:1,8B:2",
-                    help="MODEL[@GRAPH_SIZES]:COUNT,... (MODEL: a folder under configs/ without 'Qwen3-', or a path)")
+    ap.add_argument("--runs", default="0.6B:3,0.6B+cold:1,0.6B+cold+serial:1,0.6B@every16:1,0.6B@pow2:1,8B:2",
+                    help="MODEL[@GRAPH_SIZES][+cold][+serial]:COUNT,... (MODEL: a folder under configs/ without "
+                         "'Qwen3-', or a path)")
     args = ap.parse_args()
     engine: dict = {"load_format": "dummy"}
     if args.smoke:
         engine.update(device="cpu", num_kvcache_blocks=64)
-        args.runs = "tiny:1,tiny@pow2:1"
+        args.runs = "tiny:1,tiny@pow2+cold+serial:1"
     rows = []
+    scratch = Path(tempfile.mkdtemp(prefix="llmcli-startup-"))
     for item in args.runs.split(","):
         spec, count = item.rsplit(":", 1)
+        spec, *flags = spec.split("+")
         name, _, sizes = spec.partition("@")
         model = (str(REPO / "examples" / "tiny-qwen3") if name == "tiny" else
                  name if "/" in name else str(REPO / "configs" / f"Qwen3-{name}"))
         env = {"LLMCLI_GRAPH_SIZES": sizes} if sizes else {}
+        if "serial" in flags:
+            env["LLMCLI_SIDE_COMPILE"] = "0"
+        tag = name + (f"@{sizes}" if sizes else "") + "".join("+" + f for f in flags)
         for i in range(1, int(count) + 1):
+            if "cold" in flags:
+                fresh = Path(tempfile.mkdtemp(dir=scratch))
+                env.update(TRITON_CACHE_DIR=str(fresh / "triton"), TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"))
             r = run_once(model, engine, env)
-            label = f"{name}{'@' + sizes if sizes else ''} #{i}"
+            label = f"{tag} #{i}"
             rows.append((label, r))
             print(f"[{label}] ready {r['from_launch_s']:.1f} s after launch (imports {r['import_s']:.1f} s, LLM() "
                   f"{r['llm_s']:.1f} s); phases {r['phases']}; {r['graphs']} graphs; heavy modules: "
                   f"{', '.join(r['heavy']) or 'none'}", flush=True)
-    print("\nrun              | from launch | imports | LLM() | probe | compile | graphs (n)  | weights")
+    shutil.rmtree(scratch, ignore_errors=True)
+    print("\nrun                  | from launch | imports | LLM() | probe | compile | graphs (n)  | weights")
     for label, r in rows:
         p = r["phases"]
-        print(f"{label:<16} | {r['from_launch_s']:10.1f}s | {r['import_s']:6.1f}s | {r['llm_s']:4.1f}s | "
+        print(f"{label:<20.20} | {r['from_launch_s']:10.1f}s | {r['import_s']:6.1f}s | {r['llm_s']:4.1f}s | "
               f"{p.get('probe', 0):4.1f}s | {p.get('compile', 0):6.1f}s | {p.get('graphs', 0):5.1f}s ({r['graphs']:2d}) | "
               f"{p.get('weights', 0):.1f}s")
 
