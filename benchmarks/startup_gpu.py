@@ -93,10 +93,10 @@ def main() -> None:
                   f"{r['llm_s']:.1f} s); phases {r['phases']}; {r['graphs']} graphs; heavy modules: "
                   f"{', '.join(r['heavy']) or 'none'}", flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
-    print("\nrun                  | from launch | imports | LLM() | probe | compile | graphs (n)  | weights")
+    print("\nrun                      | from launch | imports | LLM() | probe | compile | graphs (n)  | weights")
     for label, r in rows:
         p = r["phases"]
-        print(f"{label:<20.20} | {r['from_launch_s']:10.1f}s | {r['import_s']:6.1f}s | {r['llm_s']:4.1f}s | "
+        print(f"{label:<24.24} | {r['from_launch_s']:10.1f}s | {r['import_s']:6.1f}s | {r['llm_s']:4.1f}s | "
               f"{p.get('probe', 0):4.1f}s | {p.get('compile', 0):6.1f}s | {p.get('graphs', 0):5.1f}s ({r['graphs']:2d}) | "
               f"{p.get('weights', 0):.1f}s")
 
