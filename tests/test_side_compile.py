@@ -84,3 +84,20 @@ def triton_pad(n: int) -> int:
     import triton
 
     return triton.next_power_of_2(n)
+
+
+def test_cancelling_drops_the_tasks_not_started():
+    import threading
+
+    started, release, ran = threading.Event(), threading.Event(), []
+
+    def slow() -> None:
+        started.set()
+        release.wait(10)
+        ran.append("slow")
+
+    side = SideCompile([slow, lambda: ran.append("later")], DEVICE, workers=1)
+    assert started.wait(10)
+    threading.Timer(0.2, release.set).start()
+    assert side.join(cancel=True) == 0
+    assert ran == ["slow"]  # the running task finished; the queued one never ran

@@ -116,7 +116,7 @@ class ModelRunner:
                     log.info("%d side compile tasks failed; those kernels compile when first launched", failed)
         finally:
             if side is not None:
-                side.join()  # start-up failed on the way: no thread outlives it
+                side.join(cancel=True)  # start-up failed on the way: no thread outlives it (no-op after success)
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from llmcli.engine.cuda_graphs import DecodeGraphs
 

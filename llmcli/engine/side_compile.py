@@ -156,17 +156,23 @@ class SideCompile:
         with torch.inference_mode():
             task()
 
-    def join(self) -> int:
+    def join(self, cancel: bool = False) -> int:
         """Wait for every task (and the device work they queued); returns how many failed (logged, not raised).
-        A second call returns 0 at once."""
+        ``cancel``: drop the tasks not started yet (start-up is failing or being interrupted). A second call
+        returns 0 at once."""
         failed = 0
         futures, self._futures = self._futures, []
+        if cancel:
+            for future in futures:
+                future.cancel()
         for future in futures:
+            if future.cancelled():
+                continue
             exc = future.exception()
             if exc is not None:
                 failed += 1
                 log.debug("side compile task failed (the main thread compiles it instead): %r", exc)
         self._pool.shutdown(wait=True)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not cancel:  # on the way out of a failed start-up, raise nothing new
             torch.cuda.synchronize(self.device)
         return failed
