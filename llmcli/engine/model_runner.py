@@ -251,9 +251,10 @@ class ModelRunner:
         """Run every kernel variant a step can need once now, so no real step stops to compile one.
 
         Triton compiles one kernel per combination of compile-time choices (paged or not, the tile size
-        that follows from the longest chunk), and torch.compile one sampler per filter setting; left to
-        the first real steps, those compilations stall them. Inputs are dummies over existing blocks;
-        nothing is stored.
+        that follows from the longest chunk, the sampler's logits dtype with and without top-k/top-p); left
+        to the first real steps, those compilations stall them. Most were compiled meanwhile by the side
+        compile's threads (llmcli.engine.side_compile), and then these launches only find them. Inputs are
+        dummies over existing blocks; nothing is stored.
         """
         bs, cfg = self.config.kvcache_block_size, self.config
         biggest = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1)
