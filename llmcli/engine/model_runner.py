@@ -152,6 +152,7 @@ class ModelRunner:
         self.config, self.device, self.num_blocks = config, device, num_blocks
         self.rank, self.world = getattr(self, "rank", 0), getattr(self, "world", 1)
         self.sampler = Sampler()
+        self._sampler_checked = False  # the one-pass sampler's start-up check (_check_sampler) ran
         self.uploader = Uploader(device)
         self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, device))
         self.block_tables = BlockTables(-(-config.max_model_len // config.kvcache_block_size), device,
@@ -230,6 +231,7 @@ class ModelRunner:
         rows = torch.arange(min(cfg.max_num_seqs, hidden.shape[0]), device=self.device) % hidden.shape[0]
         logits = self.model.compute_logits(hidden[rows])
         if logits is not None:
+            self._check_sampler(logits.shape[-1])  # before the sampler's first use, so a failure falls back
             self._sample_dummy(logits, use_filters=True)
         if self.device.type != "cuda":
             return 0
@@ -238,6 +240,15 @@ class ModelRunner:
         del hidden, logits
         torch.cuda.empty_cache()
         return peak
+
+    def _check_sampler(self, vocab_size: int) -> None:
+        """Once, on CUDA: the one-pass Triton sampler against the torch path; off for good if it fails."""
+        if self.device.type != "cuda" or self._sampler_checked:
+            return
+        self._sampler_checked = True
+        failure = self.sampler.check_one_pass(vocab_size, self.device)
+        if failure:
+            log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
 
     def _sample_dummy(self, logits: torch.Tensor, use_filters: bool) -> torch.Tensor:
         b, dev = logits.shape[0], self.device
@@ -266,10 +277,7 @@ class ModelRunner:
         logits = self.model.compute_logits(torch.zeros(2, self.config.hf_config.hidden_size, device=self.device,
                                                        dtype=self.config.torch_dtype))
         if logits is not None:
-            if self.device.type == "cuda":
-                failure = self.sampler.check_one_pass(logits.shape[-1], self.device)
-                if failure:
-                    log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
+            self._check_sampler(logits.shape[-1])
             self._sample_dummy(logits, use_filters=False)
             self._sample_dummy(logits, use_filters=True)
             for k in (1, 5):  # builds the logprobs kernels too (top-k widths 1 and 8; others on first use)
