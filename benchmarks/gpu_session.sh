@@ -27,12 +27,28 @@ export TORCH_LOGS=${TORCH_LOGS:-recompiles}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   # installed once per machine, so that two sessions can run side by side (one per GPU)
-  [ -e /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  [ -e /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && touch /tmp/site/.done; }
   export PYTHONPATH=/tmp/site:$PWD
+  # a carried transformers wheel (with its tokenizers/hub) that does not import here is dropped, not fatal
+  python3 -c "import transformers, tokenizers, huggingface_hub" 2>/dev/null || { echo "carried transformers does not \
+import: using the image's"; rm -rf /tmp/site/transformers* /tmp/site/tokenizers* /tmp/site/huggingface_hub* \
+    /tmp/site/safetensors* /tmp/site/hf_xet*; }
 else
   export PYTHONPATH=$PWD
 fi
+# The image's torch has no usable .pyc files (run 18: 1,483 modules compiled from source at every start, ~5 s).
+# A pip install writes them once; so does this, into a cache folder, once per machine and outside the timings.
+PYC_STATE=$(python3 -c "import sys, os, glob, importlib.util as u; d = os.path.dirname(u.find_spec('torch').origin); \
+print('dont_write_bytecode', sys.flags.dont_write_bytecode, 'torch pycs', len(glob.glob(d + '/__pycache__/*.cpython-312.pyc')), \
+'writable', os.access(d + '/__pycache__', os.W_OK))")
+echo "pyc: $PYC_STATE"
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+[ -e /tmp/pycache/.done ] || { T=$(date +%s); python3 -m compileall -q -j 16 \
+  "$(python3 -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('torch').origin))")" \
+  "$(python3 -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('triton').origin))")" \
+  /tmp/site "$PWD/llmcli" >/dev/null 2>&1; mkdir -p /tmp/pycache; touch /tmp/pycache/.done; \
+  echo "pyc: compiled in $(( $(date +%s) - T )) s"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for stage in "$@"; do
