@@ -66,17 +66,17 @@ class StubRunner(ModelRunner):
 
 def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
     """The decode CUDA graphs' host side (staging, the block-table gather) with replays that do nothing."""
-    from llmcli.engine.cuda_graphs import F32_ROWS, I64_ROWS, DecodeGraphs, graph_batch_sizes
+    from llmcli.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, staged_bytes, staged_views
 
     config, vocab = runner.config, runner._canned.shape[1]
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # no model to capture: the buffers DecodeGraphs would make
     graphs.batch_sizes = graph_batch_sizes(config.max_num_seqs)
     top = graphs.batch_sizes[-1]
-    graphs.i64 = torch.zeros(len(I64_ROWS), top, dtype=torch.int64)
-    graphs.f32 = torch.zeros(len(F32_ROWS), top)
+    graphs.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8)
+    graphs.i64, graphs.f32, lens = staged_views(graphs.staged, top)
     graphs.tokens = torch.zeros(top, dtype=torch.int64)
-    graphs.pinned, graphs.sample_in_graph = False, sample_in_graph
-    graphs.backend = SimpleNamespace(_graph_lens=torch.zeros(top, dtype=torch.int32),
+    graphs.ring, graphs.sample_in_graph = None, sample_in_graph
+    graphs.backend = SimpleNamespace(_graph_lens=lens,
                                      _graph_tables=torch.zeros(top, runner.block_tables.width, dtype=torch.int32),
                                      prepare_for_capture=lambda bs: None)
     graphs.graphs = {bs: SimpleNamespace(replay=lambda: None) for bs in graphs.batch_sizes}

@@ -309,7 +309,11 @@ def eager_decode_graphs(runner, sample_in_graph):
     class EagerDecodeGraphs(DecodeGraphs):
         def _capture(self, bs, pool):
             output = self._body(bs)
-            return EagerGraph(lambda: self._body(bs), output), output, None
+
+            def run():  # a real graph has its metadata baked in; the eager body reads the backend's
+                self.backend.prepare_for_capture(bs)
+                return self._body(bs)
+            return EagerGraph(run, output), output, None
 
     return EagerDecodeGraphs(runner.model, runner.backend, runner.config, runner.device, sample_in_graph)
 

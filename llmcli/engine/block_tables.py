@@ -42,10 +42,12 @@ class BlockTables:
             table[:old].copy_(self.table)
             self.table = table
 
-    def sync(self, seqs: Seq[Any], rows: np.ndarray, uploader: "Uploader") -> None:
-        """Bring rows ``rows`` up to date with the block tables of ``seqs`` (the same order)."""
+    def sync(self, seqs: Seq[Any], rows: np.ndarray, uploader: "Uploader", ids: np.ndarray | None = None) -> None:
+        """Bring rows ``rows`` up to date with the block tables of ``seqs`` (the same order); ``ids``: their
+        ``table_id``s, if the caller has them already."""
         n = len(seqs)
-        ids = np.fromiter((s.table_id for s in seqs), np.int64, n)
+        if ids is None:
+            ids = np.fromiter((s.table_id for s in seqs), np.int64, n)
         lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
         if n and int(lens.max()) > self.width:
             raise ValueError(f"a block table of {int(lens.max())} blocks does not fit the {self.width} columns "

@@ -1,6 +1,6 @@
 """Decode CUDA graphs: captured once per batch size over static buffers, replayed every decode step.
 
-A step's inputs cross to the device in three copies into those buffers (``staged_replay``); the graph
+A step's inputs cross to the device in one copy into those buffers (``staged_replay``); the graph
 itself takes in-flight tokens from the last step's samples. With ``sample_in_graph`` it also holds the
 lm_head and the one-pass sampler, so that a whole decode step is one replay.
 """
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
+from llmcli.engine.pinned import StagingRing
 from llmcli.engine.step_inputs import StepInputs
 from llmcli.kernels.backend import AttentionBackend
 
@@ -24,6 +25,19 @@ _SLOTS, _PENDING, _TABLE_ROWS = (I64_ROWS.index(name) for name in ("slots", "pen
 
 
 GRAPH_SPACINGS = ("spaced", "pow2", "every16")
+
+
+def staged_bytes(rows: int) -> int:
+    return rows * (8 * len(I64_ROWS) + 4 * len(F32_ROWS) + 4)
+
+
+def staged_views(buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int64 rows [len(I64_ROWS), rows], float32 rows [len(F32_ROWS), rows] and int32 context lengths [rows]
+    of a uint8 buffer of ``staged_bytes(rows)`` (on the device, or its pinned host copy)."""
+    a = 8 * len(I64_ROWS) * rows
+    b = a + 4 * len(F32_ROWS) * rows
+    return (buf[:a].view(torch.int64).view(len(I64_ROWS), rows), buf[a:b].view(torch.float32).view(len(F32_ROWS), rows),
+            buf[b:b + 4 * rows].view(torch.int32))
 
 
 def graph_batch_sizes(max_num_seqs: int, spacing: str | None = None) -> list[int]:
@@ -80,17 +94,18 @@ class DecodeGraphs:
         self.batch_sizes = graph_batch_sizes(config.max_num_seqs)
         top = self.batch_sizes[-1]
         max_blocks = -(-config.max_model_len // config.kvcache_block_size)
-        # one row per input, so that a step's integer inputs cross in one copy (staged_replay)
-        self.i64 = torch.zeros(len(I64_ROWS), top, dtype=torch.int64, device=device)
-        self.f32 = torch.zeros(len(F32_ROWS), top, dtype=torch.float32, device=device)
+        # every per-row input in one buffer (int64 rows, float32 rows, int32 context lengths), so that a step's
+        # inputs cross in one copy (staged_replay)
+        self.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8, device=device)
+        self.i64, self.f32, lens = staged_views(self.staged, top)
         self.input_ids, self.positions = self.i64[0], self.i64[1]
         self.tokens = torch.zeros(top, dtype=torch.int64, device=device)  # where in-flight tokens are read from
         backend.init_graph_buffers(top, max_blocks, device)
-        backend._graph_slots = self.i64[_SLOTS]
+        backend._graph_slots, backend._graph_lens = self.i64[_SLOTS], lens
+        self.ring = StagingRing() if device.type == "cuda" else None
         self.sample_in_graph = sample_in_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or anything with replay() and reset(): see _capture
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pinned = device.type == "cuda"
         free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         self.i64[_PENDING].fill_(-1)
         pool = None
@@ -153,29 +168,33 @@ class DecodeGraphs:
         """One decode step of ``n`` sequences: (sampled tokens if ``sample_in_graph``, hidden states), n rows each.
 
         ``i64`` [len(I64_ROWS), n] and ``f32`` [len(F32_ROWS), n] (None: not sampling in the graph) hold the
-        step's inputs and ``lens`` its context lengths: three copies to the device, one gather of block-table
+        step's inputs and ``lens`` its context lengths: one copy to the device, one gather of block-table
         rows from ``tables``, one replay. ``prev_tokens``: the last step's samples when they are not in
         ``self.tokens`` already (its in-flight tokens come from them).
         """
         n, top = i64.shape[1], self.i64.shape[1]
         bs = next(b for b in self.batch_sizes if b >= n)
-        host_i64 = np.zeros((len(I64_ROWS), top), dtype=np.int64)
+        nbytes = self.staged.numel()
+        host = self.ring.take(nbytes) if self.ring is not None else torch.empty(nbytes, dtype=torch.uint8)
+        host_i64, host_f32, host_lens = (t.numpy() for t in staged_views(host, top))
+        # rows n..bs are the graph's padding rows (rows past bs are not read): they store nothing, attend to
+        # nothing, and read no in-flight token
         host_i64[:, :n] = i64
-        host_i64[_SLOTS, n:] = -1  # padding rows store nothing
-        host_i64[_PENDING, n:] = -1
-        host_lens = np.zeros(top, dtype=np.int32)
+        host_i64[:, n:bs] = 0
+        host_i64[_SLOTS, n:bs] = -1
+        host_i64[_PENDING, n:bs] = -1
         host_lens[:n] = lens
+        host_lens[n:bs] = 0
+        if f32 is not None:
+            host_f32[:, :n] = f32
+            host_f32[:, n:bs] = 0
+        else:  # the graph's sampler runs on, its tokens unused: give it harmless settings
+            host_f32[:, :bs] = 0
         if prev_tokens is not None:
             self.tokens[:prev_tokens.numel()].copy_(prev_tokens, non_blocking=True)
-        copies = [(self.i64, host_i64), (self.backend._graph_lens, host_lens)]
-        if f32 is not None:
-            host_f32 = np.zeros((len(F32_ROWS), top), dtype=np.float32)
-            host_f32[:, :n] = f32
-            copies.append((self.f32, host_f32))
-        for dst, src in copies:
-            host = torch.from_numpy(src)
-            dst.copy_(host.pin_memory() if self.pinned else host, non_blocking=True)
+        self.staged.copy_(host, non_blocking=True)
+        if self.ring is not None:
+            self.ring.copied()
         torch.index_select(tables, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
-        self.backend.prepare_for_capture(bs)
-        self.graphs[bs].replay()
+        self.graphs[bs].replay()  # (the backend's metadata is a Python-side thing the replay never reads)
         return self.tokens[:n], self.outputs[bs][:n]
