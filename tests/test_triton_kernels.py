@@ -207,6 +207,45 @@ def test_prefill_mixed_step_matches_torch(shape):
     check_prefill([bs + 5, 3, 2 * bs, 0, 70], [1, 1, 1, 60, 1], shape, torch.float32, paged=True)
 
 
+def test_mixed_step_gives_the_prefill_kernel_aligned_views(monkeypatch):
+    """Three decode rows before a prompt chunk: ``context_lens[3:]`` starts 12 bytes in. Triton compiles a kernel
+    per 16-byte alignment of each pointer, so the backend must hand the prefill kernel aligned lengths and tables
+    (else a mixed step compiles, mid-run, variants no prefill step needed); the output still matches torch."""
+    from llmcli.kernels import triton_backend
+
+    num_heads, num_kv_heads, head_dim, bs = SHAPES[1]
+    prefix, q_lens = [bs + 5, 3, 2 * bs, 37], [1, 1, 1, 20]
+    ctx_lens = [p + n for p, n in zip(prefix, q_lens)]
+    k_cache, v_cache, tables, slots = make_case(ctx_lens, q_lens, num_kv_heads, head_dim, bs, torch.float32)
+    tables = torch.cat([tables, tables[:, :1]], dim=1) if tables.shape[1] % 4 == 0 else tables  # rows 3: off 16
+    total = sum(q_lens)
+    q = torch.randn(total, num_heads, head_dim, device=DEVICE)
+    k = torch.randn(total, num_kv_heads, head_dim, device=DEVICE)
+    v = torch.randn_like(k)
+    cu_q = torch.tensor([0, 1, 2, 3, 23], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(ctx_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    assert lens[3:].data_ptr() % 16 and tables[3:].data_ptr() % 16  # the case this test is about
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables,
+                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=max(ctx_lens),
+                             has_prefix=True, num_decode=3, rest_max_seqlen_q=20, rest_has_prefix=True)
+    scale = head_dim ** -0.5
+    ref = reference(meta, q, k, v, k_cache.clone(), v_cache.clone(), num_heads, scale)
+    seen = []
+    real = triton_backend.prefill_paged
+
+    def spy(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *args, **kwargs):
+        seen.append((block_tables.data_ptr() % 16, context_lens.data_ptr() % 16, cu_seqlens_q.data_ptr() % 16))
+        return real(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "prefill_paged", spy)
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, bs)
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, k_cache, v_cache)
+    assert seen == [(0, 0, 0)]
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[4:])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_varlen_matches_torch(shape, dtype):
