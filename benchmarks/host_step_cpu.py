@@ -11,7 +11,9 @@ steady batch (every request admitted and decoding, none finishing).
     python benchmarks/host_step_cpu.py --batch 64 --steps 100 --temperature 0
 
 On the GPU the ``forward`` and ``sample`` phases are kernel launches (a CUDA graph replay and the
-sampler's kernels), which this stub does not reproduce; schedule, prepare and postprocess are the same code.
+sampler's kernels) and copies through reused pinned buffers, which this stub does not reproduce; schedule,
+prepare and postprocess are the same code. ``graph+sample`` is the default decode path on CUDA
+(``sample_in_graph``); ``graph`` is that path with ``sample_in_graph=False``.
 """
 from __future__ import annotations
 
