@@ -358,13 +358,19 @@ def eager_decode_graphs(runner, sample_in_graph):
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
-@pytest.mark.parametrize("sample_in_graph", [False, True])
-def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample_in_graph):
+@pytest.mark.parametrize("sample_in_graph,table_copy", [(False, False), (True, False), (True, True)])
+def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample_in_graph, table_copy):
     """Staged inputs, in-flight tokens taken inside the graph, padding rows, block tables gathered on the
-    device, and (sample_in_graph) the lm_head and one-pass sampler in the graph: HF's greedy tokens."""
+    device, and (sample_in_graph) the lm_head and one-pass sampler in the graph: HF's greedy tokens.
+    ``table_copy``: the block tables' separate device copy, as on CUDA, whose deltas ride in the staged copy."""
+    from llmcli.engine.block_tables import BlockTables
+
     run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
                       max_num_batched_tokens=64)
     runner = run.llm.engine.model_runner
+    if table_copy:
+        old = runner.block_tables
+        runner.block_tables = BlockTables(old.width, DEVICE, rows=old.host.shape[0], copy=True)
     runner.graphs = eager_decode_graphs(runner, sample_in_graph)
     assert runner.graphs.batch_sizes == [1, 2, 4]
     prompts = random_prompts([45, 9, 30], seed=405)  # 3 rows in the graph of 4; blocks of 16 fill up on the way

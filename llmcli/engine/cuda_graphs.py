@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
+from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import StagingRing
 from llmcli.engine.step_inputs import StepInputs
 from llmcli.kernels.backend import AttentionBackend
@@ -28,16 +29,22 @@ GRAPH_SPACINGS = ("spaced", "pow2", "every16")
 
 
 def staged_bytes(rows: int) -> int:
-    return rows * (8 * len(I64_ROWS) + 4 * len(F32_ROWS) + 4)
+    return rows * (8 * len(I64_ROWS) + 8 + 4 * len(F32_ROWS) + 4 + 4)
 
 
-def staged_views(buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int64 rows [len(I64_ROWS), rows], float32 rows [len(F32_ROWS), rows] and int32 context lengths [rows]
-    of a uint8 buffer of ``staged_bytes(rows)`` (on the device, or its pinned host copy)."""
-    a = 8 * len(I64_ROWS) * rows
-    b = a + 4 * len(F32_ROWS) * rows
-    return (buf[:a].view(torch.int64).view(len(I64_ROWS), rows), buf[a:b].view(torch.float32).view(len(F32_ROWS), rows),
-            buf[b:b + 4 * rows].view(torch.int32))
+def staged_views(buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """Views of a uint8 buffer of ``staged_bytes(rows)`` (on the device, or its pinned host copy): the int64
+    rows [len(I64_ROWS), rows], the block-table deltas' int64 flat indices [rows], the float32 rows
+    [len(F32_ROWS), rows], the int32 context lengths [rows] and the deltas' int32 block ids [rows]."""
+    sizes = [(torch.int64, len(I64_ROWS)), (torch.int64, 1), (torch.float32, len(F32_ROWS)), (torch.int32, 1),
+             (torch.int32, 1)]
+    views, at = [], 0
+    for dtype, count in sizes:
+        nbytes = dtype.itemsize * count * rows
+        view = buf[at:at + nbytes].view(dtype)
+        views.append(view.view(count, rows) if count > 1 else view)
+        at += nbytes
+    return tuple(views)
 
 
 def graph_batch_sizes(max_num_seqs: int, spacing: str | None = None) -> list[int]:
@@ -97,7 +104,7 @@ class DecodeGraphs:
         # every per-row input in one buffer (int64 rows, float32 rows, int32 context lengths), so that a step's
         # inputs cross in one copy (staged_replay)
         self.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8, device=device)
-        self.i64, self.f32, lens = staged_views(self.staged, top)
+        self.i64, self.delta_index, self.f32, lens, self.delta_blocks = staged_views(self.staged, top)
         self.input_ids, self.positions = self.i64[0], self.i64[1]
         self.tokens = torch.zeros(top, dtype=torch.int64, device=device)  # where in-flight tokens are read from
         backend.init_graph_buffers(top, max_blocks, device)
@@ -163,20 +170,31 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
-    def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray, tables: torch.Tensor,
-                      prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def max_deltas(self) -> int:
+        """Most block-table deltas ``staged_replay`` takes along (a step with more sends them on its own)."""
+        return self.delta_index.numel()
+
+    def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray, tables: BlockTables,
+                      prev_tokens: torch.Tensor | None, deltas: tuple[np.ndarray, np.ndarray] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``n`` sequences: (sampled tokens if ``sample_in_graph``, hidden states), n rows each.
 
         ``i64`` [len(I64_ROWS), n] and ``f32`` [len(F32_ROWS), n] (None: not sampling in the graph) hold the
         step's inputs and ``lens`` its context lengths: one copy to the device, one gather of block-table
         rows from ``tables``, one replay. ``prev_tokens``: the last step's samples when they are not in
-        ``self.tokens`` already (its in-flight tokens come from them).
+        ``self.tokens`` already (its in-flight tokens come from them). ``deltas``: the block tables' pending
+        deltas (``BlockTables.sync(defer=True)``, at most ``max_deltas``), staged with the rest and applied
+        before the gather.
         """
         n, top = i64.shape[1], self.i64.shape[1]
         bs = next(b for b in self.batch_sizes if b >= n)
         nbytes = self.staged.numel()
         host = self.ring.take(nbytes) if self.ring is not None else torch.empty(nbytes, dtype=torch.uint8)
-        host_i64, host_f32, host_lens = (t.numpy() for t in staged_views(host, top))
+        host_i64, host_index, host_f32, host_lens, host_blocks = (t.numpy() for t in staged_views(host, top))
+        m = 0 if deltas is None else len(deltas[0])
+        if m:
+            host_index[:m], host_blocks[:m] = deltas
         # rows n..bs are the graph's padding rows (rows past bs are not read): they store nothing, attend to
         # nothing, and read no in-flight token
         host_i64[:, :n] = i64
@@ -195,6 +213,8 @@ class DecodeGraphs:
         self.staged.copy_(host, non_blocking=True)
         if self.ring is not None:
             self.ring.copied()
-        torch.index_select(tables, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
+        if m:
+            tables.apply(self.delta_index[:m], self.delta_blocks[:m])
+        torch.index_select(tables.table, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
         self.graphs[bs].replay()  # (the backend's metadata is a Python-side thing the replay never reads)
         return self.tokens[:n], self.outputs[bs][:n]

@@ -369,7 +369,11 @@ class ModelRunner:
         the graph samples itself (``sample_in_graph``, for batches the one-pass sampler can serve)."""
         n = len(seqs)
         with self.timer.phase("prepare"):
-            arrays, tables = decode_arrays(seqs, self.uploader, self.block_tables)
+            arrays, tables = decode_arrays(seqs, self.uploader, self.block_tables, defer_deltas=True)
+            deltas = arrays.deltas
+            if deltas is not None and len(deltas[0]) > self.graphs.max_deltas:  # many new tables at once
+                tables.upload(*deltas, self.uploader)
+                deltas = None
             in_graph = self.row_sampling.gather(seqs, arrays) if self.graphs.sample_in_graph and self.rank == 0 \
                 else None
             f32, seeds, steps = in_graph if in_graph is not None else (None, np.zeros(n, np.int64), np.zeros(n, np.int64))
@@ -378,7 +382,7 @@ class ModelRunner:
             sampling = None if greedy else prepare_sampling(seqs, self.uploader)
         with self.timer.phase("forward"):
             prev = None if self.prev_in_graph else self.prev_tokens
-            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables.table, prev)
+            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables, prev, deltas)
             logits = None if in_graph is not None else self.model.compute_logits(hidden)
         with self.timer.phase("sample"):
             if in_graph is not None:

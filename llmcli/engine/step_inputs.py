@@ -144,18 +144,22 @@ class DecodeArrays:
     pending: np.ndarray  # row of the in-flight token in the last launch's samples, or -1
     rows: np.ndarray  # rows of the block tables
     table_ids: np.ndarray | None = None  # which allocation holds each row (None: scratch tables)
+    deltas: tuple[np.ndarray, np.ndarray] | None = None  # block-table deltas left to send (defer_deltas)
 
 
 def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None,
-                  ) -> tuple[DecodeArrays, BlockTables]:
+                  defer_deltas: bool = False) -> tuple[DecodeArrays, BlockTables]:
+    """A decode step's arrays; with ``defer_deltas`` the block tables' device-copy deltas are left in
+    ``deltas`` for the caller to send (the decode graphs stage them with the step's other inputs)."""
     n = len(seqs)
+    deltas = None
     if tables is None:
         tables, rows = scratch_tables(seqs, uploader.device, uploader)
         table_ids = None
     else:
         rows = table_rows(seqs)
         table_ids = np.fromiter((s.table_id for s in seqs), np.int64, n)
-        tables.sync(seqs, rows, uploader, table_ids)
+        deltas = tables.sync(seqs, rows, uploader, table_ids, defer=defer_deltas)
     lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
     pending = np.fromiter((s.pending_row for s in seqs), np.int64, n)
     positions = lens - 1
@@ -164,7 +168,7 @@ def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables 
         ids = np.zeros(n, dtype=np.int64)  # every input token is filled in on the device
     else:
         ids = np.fromiter((max(seq.last_token, 0) for seq in seqs), np.int64, n)
-    return DecodeArrays(ids, positions, slots, lens, pending, rows, table_ids), tables
+    return DecodeArrays(ids, positions, slots, lens, pending, rows, table_ids, deltas), tables
 
 
 def prepare_decode(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None) -> StepInputs:
