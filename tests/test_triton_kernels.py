@@ -539,8 +539,9 @@ def test_gumbel_noise_is_exact_up_to_the_largest_u():
                         BLOCK=triton.next_power_of_2(len(bits)))
     for got in (torch_noise, triton_noise.cpu().double().numpy()):
         assert np.isfinite(got).all()
-        err = np.abs(got - want)  # float32 noise is at most ~17.3: a few ulps there are ~4e-6
-        assert err.max() < 8e-6, (bits[err.argmax()], got[err.argmax()], want[err.argmax()])
+        err = np.abs(got - want)  # float32 noise is at most ~17.3: a few ulps there are ~4e-6 (the GPU's fast
+        # log adds ~2**-22 of |log| more); the old formula was off by 0.29 and +inf at the largest u's
+        assert err.max() < (2e-5 if ON_GPU else 8e-6), (bits[err.argmax()], got[err.argmax()], want[err.argmax()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
