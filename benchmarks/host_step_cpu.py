@@ -78,6 +78,7 @@ def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
     graphs.i64, graphs.delta_index, graphs.f32, lens, graphs.delta_blocks = staged_views(graphs.staged, top)
     graphs.tokens = torch.zeros(top, dtype=torch.int64)
     graphs.ring, graphs.sample_in_graph = None, sample_in_graph
+    graphs._host_views, graphs._cpu_host = {}, None
     graphs.backend = SimpleNamespace(_graph_lens=lens,
                                      _graph_tables=torch.zeros(top, runner.block_tables.width, dtype=torch.int32),
                                      prepare_for_capture=lambda bs: None)

@@ -110,6 +110,8 @@ class DecodeGraphs:
         backend.init_graph_buffers(top, max_blocks, device)
         backend._graph_slots, backend._graph_lens = self.i64[_SLOTS], lens
         self.ring = StagingRing() if device.type == "cuda" else None
+        self._host_views: dict[int, tuple[np.ndarray, ...]] = {}  # numpy views of each staging buffer
+        self._cpu_host: torch.Tensor | None = None
         self.sample_in_graph = sample_in_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or anything with replay() and reset(): see _capture
         self.outputs: dict[int, torch.Tensor] = {}
@@ -190,8 +192,16 @@ class DecodeGraphs:
         n, top = i64.shape[1], self.i64.shape[1]
         bs = next(b for b in self.batch_sizes if b >= n)
         nbytes = self.staged.numel()
-        host = self.ring.take(nbytes) if self.ring is not None else torch.empty(nbytes, dtype=torch.uint8)
-        host_i64, host_index, host_f32, host_lens, host_blocks = (t.numpy() for t in staged_views(host, top))
+        if self.ring is not None:
+            host = self.ring.take(nbytes)
+        else:  # the CPU stand-in: copies are synchronous, one buffer will do
+            if self._cpu_host is None:
+                self._cpu_host = torch.empty(nbytes, dtype=torch.uint8)
+            host = self._cpu_host
+        views = self._host_views.get(host.data_ptr())  # a ring hands out the same few buffers: view them once
+        if views is None:
+            views = self._host_views[host.data_ptr()] = tuple(t.numpy() for t in staged_views(host, top))
+        host_i64, host_index, host_f32, host_lens, host_blocks = views
         m = 0 if deltas is None else len(deltas[0])
         if m:
             host_index[:m], host_blocks[:m] = deltas
