@@ -190,6 +190,21 @@ def test_prefix_cache_across_calls(tiny_model, hf_oracle, run_factory):
                            f"{len(second)} prompts share {shared_blocks} cached full blocks ({need} tokens)")
 
 
+def test_reset_prefix_cache_makes_the_next_call_cold(tiny_model, hf_oracle, run_factory):
+    """benchmarks/speed_gpu.py resets the prefix cache between timed runs: the same prompts then hit nothing,
+    and are still computed right."""
+    prompts = random_prompts([40, 70], seed=204)
+    run = run_factory(tiny_model, kvcache_block_size=16)
+    stats = run.llm.engine.stats
+    check_against_hf(run, hf_oracle, prompts)
+    run.llm.engine.scheduler.block_manager.reset_prefix_cache()
+    hits_before = stats.prefix_cache_hit_tokens
+    check_against_hf(run, hf_oracle, prompts)
+    assert stats.prefix_cache_hit_tokens == hits_before
+    check_against_hf(run, hf_oracle, prompts)  # registered again by the cold call: now they hit
+    assert stats.prefix_cache_hit_tokens >= hits_before + 16 * (2 + 4)
+
+
 def test_prefix_cache_within_one_call(tiny_model, hf_oracle, run_factory):
     """(b) prompts of one generate call share a prefix: with max_num_seqs=1 each request runs
     after the previous one finished, so requests 2..n must hit the blocks request 1 registered."""
