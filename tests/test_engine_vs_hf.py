@@ -438,6 +438,22 @@ def test_mixed_steps_preemption(tiny_model, hf_oracle, run_factory):
     assert mixed_step_count(run) > 0
 
 
+def test_mixed_steps_take_no_more_steps_when_everything_fits(tiny_model, hf_oracle, run_factory):
+    """Issue #13: when every request fits at once (the default bench), mixed steps should only happen while the
+    prompts prefill, and take no more forwards, nor more non-graph (prefill or mixed) ones, than prefill first."""
+    prompts = random_prompts([20, 45, 90, 120, 33, 64, 101, 7, 58, 77, 110, 26], seed=530)
+    steps = {}
+    for mixed in (False, True):
+        run = run_factory(tiny_model, kvcache_block_size=16, max_num_batched_tokens=200, max_num_seqs=16,
+                          mixed_steps=mixed)
+        check_against_hf(run, hf_oracle, prompts)
+        steps[mixed] = dict(run.llm.engine.step_timer.steps)
+    eager = {m: s.get("prefill", 0) + s.get("mixed", 0) for m, s in steps.items()}
+    assert steps[True].get("mixed", 0) > 0, steps
+    assert eager[True] <= eager[False], steps
+    assert sum(steps[True].values()) <= sum(steps[False].values()), steps
+
+
 def test_mixed_steps_synchronous_loop_agrees(tiny_model, hf_oracle, run_factory):
     """The overlapped loop (in-flight tokens of decode rows taken on the device) against the plain one."""
     prompts = random_prompts([5, 40, 77, 12, 150], seed=530)
