@@ -262,7 +262,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     f" ({'?' if share is None else f'{100 * share:.1f}'}% of bound), {r['decode_steps']} decode + "
                     f"{r['mixed_steps']} mixed steps, host {r['host_ms'] or 0:.3f} ms/decode step at batch "
                     f"{r['host_batch']}")
-                say("    steps (count, mean tokens): " + ", ".join(f"{k} {n} x {t:.0f}" for k, (n, t) in r["kinds"].items())
+                kinds = ", ".join(f"{k} {n} x {t:.0f}" for k, (n, t) in r["kinds"].items())
+                say(f"    steps (count, mean tokens): {kinds}"
                     + "; host phases ms at batch " + f"{r['host_batch']}: "
                     + " ".join(f"{p} {v:.3f}" for p, v in r["phases_ms"].items() if v > 0)
                     + f"; Triton variants first needed in this run: {r['new_variants']}")
