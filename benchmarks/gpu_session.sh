@@ -11,7 +11,7 @@
 #           then benchmarks/structured_bench.py: bench workload unconstrained / one JSON schema / 64 schemas
 #           (needs .whl/llguidance-*.whl), extra args in STRUCTURED_ARGS
 #   speed   issue #13 (one H200, <= 6 min): benchmarks/host_step_cpu.py (host ms per decode step on this CPU), then
-#           benchmarks/speed_gpu.py (mixed_steps, sample_in_graph, decode_gemm on/off; share of bound), args in SPEED_ARGS
+#           benchmarks/speed_gpu.py (mixed_steps, sample_in_graph, decode_gemm on/off; share of bound; Triton compiles mid-run), args in SPEED_ARGS
 #   elementwise  issues #13/#12 (~4 min): start-up + 32x570 prefill profile with the Triton elementwise kernels
 #           (startup_profile_gpu.py), tests/test_triton_elementwise.py on the GPU (bf16, CUDA graph), then
 #           benchmarks/elementwise_gpu.py (torch.compile vs the kernels: µs, GB/s, max diff), args in ELEMENTWISE_ARGS

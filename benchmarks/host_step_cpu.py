@@ -11,7 +11,9 @@ steady batch (every request admitted and decoding, none finishing).
     python benchmarks/host_step_cpu.py --batch 64 --steps 100 --temperature 0
 
 On the GPU the ``forward`` and ``sample`` phases are kernel launches (a CUDA graph replay and the
-sampler's kernels), which this stub does not reproduce; schedule, prepare and postprocess are the same code.
+sampler's kernels) and copies through reused pinned buffers, which this stub does not reproduce; schedule,
+prepare and postprocess are the same code. ``graph+sample`` is the default decode path on CUDA
+(``sample_in_graph``); ``graph`` is that path with ``sample_in_graph=False``.
 """
 from __future__ import annotations
 
@@ -66,17 +68,18 @@ class StubRunner(ModelRunner):
 
 def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
     """The decode CUDA graphs' host side (staging, the block-table gather) with replays that do nothing."""
-    from llmcli.engine.cuda_graphs import F32_ROWS, I64_ROWS, DecodeGraphs, graph_batch_sizes
+    from llmcli.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, staged_bytes, staged_views
 
     config, vocab = runner.config, runner._canned.shape[1]
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # no model to capture: the buffers DecodeGraphs would make
     graphs.batch_sizes = graph_batch_sizes(config.max_num_seqs)
     top = graphs.batch_sizes[-1]
-    graphs.i64 = torch.zeros(len(I64_ROWS), top, dtype=torch.int64)
-    graphs.f32 = torch.zeros(len(F32_ROWS), top)
+    graphs.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8)
+    graphs.i64, graphs.delta_index, graphs.f32, lens, graphs.delta_blocks = staged_views(graphs.staged, top)
     graphs.tokens = torch.zeros(top, dtype=torch.int64)
-    graphs.pinned, graphs.sample_in_graph = False, sample_in_graph
-    graphs.backend = SimpleNamespace(_graph_lens=torch.zeros(top, dtype=torch.int32),
+    graphs.ring, graphs.sample_in_graph = None, sample_in_graph
+    graphs._host_views, graphs._cpu_host = {}, None
+    graphs.backend = SimpleNamespace(_graph_lens=lens,
                                      _graph_tables=torch.zeros(top, runner.block_tables.width, dtype=torch.int32),
                                      prepare_for_capture=lambda bs: None)
     graphs.graphs = {bs: SimpleNamespace(replay=lambda: None) for bs in graphs.batch_sizes}

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Issue #13's speed stage: each engine switch of the speed work on and off, against the physical bound.
 
-For each model, one engine per variant: ``base`` (every switch off), ``sample_in_graph`` (the decode CUDA
-graph also holds the lm_head and sampler), ``decode_gemm=triton-silu`` (SiLU-and-mul as the gate/up GEMM's
-epilogue), ``decode_gemm=triton`` (every thin-M GEMM in Triton), or several joined with ``+``. On the first
+For each model, one engine per variant: ``base`` (the defaults: since 2026-12-01 the decode CUDA graph also
+holds the lm_head and sampler), ``sample_in_graph=false`` (they run after the graph, the old default),
+``decode_gemm=triton-silu`` (SiLU-and-mul as the gate/up GEMM's epilogue), ``decode_gemm=triton`` (every
+thin-M GEMM in Triton), or several joined with ``+`` (``name=true/false`` for a switch). On the first
 engine of each model the workloads run with ``mixed_steps`` off and on (a scheduler attribute, so one engine
 serves both; the prefill-heavy preset, ~50 s a run, on the first model only); the other engines run the
 default workload with ``mixed_steps`` off. Printed per run: output tok/s, the share of the workload's physical bound, host ms
@@ -93,12 +94,12 @@ def variant_kwargs(variant: str) -> dict[str, Any]:
         if part == "base":
             continue
         name, eq, value = part.partition("=")
-        out[name] = value if eq else True
+        out[name] = {"true": True, "false": False}.get(value.lower(), value) if eq else True
     return out
 
 
-def step_records(engine: Any) -> list[tuple[str, int, float, float]]:
-    """Patch ``engine.step`` to log (kind, tokens, host s, wait s) of every step; returns the log."""
+def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, float]]]:
+    """Patch ``engine.step`` to log (kind, tokens, host s, wait s, host s per phase) of every step; returns the log."""
     timer, original, records = engine.step_timer, engine.step, []
 
     def step():
@@ -106,13 +107,33 @@ def step_records(engine: Any) -> list[tuple[str, int, float, float]]:
         tokens = dict(timer.tokens)
         out = original()
         kind = timer.kind
-        host = sum(timer.seconds[(kind, p)] - seconds.get((kind, p), 0.0) for p in HOST_PHASES)
+        phases = {p: timer.seconds[(kind, p)] - seconds.get((kind, p), 0.0) for p in HOST_PHASES}
         wait = timer.seconds[(kind, "wait")] - seconds.get((kind, "wait"), 0.0)
-        records.append((kind, timer.tokens[kind] - tokens.get(kind, 0), host, wait))
+        records.append((kind, timer.tokens[kind] - tokens.get(kind, 0), sum(phases.values()), wait, phases))
         return out
 
     engine.step = step
     return records
+
+
+def triton_variants() -> int | None:
+    """Kernel specializations that llmcli's Triton kernels hold in this process (compiled, or loaded from the disk
+    cache); None where this Triton keeps them elsewhere. One that first appears inside a timed run stalled it
+    (about a second for a full compile)."""
+    import importlib
+
+    try:
+        from triton.runtime.jit import JITFunction
+
+        total = 0
+        for name in ("triton_decode", "triton_prefill", "triton_store", "triton_sample", "triton_logprobs",
+                     "triton_gemm"):
+            for obj in vars(importlib.import_module(f"llmcli.kernels.{name}")).values():
+                if isinstance(obj, JITFunction):
+                    total += sum(len(caches[0]) for caches in obj.device_caches.values())
+        return total
+    except Exception:  # noqa: BLE001 - Triton internals: a diagnostic only
+        return None
 
 
 def sync(device: str) -> None:
@@ -142,18 +163,30 @@ def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], temperature: 
 
     params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, **NEUTRAL) for o in outs]
     del records[:]
+    variants_before = triton_variants()
     sync(device)
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     sync(device)
     wall = time.perf_counter() - start
+    variants_after = triton_variants()
     got = sum(len(r.token_ids) for r in results)
     decode = [r for r in records if r[0] == "decode"]
     top = max((r[1] for r in decode), default=0)
     at = 256 if any(r[1] == 256 for r in decode) else top
     host_at = [r[2] for r in decode if r[1] == at]
+    phases_at = {p: 1000 * statistics.median(r[4][p] for r in decode if r[1] == at) for p in HOST_PHASES} \
+        if host_at else {}
+    kinds = {}
+    for kind in ("prefill", "mixed", "decode"):
+        mine = [r for r in records if r[0] == kind]
+        if mine:
+            kinds[kind] = (len(mine), sum(r[1] for r in mine) / len(mine))
     return {"wall_s": wall, "output_tokens": got, "expected_tokens": sum(outs), "output_tok_s": got / wall,
             "decode_steps": len(decode), "mixed_steps": sum(r[0] == "mixed" for r in records),
+            "phases_ms": phases_at, "kinds": kinds,
+            "new_variants": None if variants_before is None or variants_after is None
+            else variants_after - variants_before,
             "host_batch": at, "host_ms": 1000 * statistics.median(host_at) if host_at else None,
             "device_idle_share": (sum(r[3] * 1000 < WAIT_IDLE_MS for r in decode) / len(decode)) if decode else None}
 
@@ -218,6 +251,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     say(f"SKIPPED {facts['name']} {variant} {job.name} mixed_steps={mixed}: past the time budget")
                     continue
                 engine.scheduler.mixed_steps = mixed
+                engine.scheduler.block_manager.reset_prefix_cache()  # no run reuses an earlier run's prompts
                 r = timed_run(llm, prompts, outs, job.workload.temperature, args.device, records)
                 bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
                                        max_concurrent=engine.config.max_num_seqs)
@@ -228,6 +262,11 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     f" ({'?' if share is None else f'{100 * share:.1f}'}% of bound), {r['decode_steps']} decode + "
                     f"{r['mixed_steps']} mixed steps, host {r['host_ms'] or 0:.3f} ms/decode step at batch "
                     f"{r['host_batch']}")
+                kinds = ", ".join(f"{k} {n} x {t:.0f}" for k, (n, t) in r["kinds"].items())
+                say(f"    steps (count, mean tokens): {kinds}"
+                    + "; host phases ms at batch " + f"{r['host_batch']}: "
+                    + " ".join(f"{p} {v:.3f}" for p, v in r["phases_ms"].items() if v > 0)
+                    + f"; Triton variants first needed in this run: {r['new_variants']}")
                 if r["output_tokens"] != r["expected_tokens"]:
                     say(f"FAILED {job.name}: {r['output_tokens']} output tokens, expected {r['expected_tokens']}")
                 rows.append([facts["name"], job.name, variant, mixed, f"{r['output_tok_s']:,.0f}",
@@ -247,9 +286,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and small workloads (CPU smoke test)")
     p.add_argument("--models", nargs="+", default=["configs/Qwen3-0.6B", "configs/Qwen3-8B"])
-    p.add_argument("--variants", nargs="+", default=["base", "sample_in_graph", "decode_gemm=triton-silu"],
+    p.add_argument("--variants", nargs="+", default=["base", "sample_in_graph=false", "decode_gemm=triton-silu"],
                    help="engines to build for the first model (see the module docstring)")
-    p.add_argument("--later-variants", nargs="+", default=["base", "sample_in_graph+decode_gemm=triton-silu"],
+    p.add_argument("--later-variants", nargs="+", default=["base", "decode_gemm=triton-silu"],
                    help="engines to build for the other models")
     p.add_argument("--no-prefill-heavy", dest="prefill_heavy", action="store_false")
     p.add_argument("--time-budget", type=float, default=280, help="seconds; later runs are skipped past it")

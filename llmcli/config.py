@@ -51,7 +51,7 @@ class Config:
     tokenizer: str | None = None
     generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
     mixed_steps: bool = False  # decode rows ride along with prompt chunks in one step (else prefill first)
-    sample_in_graph: bool = False  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
+    sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
     decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
 
     # Filled in by __post_init__ (not user knobs).

@@ -190,6 +190,21 @@ def test_prefix_cache_across_calls(tiny_model, hf_oracle, run_factory):
                            f"{len(second)} prompts share {shared_blocks} cached full blocks ({need} tokens)")
 
 
+def test_reset_prefix_cache_makes_the_next_call_cold(tiny_model, hf_oracle, run_factory):
+    """benchmarks/speed_gpu.py resets the prefix cache between timed runs: the same prompts then hit nothing,
+    and are still computed right."""
+    prompts = random_prompts([40, 70], seed=204)
+    run = run_factory(tiny_model, kvcache_block_size=16)
+    stats = run.llm.engine.stats
+    check_against_hf(run, hf_oracle, prompts)
+    run.llm.engine.scheduler.block_manager.reset_prefix_cache()
+    hits_before = stats.prefix_cache_hit_tokens
+    check_against_hf(run, hf_oracle, prompts)
+    assert stats.prefix_cache_hit_tokens == hits_before
+    check_against_hf(run, hf_oracle, prompts)  # registered again by the cold call: now they hit
+    assert stats.prefix_cache_hit_tokens >= hits_before + 16 * (2 + 4)
+
+
 def test_prefix_cache_within_one_call(tiny_model, hf_oracle, run_factory):
     """(b) prompts of one generate call share a prefix: with max_num_seqs=1 each request runs
     after the previous one finished, so requests 2..n must hit the blocks request 1 registered."""
@@ -421,6 +436,22 @@ def test_mixed_steps_preemption(tiny_model, hf_oracle, run_factory):
     check_against_hf(run, hf_oracle, prompts, max_new=40)
     assert run.llm.engine.stats.num_preemptions > 0
     assert mixed_step_count(run) > 0
+
+
+def test_mixed_steps_take_no_more_steps_when_everything_fits(tiny_model, hf_oracle, run_factory):
+    """Issue #13: when every request fits at once (the default bench), mixed steps should only happen while the
+    prompts prefill, and take no more forwards, nor more non-graph (prefill or mixed) ones, than prefill first."""
+    prompts = random_prompts([20, 45, 90, 120, 33, 64, 101, 7, 58, 77, 110, 26], seed=530)
+    steps = {}
+    for mixed in (False, True):
+        run = run_factory(tiny_model, kvcache_block_size=16, max_num_batched_tokens=200, max_num_seqs=16,
+                          mixed_steps=mixed)
+        check_against_hf(run, hf_oracle, prompts)
+        steps[mixed] = dict(run.llm.engine.step_timer.steps)
+    eager = {m: s.get("prefill", 0) + s.get("mixed", 0) for m, s in steps.items()}
+    assert steps[True].get("mixed", 0) > 0, steps
+    assert eager[True] <= eager[False], steps
+    assert sum(steps[True].values()) <= sum(steps[False].values()), steps
 
 
 def test_mixed_steps_synchronous_loop_agrees(tiny_model, hf_oracle, run_factory):

@@ -207,6 +207,45 @@ def test_prefill_mixed_step_matches_torch(shape):
     check_prefill([bs + 5, 3, 2 * bs, 0, 70], [1, 1, 1, 60, 1], shape, torch.float32, paged=True)
 
 
+def test_mixed_step_gives_the_prefill_kernel_aligned_views(monkeypatch):
+    """Three decode rows before a prompt chunk: ``context_lens[3:]`` starts 12 bytes in. Triton compiles a kernel
+    per 16-byte alignment of each pointer, so the backend must hand the prefill kernel aligned lengths and tables
+    (else a mixed step compiles, mid-run, variants no prefill step needed); the output still matches torch."""
+    from llmcli.kernels import triton_backend
+
+    num_heads, num_kv_heads, head_dim, bs = SHAPES[1]
+    prefix, q_lens = [bs + 5, 3, 2 * bs, 37], [1, 1, 1, 20]
+    ctx_lens = [p + n for p, n in zip(prefix, q_lens)]
+    k_cache, v_cache, tables, slots = make_case(ctx_lens, q_lens, num_kv_heads, head_dim, bs, torch.float32)
+    tables = torch.cat([tables, tables[:, :1]], dim=1) if tables.shape[1] % 4 == 0 else tables  # rows 3: off 16
+    total = sum(q_lens)
+    q = torch.randn(total, num_heads, head_dim, device=DEVICE)
+    k = torch.randn(total, num_kv_heads, head_dim, device=DEVICE)
+    v = torch.randn_like(k)
+    cu_q = torch.tensor([0, 1, 2, 3, 23], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(ctx_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    assert lens[3:].data_ptr() % 16 and tables[3:].data_ptr() % 16  # the case this test is about
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables,
+                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=max(ctx_lens),
+                             has_prefix=True, num_decode=3, rest_max_seqlen_q=20, rest_has_prefix=True)
+    scale = head_dim ** -0.5
+    ref = reference(meta, q, k, v, k_cache.clone(), v_cache.clone(), num_heads, scale)
+    seen = []
+    real = triton_backend.prefill_paged
+
+    def spy(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *args, **kwargs):
+        seen.append((block_tables.data_ptr() % 16, context_lens.data_ptr() % 16, cu_seqlens_q.data_ptr() % 16))
+        return real(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "prefill_paged", spy)
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, bs)
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, k_cache, v_cache)
+    assert seen == [(0, 0, 0)]
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[4:])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_varlen_matches_torch(shape, dtype):
@@ -309,19 +348,29 @@ def eager_decode_graphs(runner, sample_in_graph):
     class EagerDecodeGraphs(DecodeGraphs):
         def _capture(self, bs, pool):
             output = self._body(bs)
-            return EagerGraph(lambda: self._body(bs), output), output, None
+
+            def run():  # a real graph has its metadata baked in; the eager body reads the backend's
+                self.backend.prepare_for_capture(bs)
+                return self._body(bs)
+            return EagerGraph(run, output), output, None
 
     return EagerDecodeGraphs(runner.model, runner.backend, runner.config, runner.device, sample_in_graph)
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
-@pytest.mark.parametrize("sample_in_graph", [False, True])
-def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample_in_graph):
+@pytest.mark.parametrize("sample_in_graph,table_copy", [(False, False), (True, False), (True, True)])
+def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample_in_graph, table_copy):
     """Staged inputs, in-flight tokens taken inside the graph, padding rows, block tables gathered on the
-    device, and (sample_in_graph) the lm_head and one-pass sampler in the graph: HF's greedy tokens."""
+    device, and (sample_in_graph) the lm_head and one-pass sampler in the graph: HF's greedy tokens.
+    ``table_copy``: the block tables' separate device copy, as on CUDA, whose deltas ride in the staged copy."""
+    from llmcli.engine.block_tables import BlockTables
+
     run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
                       max_num_batched_tokens=64)
     runner = run.llm.engine.model_runner
+    if table_copy:
+        old = runner.block_tables
+        runner.block_tables = BlockTables(old.width, DEVICE, rows=old.host.shape[0], copy=True)
     runner.graphs = eager_decode_graphs(runner, sample_in_graph)
     assert runner.graphs.batch_sizes == [1, 2, 4]
     prompts = random_prompts([45, 9, 30], seed=405)  # 3 rows in the graph of 4; blocks of 16 fill up on the way
@@ -490,8 +539,9 @@ def test_gumbel_noise_is_exact_up_to_the_largest_u():
                         BLOCK=triton.next_power_of_2(len(bits)))
     for got in (torch_noise, triton_noise.cpu().double().numpy()):
         assert np.isfinite(got).all()
-        err = np.abs(got - want)  # float32 noise is at most ~17.3: a few ulps there are ~4e-6
-        assert err.max() < 8e-6, (bits[err.argmax()], got[err.argmax()], want[err.argmax()])
+        err = np.abs(got - want)  # float32 noise is at most ~17.3: a few ulps there are ~4e-6 (the GPU's fast
+        # log adds ~2**-22 of |log| more); the old formula was off by 0.29 and +inf at the largest u's
+        assert err.max() < (2e-5 if ON_GPU else 8e-6), (bits[err.argmax()], got[err.argmax()], want[err.argmax()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

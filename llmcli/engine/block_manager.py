@@ -63,6 +63,14 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks: each run starts cold). Only while no sequence holds blocks."""
+        if len(self.free_ids) != self.num_blocks:
+            raise RuntimeError("reset_prefix_cache: some sequence still holds blocks")
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash = block.token_ids = None
+
     # -- prefill ---------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_free_blocks >= seq.num_blocks

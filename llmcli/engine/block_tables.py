@@ -42,10 +42,15 @@ class BlockTables:
             table[:old].copy_(self.table)
             self.table = table
 
-    def sync(self, seqs: Seq[Any], rows: np.ndarray, uploader: "Uploader") -> None:
-        """Bring rows ``rows`` up to date with the block tables of ``seqs`` (the same order)."""
+    def sync(self, seqs: Seq[Any], rows: np.ndarray, uploader: "Uploader", ids: np.ndarray | None = None,
+             defer: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+        """Bring rows ``rows`` up to date with the block tables of ``seqs`` (the same order); ``ids``: their
+        ``table_id``s, if the caller has them already. With ``defer``, the device copy's deltas are returned
+        as (flat indices, int32 values) for the caller to send along with other inputs (``apply``), or None
+        when there are none."""
         n = len(seqs)
-        ids = np.fromiter((s.table_id for s in seqs), np.int64, n)
+        if ids is None:
+            ids = np.fromiter((s.table_id for s in seqs), np.int64, n)
         lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
         if n and int(lens.max()) > self.width:
             raise ValueError(f"a block table of {int(lens.max())} blocks does not fit the {self.width} columns "
@@ -58,7 +63,7 @@ class BlockTables:
             self.owner[rows[stale]] = ids[stale]
         behind = np.flatnonzero(self.synced[rows] < lens)
         if not behind.size:
-            return
+            return None
         flat: list[np.ndarray] = []
         values: list[list[int]] = []
         for i in behind.tolist():
@@ -71,9 +76,21 @@ class BlockTables:
             values.append(new)
         if self.copy:
             index = np.concatenate(flat)
-            index_t, = uploader.upload(torch.int64, index)
-            values_t, = uploader.upload(torch.int32, np.concatenate([np.asarray(v, dtype=np.int32) for v in values]))
-            self.table.view(-1).index_copy_(0, index_t, values_t)
+            block_ids = np.concatenate([np.asarray(v, dtype=np.int32) for v in values])
+            if defer:
+                return index, block_ids
+            self.upload(index, block_ids, uploader)
+        return None
+
+    def upload(self, index: np.ndarray, block_ids: np.ndarray, uploader: "Uploader") -> None:
+        """Send deltas (``sync(defer=True)``'s) to the device copy."""
+        index_t, = uploader.upload(torch.int64, index)
+        values_t, = uploader.upload(torch.int32, block_ids)
+        self.apply(index_t, values_t)
+
+    def apply(self, index: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Write deltas already on the device into the device copy."""
+        self.table.view(-1).index_copy_(0, index, block_ids)
 
     def slots(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
         """Flat cache slot of each token at ``positions`` of the sequence in row ``rows`` (one row per token)."""

@@ -1,6 +1,6 @@
 """Decode CUDA graphs: captured once per batch size over static buffers, replayed every decode step.
 
-A step's inputs cross to the device in three copies into those buffers (``staged_replay``); the graph
+A step's inputs cross to the device in one copy into those buffers (``staged_replay``); the graph
 itself takes in-flight tokens from the last step's samples. With ``sample_in_graph`` it also holds the
 lm_head and the one-pass sampler, so that a whole decode step is one replay.
 """
@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
+from llmcli.engine.block_tables import BlockTables
+from llmcli.engine.pinned import StagingRing
 from llmcli.engine.step_inputs import StepInputs
 from llmcli.kernels.backend import AttentionBackend
 
@@ -24,6 +26,25 @@ _SLOTS, _PENDING, _TABLE_ROWS = (I64_ROWS.index(name) for name in ("slots", "pen
 
 
 GRAPH_SPACINGS = ("spaced", "pow2", "every16")
+
+
+def staged_bytes(rows: int) -> int:
+    return rows * (8 * len(I64_ROWS) + 8 + 4 * len(F32_ROWS) + 4 + 4)
+
+
+def staged_views(buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """Views of a uint8 buffer of ``staged_bytes(rows)`` (on the device, or its pinned host copy): the int64
+    rows [len(I64_ROWS), rows], the block-table deltas' int64 flat indices [rows], the float32 rows
+    [len(F32_ROWS), rows], the int32 context lengths [rows] and the deltas' int32 block ids [rows]."""
+    sizes = [(torch.int64, len(I64_ROWS)), (torch.int64, 1), (torch.float32, len(F32_ROWS)), (torch.int32, 1),
+             (torch.int32, 1)]
+    views, at = [], 0
+    for dtype, count in sizes:
+        nbytes = dtype.itemsize * count * rows
+        view = buf[at:at + nbytes].view(dtype)
+        views.append(view.view(count, rows) if count > 1 else view)
+        at += nbytes
+    return tuple(views)
 
 
 def graph_batch_sizes(max_num_seqs: int, spacing: str | None = None) -> list[int]:
@@ -80,17 +101,20 @@ class DecodeGraphs:
         self.batch_sizes = graph_batch_sizes(config.max_num_seqs)
         top = self.batch_sizes[-1]
         max_blocks = -(-config.max_model_len // config.kvcache_block_size)
-        # one row per input, so that a step's integer inputs cross in one copy (staged_replay)
-        self.i64 = torch.zeros(len(I64_ROWS), top, dtype=torch.int64, device=device)
-        self.f32 = torch.zeros(len(F32_ROWS), top, dtype=torch.float32, device=device)
+        # every per-row input in one buffer (int64 rows, float32 rows, int32 context lengths), so that a step's
+        # inputs cross in one copy (staged_replay)
+        self.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8, device=device)
+        self.i64, self.delta_index, self.f32, lens, self.delta_blocks = staged_views(self.staged, top)
         self.input_ids, self.positions = self.i64[0], self.i64[1]
         self.tokens = torch.zeros(top, dtype=torch.int64, device=device)  # where in-flight tokens are read from
         backend.init_graph_buffers(top, max_blocks, device)
-        backend._graph_slots = self.i64[_SLOTS]
+        backend._graph_slots, backend._graph_lens = self.i64[_SLOTS], lens
+        self.ring = StagingRing() if device.type == "cuda" else None
+        self._host_views: dict[int, tuple[np.ndarray, ...]] = {}  # numpy views of each staging buffer
+        self._cpu_host: torch.Tensor | None = None
         self.sample_in_graph = sample_in_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or anything with replay() and reset(): see _capture
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pinned = device.type == "cuda"
         free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         self.i64[_PENDING].fill_(-1)
         pool = None
@@ -148,34 +172,59 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
-    def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray, tables: torch.Tensor,
-                      prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def max_deltas(self) -> int:
+        """Most block-table deltas ``staged_replay`` takes along (a step with more sends them on its own)."""
+        return self.delta_index.numel()
+
+    def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray, tables: BlockTables,
+                      prev_tokens: torch.Tensor | None, deltas: tuple[np.ndarray, np.ndarray] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``n`` sequences: (sampled tokens if ``sample_in_graph``, hidden states), n rows each.
 
         ``i64`` [len(I64_ROWS), n] and ``f32`` [len(F32_ROWS), n] (None: not sampling in the graph) hold the
-        step's inputs and ``lens`` its context lengths: three copies to the device, one gather of block-table
+        step's inputs and ``lens`` its context lengths: one copy to the device, one gather of block-table
         rows from ``tables``, one replay. ``prev_tokens``: the last step's samples when they are not in
-        ``self.tokens`` already (its in-flight tokens come from them).
+        ``self.tokens`` already (its in-flight tokens come from them). ``deltas``: the block tables' pending
+        deltas (``BlockTables.sync(defer=True)``, at most ``max_deltas``), staged with the rest and applied
+        before the gather.
         """
         n, top = i64.shape[1], self.i64.shape[1]
         bs = next(b for b in self.batch_sizes if b >= n)
-        host_i64 = np.zeros((len(I64_ROWS), top), dtype=np.int64)
+        nbytes = self.staged.numel()
+        if self.ring is not None:
+            host = self.ring.take(nbytes)
+        else:  # the CPU stand-in: copies are synchronous, one buffer will do
+            if self._cpu_host is None:
+                self._cpu_host = torch.empty(nbytes, dtype=torch.uint8)
+            host = self._cpu_host
+        views = self._host_views.get(host.data_ptr())  # a ring hands out the same few buffers: view them once
+        if views is None:
+            views = self._host_views[host.data_ptr()] = tuple(t.numpy() for t in staged_views(host, top))
+        host_i64, host_index, host_f32, host_lens, host_blocks = views
+        m = 0 if deltas is None else len(deltas[0])
+        if m:
+            host_index[:m], host_blocks[:m] = deltas
+        # rows n..bs are the graph's padding rows (rows past bs are not read): they store nothing, attend to
+        # nothing, and read no in-flight token
         host_i64[:, :n] = i64
-        host_i64[_SLOTS, n:] = -1  # padding rows store nothing
-        host_i64[_PENDING, n:] = -1
-        host_lens = np.zeros(top, dtype=np.int32)
+        host_i64[:, n:bs] = 0
+        host_i64[_SLOTS, n:bs] = -1
+        host_i64[_PENDING, n:bs] = -1
         host_lens[:n] = lens
+        host_lens[n:bs] = 0
+        if f32 is not None:
+            host_f32[:, :n] = f32
+            host_f32[:, n:bs] = 0
+        else:  # the graph's sampler runs on, its tokens unused: give it harmless settings
+            host_f32[:, :bs] = 0
         if prev_tokens is not None:
             self.tokens[:prev_tokens.numel()].copy_(prev_tokens, non_blocking=True)
-        copies = [(self.i64, host_i64), (self.backend._graph_lens, host_lens)]
-        if f32 is not None:
-            host_f32 = np.zeros((len(F32_ROWS), top), dtype=np.float32)
-            host_f32[:, :n] = f32
-            copies.append((self.f32, host_f32))
-        for dst, src in copies:
-            host = torch.from_numpy(src)
-            dst.copy_(host.pin_memory() if self.pinned else host, non_blocking=True)
-        torch.index_select(tables, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
-        self.backend.prepare_for_capture(bs)
-        self.graphs[bs].replay()
+        self.staged.copy_(host, non_blocking=True)
+        if self.ring is not None:
+            self.ring.copied()
+        if m:
+            tables.apply(self.delta_index[:m], self.delta_blocks[:m])
+        torch.index_select(tables.table, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
+        self.graphs[bs].replay()  # (the backend's metadata is a Python-side thing the replay never reads)
         return self.tokens[:n], self.outputs[bs][:n]

@@ -95,6 +95,7 @@ class LLMEngine:
         self.check_fits(token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id, seed)
+        self.stopper.set_gate(seq)
         if params.structured_outputs is not None:
             self._structured().add(seq)  # joins the scheduler once its grammar is compiled
         else:
@@ -156,7 +157,8 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
         sampled = [seq for seq in batch.seqs if seq.samples_this_step] if batch.is_prefill else batch.seqs
-        masks = self._mask_source(sampled) if any(seq.matcher is not None for seq in sampled) else None
+        constrained = self.structured is not None and any(seq.matcher is not None for seq in sampled)
+        masks = self._mask_source(sampled) if constrained else None  # (no scan of the batch without structured)
         launched = self.model_runner.launch(batch.seqs, batch.is_prefill, masks)
         if not self.overlap:
             launched.token_ids()  # the plain loop: wait for the step before anything else
@@ -194,10 +196,15 @@ class LLMEngine:
             generated, check, finished_status = 0, self.stopper.check, SequenceStatus.FINISHED
             block = logprobs.block if logprobs is not None else None
             block_rows = logprobs.block_rows if block is not None else None
+            # once per sequence per step: Sequence.resolve inlined, and StopChecker.check only behind its gate
             for row, (seq, index, token) in enumerate(zip(step.sampled, step.indices, tokens)):
                 if seq.status is finished_status:
                     continue  # it stopped a step earlier; this token was computed speculatively
-                seq.resolve(index, token)
+                ids = seq.token_ids
+                ids[index] = token
+                seq.num_pending -= 1
+                if index == len(ids) - 1:
+                    seq.pending_row = -1
                 if block is not None:
                     at = row if block_rows is None else (block_rows[row] if row < len(block_rows) else -1)
                     if at >= 0:
@@ -206,9 +213,10 @@ class LLMEngine:
                 generated += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                done = check(seq, index)
+                gate = seq.stop_ids
+                done = check(seq, index) if gate is None or token in gate or index >= seq.stop_index else False
                 keep = index + 1
-                end = ends.get(seq.seq_id)
+                end = ends.get(seq.seq_id) if ends else None
                 if end == "abort":
                     # the grammar matcher failed at this token: the output is what it accepted, never a "stop"
                     seq.finish_reason, seq.stop_reason, seq.text = "abort", None, None

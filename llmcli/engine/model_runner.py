@@ -11,13 +11,14 @@ import torch
 from llmcli.config import Config
 from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.block_tables import BlockTables
+from llmcli.engine.pinned import ReadbackRing
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs, plan_extras
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_timer import StepTimer
-from llmcli.engine.step_inputs import (StepInputs, Uploader, all_greedy, decode_arrays, one_pass_sampling,
-                                       prepare_decode, prepare_prefill, prepare_sampling)
+from llmcli.engine.step_inputs import (RowSampling, StepInputs, Uploader, all_greedy, decode_arrays, prepare_decode,
+                                       prepare_prefill, prepare_sampling)
 from llmcli.kernels import make_backend
 from llmcli.kernels.backend import AttentionMetadata
 from llmcli.layers.logprobs import token_logprobs
@@ -42,16 +43,23 @@ class LaunchedStep:
     """
 
     def __init__(self, sampled_seqs: list[Sequence], tokens: torch.Tensor | None,
-                 extras: StepExtras | None = None) -> None:
+                 extras: StepExtras | None = None, ring: ReadbackRing | None = None) -> None:
         self.sampled_seqs = sampled_seqs
         self.extras = extras
         self._done = None
+        self._ring, self._slot = ring, -1
         device = ([tokens] if tokens is not None else []) + (extras.device_tensors() if extras is not None else [])
         if device and device[0].is_cuda:
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
-            for h, t in zip(host, device):
+            host = []
+            for t in device:
+                if not host and tokens is not None and ring is not None:  # the tokens: a reused buffer
+                    self._slot, h, self._done = ring.take(t)
+                else:
+                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 h.copy_(t, non_blocking=True)
-            self._done = torch.cuda.Event()
+                host.append(h)
+            if self._done is None:
+                self._done = torch.cuda.Event()
             self._done.record()
             device = host
         elif tokens is not None:
@@ -60,9 +68,15 @@ class LaunchedStep:
         self._extra_host = device
 
     def token_ids(self) -> list[int]:
+        if isinstance(self._host, list):
+            return self._host
         if self._done is not None:
             self._done.synchronize()
-        return self._host if isinstance(self._host, list) else self._host.tolist()
+        self._host = self._host.tolist()
+        if self._ring is not None:
+            self._ring.release(self._slot)  # the buffer may take another step's tokens now
+            self._ring = None
+        return self._host
 
     def logprobs(self) -> StepLogprobs | None:
         """The step's logprobs on the host (call after ``token_ids``), or None when none were asked for."""
@@ -154,6 +168,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self._sampler_checked = False  # the one-pass sampler's start-up check (_check_sampler) ran
         self.uploader = Uploader(device)
+        self.readback = ReadbackRing() if device.type == "cuda" else None  # the sampled tokens' host buffers
+        self.row_sampling = RowSampling(config.max_num_seqs + 1)
         self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, device))
         self.block_tables = BlockTables(-(-config.max_model_len // config.kvcache_block_size), device,
                                         rows=config.max_num_seqs + 1)
@@ -343,7 +359,7 @@ class ModelRunner:
             if self.world > 1 and inputs.sampled_seqs:
                 token_ids = self._share_tokens(token_ids, len(inputs.sampled_seqs))
             self.prev_tokens = token_ids
-            return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None, extras)
+            return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None, extras, self.readback)
 
     def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
@@ -353,15 +369,20 @@ class ModelRunner:
         the graph samples itself (``sample_in_graph``, for batches the one-pass sampler can serve)."""
         n = len(seqs)
         with self.timer.phase("prepare"):
-            arrays, tables = decode_arrays(seqs, self.uploader, self.block_tables)
-            in_graph = one_pass_sampling(seqs) if self.graphs.sample_in_graph and self.rank == 0 else None
+            arrays, tables = decode_arrays(seqs, self.uploader, self.block_tables, defer_deltas=True)
+            deltas = arrays.deltas
+            if deltas is not None and len(deltas[0]) > self.graphs.max_deltas:  # many new tables at once
+                tables.upload(*deltas, self.uploader)
+                deltas = None
+            in_graph = self.row_sampling.gather(seqs, arrays) if self.graphs.sample_in_graph and self.rank == 0 \
+                else None
             f32, seeds, steps = in_graph if in_graph is not None else (None, np.zeros(n, np.int64), np.zeros(n, np.int64))
             i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows])
-            greedy = self.rank != 0 or all_greedy(seqs)
-            sampling = None if greedy or in_graph is not None else prepare_sampling(seqs, self.uploader)
+            greedy = in_graph is not None or self.rank != 0 or all_greedy(seqs)
+            sampling = None if greedy else prepare_sampling(seqs, self.uploader)
         with self.timer.phase("forward"):
             prev = None if self.prev_in_graph else self.prev_tokens
-            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables.table, prev)
+            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables, prev, deltas)
             logits = None if in_graph is not None else self.model.compute_logits(hidden)
         with self.timer.phase("sample"):
             if in_graph is not None:
@@ -376,7 +397,7 @@ class ModelRunner:
             if self.world > 1:
                 token_ids = self._share_tokens(token_ids, n)
             self.prev_tokens, self.prev_in_graph = token_ids, in_graph is not None
-            return LaunchedStep(list(seqs), token_ids if self.rank == 0 else None)
+            return LaunchedStep(list(seqs), token_ids if self.rank == 0 else None, ring=self.readback)
 
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight

@@ -97,7 +97,8 @@ class Scheduler:
         block_size = manager.block_size
         # The body runs once per sequence per decode step: the common case (no new block, no limit) is
         # spelled out inline rather than through the methods it stands for (length_limit_reached, can_append).
-        while running and len(batch) < self.max_num_seqs:
+        max_num_seqs, append = self.max_num_seqs, batch.append
+        while running and len(batch) < max_num_seqs:
             seq = running.popleft()
             n, limit = len(seq.token_ids), seq.params.max_tokens
             if n >= max_len or (limit is not None and n - seq.num_prompt_tokens >= limit):
@@ -106,7 +107,7 @@ class Scheduler:
             if n > len(seq.block_table) * block_size and not self._make_room(seq):
                 continue  # preempted itself
             seq.num_scheduled_tokens = 1
-            batch.append(seq)
+            append(seq)
         running.extendleft(reversed(batch + done))
         return batch
 
@@ -142,12 +143,24 @@ class Scheduler:
         """
         manager = self.block_manager
         caching, block_size = manager.enable_prefix_caching, manager.block_size
+        indices = []
+        if seqs is sampled:  # a decode step (the engine passes the same list): one pass does both
+            for row, seq in enumerate(seqs):
+                seq.num_computed_tokens += seq.num_scheduled_tokens
+                seq.num_scheduled_tokens = 0
+                if caching and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+                    manager.register_computed(seq)
+                tokens = seq.token_ids
+                tokens.append(PENDING_TOKEN)
+                seq.num_pending += 1
+                seq.pending_row = row
+                indices.append(len(tokens) - 1)
+            return indices
         for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if caching and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
                 manager.register_computed(seq)
-        indices = []
         for row, seq in enumerate(sampled):
             tokens = seq.token_ids
             tokens.append(PENDING_TOKEN)

@@ -58,6 +58,9 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.text: str | None = None  # set when a stop string cut the text
         self.stop_scan_pos = 0  # where the next stop-string search starts in the decoded completion
+        # the step loop's quick test before StopChecker.check (set by StopChecker.set_gate; None: always check)
+        self.stop_ids: frozenset[int] | None = None
+        self.stop_index = 0
         self.matcher: Any = None  # a constrained request's llguidance matcher, once its grammar is compiled
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from llmcli.engine.block_tables import BlockTables, scratch_tables, table_rows
+from llmcli.engine.pinned import StagingRing
 from llmcli.engine.sequence import Sequence
 from llmcli.kernels.backend import AttentionMetadata
 
@@ -24,29 +25,37 @@ ALIGN = 16  # elements: every part starts 64- or 128-byte aligned in the packed 
 
 
 class Uploader:
-    """Packs lists of numbers into one pinned host tensor per dtype and copies it to the device at once.
+    """Packs lists of numbers into one pinned host buffer per call and copies it to the device at once.
 
     Each part starts at a multiple of ``ALIGN`` elements: Triton and Inductor compile a separate kernel
     for a pointer that is not 16-byte aligned, so parts at arbitrary offsets would trigger fresh
-    compilations whenever a step's sizes change the alignment. Each upload takes a fresh pinned tensor
-    from PyTorch's caching host allocator, which hands a block out again only after the copy reading it
-    has run; so the host never waits for the device here.
+    compilations whenever a step's sizes change the alignment. On CUDA the host buffers come from a ring
+    reused step after step (``StagingRing``: handed out again only once the copy that read them has run),
+    so the host neither allocates pinned memory nor waits for the device here.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.ring = StagingRing() if device.type == "cuda" else None
 
     def upload(self, dtype: torch.dtype, *parts: list) -> list[torch.Tensor]:
         starts, total = [], 0
         for part in parts:
             starts.append(total)
             total += -(-len(part) // ALIGN) * ALIGN
-        values = np.zeros(max(total, 1), dtype=_NP[dtype])
+        total = max(total, 1)
+        if self.ring is None:
+            values = np.zeros(total, dtype=_NP[dtype])
+        else:
+            host = self.ring.take(total * dtype.itemsize).view(dtype)
+            values = host.numpy()  # the gaps between parts keep old values: nothing reads them
         for start, part in zip(starts, parts):
             values[start:start + len(part)] = part
-        packed = torch.from_numpy(values)
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        if self.ring is None:
+            packed = torch.from_numpy(values)
+        else:
+            packed = host.to(self.device, non_blocking=True)
+            self.ring.copied()
         return [packed[start:start + len(part)] for start, part in zip(starts, parts)]
 
 
@@ -134,12 +143,23 @@ class DecodeArrays:
     lens: np.ndarray
     pending: np.ndarray  # row of the in-flight token in the last launch's samples, or -1
     rows: np.ndarray  # rows of the block tables
+    table_ids: np.ndarray | None = None  # which allocation holds each row (None: scratch tables)
+    deltas: tuple[np.ndarray, np.ndarray] | None = None  # block-table deltas left to send (defer_deltas)
 
 
 def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None,
-                  ) -> tuple[DecodeArrays, BlockTables]:
+                  defer_deltas: bool = False) -> tuple[DecodeArrays, BlockTables]:
+    """A decode step's arrays; with ``defer_deltas`` the block tables' device-copy deltas are left in
+    ``deltas`` for the caller to send (the decode graphs stage them with the step's other inputs)."""
     n = len(seqs)
-    tables, rows = _tables_for(seqs, uploader, tables)
+    deltas = None
+    if tables is None:
+        tables, rows = scratch_tables(seqs, uploader.device, uploader)
+        table_ids = None
+    else:
+        rows = table_rows(seqs)
+        table_ids = np.fromiter((s.table_id for s in seqs), np.int64, n)
+        deltas = tables.sync(seqs, rows, uploader, table_ids, defer=defer_deltas)
     lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
     pending = np.fromiter((s.pending_row for s in seqs), np.int64, n)
     positions = lens - 1
@@ -148,7 +168,7 @@ def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables 
         ids = np.zeros(n, dtype=np.int64)  # every input token is filled in on the device
     else:
         ids = np.fromiter((max(seq.last_token, 0) for seq in seqs), np.int64, n)
-    return DecodeArrays(ids, positions, slots, lens, pending, rows), tables
+    return DecodeArrays(ids, positions, slots, lens, pending, rows, table_ids, deltas), tables
 
 
 def prepare_decode(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None) -> StepInputs:
@@ -179,10 +199,53 @@ class SamplingTensors:
     use_filters: bool
 
 
+class RowSampling:
+    """The one-pass sampler's settings (temperature, min-p, seed, prompt length) of the sequence holding each
+    block-table row, refreshed only when a row changes hands (a new ``table_id``): a decode step gathers its
+    rows' settings with a few array lookups instead of reading every sequence's parameters."""
+
+    def __init__(self, rows: int = 64) -> None:
+        self.owner = np.full(rows, -1, dtype=np.int64)
+        self.f32 = np.zeros((2, rows), dtype=np.float32)  # temperatures, min_ps
+        self.seed = np.zeros(rows, dtype=np.int64)
+        self.prompt = np.zeros(rows, dtype=np.int64)
+        self.full = np.zeros(rows, dtype=bool)  # needs a setting only the full sampler applies (top-k, top-p)
+
+    def _grow(self, rows: int) -> None:
+        old = self.owner.shape[0]
+        self.owner = np.concatenate([self.owner, np.full(rows - old, -1, dtype=np.int64)])
+        self.f32 = np.concatenate([self.f32, np.zeros((2, rows - old), dtype=np.float32)], axis=1)
+        self.seed = np.concatenate([self.seed, np.zeros(rows - old, dtype=np.int64)])
+        self.prompt = np.concatenate([self.prompt, np.zeros(rows - old, dtype=np.int64)])
+        self.full = np.concatenate([self.full, np.zeros(rows - old, dtype=bool)])
+
+    def gather(self, seqs: list[Sequence], arrays: DecodeArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``one_pass_sampling`` of a decode step whose ``decode_arrays`` are ``arrays``."""
+        rows, ids = arrays.rows, arrays.table_ids
+        if ids is None:
+            return one_pass_sampling(seqs)
+        if int(rows.max()) >= self.owner.shape[0]:
+            self._grow(max(2 * self.owner.shape[0], int(rows.max()) + 1))
+        for i in np.flatnonzero(self.owner[rows] != ids).tolist():
+            row, seq = int(rows[i]), seqs[i]
+            p = seq.params
+            self.owner[row] = ids[i]
+            self.f32[:, row] = (p.temperature, p.min_p)
+            self.seed[row], self.prompt[row] = seq.seed, seq.num_prompt_tokens
+            self.full[row] = p.top_k > 0 or p.top_p < 1
+        if self.full[rows].any():
+            return None
+        f32 = self.f32[:, rows]
+        n = len(rows)
+        if not f32[0].any():  # all greedy: no noise, so no keys
+            return f32, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        return f32, self.seed[rows], arrays.lens - self.prompt[rows]
+
+
 def one_pass_sampling(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(float32 [temperatures, min_ps], seeds, steps) for the one-pass sampler inside the decode graph; None when
     some sequence needs a setting only the full sampler applies (top-k, top-p; any new per-request setting of
-    the sampling path belongs in this test too)."""
+    the sampling path belongs in this test too, and in ``RowSampling``)."""
     params = [s.params for s in seqs]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         return None

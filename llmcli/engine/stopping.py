@@ -12,6 +12,20 @@ class StopChecker:
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
+    def set_gate(self, seq: Sequence) -> None:
+        """Give ``seq`` the quick test the step loop runs before ``check``: token ``index`` can only end it if
+        the token is in ``seq.stop_ids`` or ``index >= seq.stop_index`` (``stop_ids`` None: check every token,
+        as stop strings need)."""
+        params = seq.params
+        limit = self.max_model_len - 1
+        if params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + params.max_tokens - 1)
+        seq.stop_index = limit
+        if params.stop and self.tokenizer is not None:
+            seq.stop_ids = None
+        else:
+            seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
+
     def check(self, seq: Sequence, index: int) -> bool:
         """Token ``index`` was just sampled: set ``finish_reason`` (and ``stop_reason``) if ``seq`` ends there."""
         token, params = seq.token_ids[index], seq.params

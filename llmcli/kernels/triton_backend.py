@@ -19,6 +19,11 @@ from llmcli.kernels.triton_store import store_kv
 _DEFAULT_SMS = 132  # H200; used when the device cannot be asked (CPU interpreter)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it if it does not start on a 16-byte boundary."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     prefill_variant_lengths = (16, LARGE_TILES_FROM)
@@ -35,6 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
         self._rest_cu_q: torch.Tensor | None = None
+        self._rest_lens: torch.Tensor | None = None
+        self._rest_tables: torch.Tensor | None = None
 
     # -- per-step ----------------------------------------------------------------
     def _sms(self, device: torch.device) -> int:
@@ -66,6 +73,11 @@ class TritonAttentionBackend(AttentionBackend):
                 self.num_splits = self._splits_for(nd, metadata.max_seqlen_k, device)
                 self._ensure_scratch(nd, self.num_splits, device)
                 self._rest_cu_q = metadata.cu_seqlens_q[nd:] - nd
+                # Triton compiles one kernel per 16-byte alignment of each pointer: views that start at row nd
+                # would need (and compile, mid-run) other variants than a prefill step's whenever nd % 4 != 0
+                self._rest_lens = _aligned(metadata.context_lens[nd:])
+                tables = metadata.block_tables
+                self._rest_tables = None if tables is None else _aligned(tables[nd:])
             return
         batch = metadata.batch_size
         max_seqlen_k = metadata.max_seqlen_k
@@ -111,7 +123,7 @@ class TritonAttentionBackend(AttentionBackend):
                      num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd])
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
-                prefill_paged(q[nd:], k_cache, v_cache, meta.block_tables[nd:], self._rest_cu_q, meta.context_lens[nd:],
+                prefill_paged(q[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q, self._rest_lens,
                               meta.rest_max_seqlen_q, self.scale, out=out[nd:])
             else:
                 prefill_varlen(q[nd:], k[nd:], v[nd:], self._rest_cu_q, meta.rest_max_seqlen_q, self.scale,
