@@ -2,7 +2,7 @@
 torch.compile, or plain eager torch; CPU always runs the eager code.
 
 ``LLMCLI_EAGER=1`` makes everything eager; ``LLMCLI_ELEMENTWISE=triton|compile|eager`` picks for the model's
-norms, activation and rotary alone (the sampler's functions stay compiled unless LLMCLI_EAGER=1).
+norms, activation and rotary (the sampler uses no torch.compile: Triton kernels on CUDA, eager torch otherwise).
 """
 from __future__ import annotations
 
