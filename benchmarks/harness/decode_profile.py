@@ -144,7 +144,7 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     probe: dict[str, Any] = {}
     original = runner.launch
 
-    def launch_with_probe(seqs: list[Any], is_prefill: bool) -> Any:
+    def launch_with_probe(seqs: list[Any], is_prefill: bool, *rest: Any) -> Any:
         if not is_prefill and "done" not in probe:
             probe["done"] = True
             try:
@@ -152,7 +152,7 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
             except Exception as exc:
                 probe["error"] = f"{type(exc).__name__}: {exc}"
                 print(traceback.format_exc(), file=sys.stderr, flush=True)
-        return original(seqs, is_prefill)
+        return original(seqs, is_prefill, *rest)
 
     runner.launch = launch_with_probe
     try:

@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Why a decode step's host work takes ~3x longer in a real GPU run than around a stub forward (issue #13).
+
+One Qwen3-0.6B engine (dummy weights) runs the default bench workload several times, each under one setting:
+``base``; ``threads1`` (torch.set_num_threads(1)); ``nogc`` (gc.freeze() then gc.disable() for the run).
+For each run it prints, at the largest decode batch: the median wall ms of each host phase and the main
+thread's CPU ms in it (a phase whose CPU time is well under its wall time was descheduled: another thread
+held the GIL or the core), the main thread's voluntary / involuntary context switches per decode step, and
+every thread of the process that used more than 2% of the run's wall time in CPU (name from /proc).
+
+Then llmcli's decode step at batches 256, 64 and 16 (context ~800): CUDA-graph replay time of the forward
+plus sampler against the sum of its kernels' device time (the same step launched eagerly under the
+profiler), i.e. how much of the step is launch gaps and kernel tails rather than kernels.
+
+    python benchmarks/host_diag_gpu.py               # GPU: ~2 minutes
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness.output import say  # noqa: E402
+from benchmarks.harness.workload import model_facts  # noqa: E402
+from llmcli.cli.bench import Workload, make_requests  # noqa: E402
+from llmcli.engine import step_timer  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def threads_cpu() -> dict[int, tuple[str, float]]:
+    """tid -> (thread name, user + system CPU seconds so far), from /proc."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLK)
+    return out
+
+
+def switches(tid: int) -> tuple[int, int]:
+    vol = invol = 0
+    with open(f"/proc/self/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                vol = int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches"):
+                invol = int(line.split()[1])
+    return vol, invol
+
+
+class CpuPhases:
+    """Per step: wall and main-thread CPU seconds of every step-timer phase (and of the scheduler's calls)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+
+    def install(self, engine: Any) -> None:
+        phases = self
+
+        class Phase:
+            __slots__ = ("name", "w", "c", "inner")
+
+            def __init__(self, timer: Any, name: str) -> None:
+                self.name, self.inner = name, step_timer._Phase(timer, name)
+
+            def __enter__(self) -> None:
+                self.inner.__enter__()
+                self.w, self.c = time.perf_counter(), time.thread_time()
+
+            def __exit__(self, *exc: object) -> None:
+                phases.wall[self.name] += time.perf_counter() - self.w
+                phases.cpu[self.name] += time.thread_time() - self.c
+                self.inner.__exit__(*exc)
+
+        engine.step_timer.phase = lambda name: Phase(engine.step_timer, name)
+        sched = engine.scheduler
+        original = sched.schedule
+
+        def schedule() -> Any:
+            w, c = time.perf_counter(), time.thread_time()
+            out = original()
+            phases.wall["schedule(call)"] += time.perf_counter() - w
+            phases.cpu["schedule(call)"] += time.thread_time() - c
+            return out
+
+        sched.schedule = schedule
+
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
+        wall, cpu = dict(self.wall), dict(self.cpu)
+        self.wall.clear()
+        self.cpu.clear()
+        return wall, cpu
+
+
+def run_once(llm: Any, engine: Any, phases: CpuPhases, prompts: list[list[int]], outs: list[int],
+             setting: str) -> None:
+    from llmcli import SamplingParams
+
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
+                             repetition_penalty=1.0) for o in outs]
+    engine.scheduler.block_manager.reset_prefix_cache()
+    per_step: list[tuple[int, dict[str, float], dict[str, float], float, float]] = []
+    original = engine.step
+
+    def step() -> Any:
+        w, c = time.perf_counter(), time.thread_time()
+        out = original()
+        wall, cpu = phases.take()
+        batch = len(engine.scheduler.running)
+        per_step.append((batch, wall, cpu, time.perf_counter() - w, time.thread_time() - c))
+        return out
+
+    engine.step = step
+    main_tid = threading_native_id()
+    before_threads, before_sw = threads_cpu(), switches(main_tid)
+    if setting == "threads1":
+        saved_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+    if setting == "nogc":
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    sync()
+    start = time.perf_counter()
+    try:
+        llm.generate(prompts, params)
+        sync()
+    finally:
+        wall_s = time.perf_counter() - start
+        del engine.step
+        if setting == "threads1":
+            torch.set_num_threads(saved_threads)
+        if setting == "nogc":
+            gc.enable()
+            gc.unfreeze()
+    after_threads, after_sw = threads_cpu(), switches(main_tid)
+    top = max(b for b, *_ in per_step)
+    at = [s for s in per_step if s[0] == top][1:]  # the first step at that batch is the last prefill's
+    names = sorted({n for s in at for n in s[1]})
+    say(f"\n{setting}: wall {wall_s:.2f} s, {len(per_step)} steps, {len(at)} at batch {top}; per step at that batch "
+        "(median ms): phase wall / main-thread CPU")
+    say("  " + ", ".join(f"{n} {1e3 * statistics.median(s[1].get(n, 0) for s in at):.3f}/"
+                         f"{1e3 * statistics.median(s[2].get(n, 0) for s in at):.3f}" for n in names))
+    say(f"  whole step: wall {1e3 * statistics.median(s[3] for s in at):.3f} ms, main-thread CPU "
+        f"{1e3 * statistics.median(s[4] for s in at):.3f} ms")
+    steps = len(per_step)
+    say(f"  main thread context switches per step: voluntary {(after_sw[0] - before_sw[0]) / steps:.2f}, "
+        f"involuntary {(after_sw[1] - before_sw[1]) / steps:.2f}")
+    busy = []
+    for tid, (name, secs) in after_threads.items():
+        used = secs - before_threads.get(tid, (name, 0.0))[1]
+        if used > 0.02 * wall_s:
+            busy.append((used, tid, name))
+    say("  threads over 2% CPU: " + ", ".join(f"{name}[{tid}{'*' if tid == main_tid else ''}] "
+                                              f"{100 * used / wall_s:.0f}%" for used, tid, name in sorted(busy,
+                                                                                                     reverse=True)))
+
+
+def threading_native_id() -> int:
+    import threading
+
+    return threading.get_native_id()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def breakdown(llm: Any, facts: dict[str, Any], batches: list[int], context: int, device: str) -> None:
+    from benchmarks.harness.decode_profile import decode_breakdown
+    from benchmarks.harness.report import Report
+
+    report = Report(None)
+    say("\ndecode step by batch: graph replay of forward+sample vs the sum of its kernels (eager, profiler)")
+    say("| batch | context | graph forward+sample ms | kernels ms | gaps ms | kernels | step wall ms | groups ms |")
+    say("|---:|---:|---:|---:|---:|---:|---:|---|")
+    for batch in batches:
+        args = SimpleNamespace(breakdown_batch=batch, breakdown_context=context, breakdown_steps=30,
+                               breakdown_warmup=5, seed=0, temperature=0.6, gpu_reps=20, device=device)
+        decode_breakdown(args, report, llm, facts, context)
+        r = report.data["decode_breakdown"][facts["name"]]
+        groups = r.get("kernel_groups") or {}
+        kernels_ms = sum(g["us"] for g in groups.values()) / 1e3
+        count = sum(g["kernels"] for g in groups.values())
+        graph_ms = r.get("gpu_forward_sample_ms") or 0.0
+        say(f"| {r['batch']} | {context} | {graph_ms:.3f} | {kernels_ms:.3f} | {graph_ms - kernels_ms:.3f} | "
+            f"{count:.0f} | {r['total_ms']:.3f} | "
+            + ", ".join(f"{k} {v['us'] / 1e3:.3f} ({v['kernels']:.0f})" for k, v in
+                        sorted(groups.items(), key=lambda kv: -kv[1]["us"])) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="configs/Qwen3-0.6B")
+    p.add_argument("--settings", nargs="*", default=["base", "threads1", "nogc", "base"])
+    p.add_argument("--batches", nargs="+", type=int, default=[256, 64, 16])
+    p.add_argument("--context", type=int, default=800)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test: a few small requests, no breakdown")
+    args = p.parse_args(argv)
+    from llmcli import LLM
+
+    model = Path(args.model) if Path(args.model).is_absolute() else REPO / args.model
+    facts = model_facts(model)
+    workload = Workload(num_prompts=8, input_len=(10, 40), output_len=(4, 12)) if args.tiny else Workload()
+    reqs = make_requests(workload, facts["vocab"], set(facts["eos_token_ids"]))
+    prompts, outs = [r[0] for r in reqs], [r[1] for r in reqs]
+    t = time.perf_counter()
+    llm = LLM(str(model), load_format="dummy", seed=0, device=args.device)
+    engine = llm.engine
+    say(f"{facts['name']}: ready in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}, "
+        f"cpus {os.cpu_count()}, switch interval {sys.getswitchinterval()}")
+    phases = CpuPhases()
+    phases.install(engine)
+    run_once(llm, engine, phases, prompts, outs, "warm-up")
+    for setting in args.settings:
+        run_once(llm, engine, phases, prompts, outs, setting)
+    del engine.step_timer.phase
+    breakdown(llm, facts, args.batches, args.context, args.device)
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
