@@ -160,7 +160,7 @@ def main() -> None:
         base = triton_prefill._tiles
         for tiles in [(128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4),
                       (64, 32, 4, 3), (128, 64, 4, 3)]:
-            triton_prefill._tiles = lambda d, e, m, t=tiles: t
+            triton_prefill._tiles = lambda *_, t=tiles: triton_prefill.Tiles(*t)
             row = [bench_prefill(p, n, b, check=False)[1] for b, p, n in cases]
             print(f"prefill tiles {tiles}: " + " ".join(f"{t:.1f}" for t in row))
         triton_prefill._tiles = base
