@@ -188,7 +188,7 @@ def check_prefill(prefix_lens, q_lens, shape, dtype, paged, tiles=None, poison_t
     out = nan_like(q.shape, dtype)
     if paged:
         store_kv(k, v, k_cache, v_cache, slots)
-        prefill_paged(q, k_cache, v_cache, tables, cu_q, lens, max(q_lens), scale, out=out, tiles=tiles)
+        prefill_paged(q, k, v, k_cache, v_cache, tables, cu_q, lens, max(q_lens), scale, out=out, tiles=tiles)
     else:
         prefill_varlen(q, k, v, cu_q, max(q_lens), scale, out=out, tiles=tiles)
     assert torch.isfinite(out).all(), "unwritten or NaN output"
