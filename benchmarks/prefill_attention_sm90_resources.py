@@ -39,7 +39,8 @@ def resources(tiles: triton_prefill.Tiles, group: int, paged: bool, head_dim: in
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
              if (n.endswith("_ptr") or n.startswith("stride_")) and n != "stride_bt" and n not in consts}
     compiled = triton.compile(ASTSource(kern, sig, consts, attrs=hints), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+                              options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
+                                       "maxnreg": tiles.maxnreg})
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -53,7 +54,7 @@ def resources(tiles: triton_prefill.Tiles, group: int, paged: bool, head_dim: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--group", type=int, default=2, help="q heads per KV head (0.6B: 2, 8B: 4)")
-    ap.add_argument("--tiles", nargs="*", default=None, help="BLOCK_M,BLOCK_N,warps,stages ...")
+    ap.add_argument("--tiles", nargs="*", default=None, help="BLOCK_M,BLOCK_N,warps,stages[,maxnreg] ...")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     shapes = ([triton_prefill.Tiles(*map(int, t.split(","))) for t in args.tiles] if args.tiles
@@ -61,7 +62,8 @@ def main() -> None:
     for tiles in shapes:
         for paged in (False, True):
             t = f"{tiles.block_m}x{tiles.block_n}/w{tiles.num_warps}/s{tiles.num_stages}"
-            print(f"group {args.group} {t:<14} {'paged' if paged else 'plain':<5}  {resources(tiles, args.group, paged)}")
+            t += f"/r{tiles.maxnreg}" if tiles.maxnreg else ""
+            print(f"group {args.group} {t:<19} {'paged' if paged else 'plain':<5}  {resources(tiles, args.group, paged)}")
 
 
 if __name__ == "__main__":
