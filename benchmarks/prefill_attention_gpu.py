@@ -289,7 +289,8 @@ def run_one(label: str, fn, case: Case, ref: torch.Tensor, device: str) -> tuple
 
 
 def tiles_str(t: Tiles) -> str:
-    return f"{t.block_m}x{t.block_n}/w{t.num_warps}/s{t.num_stages}" + (f"/r{t.maxnreg}" if t.maxnreg else "")
+    return (f"{t.block_m}x{t.block_n}/w{t.num_warps}/s{t.num_stages}" + (f"/r{t.maxnreg}" if t.maxnreg else "")
+            + ("/1loop" if t.one_loop else ""))
 
 
 def main() -> None:
@@ -310,14 +311,15 @@ def main() -> None:
         # prefill_attention_sm90_resources.py for registers, spills and shared memory of each)
         sweep = [Tiles(*t) for t in [
             (128, 32, 8, 4, 128), (128, 32, 8, 3, 128), (128, 32, 8, 4), (128, 64, 8, 2, 128), (128, 64, 8, 3),
-            (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 4)]]
+            (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 4),
+            (128, 32, 8, 4, 128, True), (64, 64, 4, 3, None, True)]]  # True: one masked loop (Tiles.one_loop)
     else:
         print("smoke test on the CPU: Triton interpreter, float32, tiny shapes; times mean nothing")
         dtype, block_size = torch.float32, 16
         models = {"tiny": (4, 2, 32), "tiny-g4": (8, 2, 32)}
         shapes = [("a 3x37", [37] * 3, 0), ("c 1x100", [100], 0), ("d 3x37+40", [37] * 3, 40),
                   ("e 1-70", [1, 70, 13], 0)]
-        sweep = [Tiles(16, 16, 4, 1), Tiles(128, 32, 8, 4, 128), Tiles(64, 128, 4, 3)]
+        sweep = [Tiles(16, 16, 4, 1), Tiles(128, 32, 8, 4, 128), Tiles(64, 128, 4, 3), Tiles(64, 32, 4, 2, None, True)]
     if args.no_sweep:
         sweep = []
 
@@ -330,37 +332,37 @@ def main() -> None:
             default = triton_prefill._tiles(heads[2], case.q.element_size(), case.max_q, group)
             print(f"\n{model} (H {heads[0]} / KH {heads[1]} / D {heads[2]})  {name}: {sum(q_lens)} query tokens, "
                   f"{case.flops() / 1e12:.3f} TFLOP")
-            print(f"  {'kernel':<34} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>10}")
+            print(f"  {'kernel':<40} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>10}")
             rows = {}
             for label, fn in [(f"old {tiles_str(_old_tiles(heads[2], case.q.element_size(), case.max_q))}",
                                old_prefill), (f"new default {tiles_str(default)}", new_prefill)]:
                 rows[label.split()[0]] = r = run_one(label, fn, case, ref, args.device)
                 if r:
-                    print(f"  {label:<34} {r[0]:>8.3f} {r[1]:>8.1f} {r[2]:>10.2e}")
+                    print(f"  {label:<40} {r[0]:>8.3f} {r[1]:>8.1f} {r[2]:>10.2e}")
             sdpa = sdpa_padded(case) if args.device == "cuda" else None
             if sdpa is not None:
                 ms = time_ms(sdpa, args.device)
-                print(f"  {'torch sdpa (padded batch)':<34} {ms:>8.3f} {case.flops() / ms / 1e9:>8.1f}")
+                print(f"  {'torch sdpa (padded batch)':<40} {ms:>8.3f} {case.flops() / ms / 1e9:>8.1f}")
             best = (tiles_str(default), rows["new"]) if rows["new"] else ("-", None)
             for t in sweep:
                 if t.block_m < group:
                     continue
                 r = run_one(f"new {tiles_str(t)}", lambda c, o, t=t: new_prefill(c, o, t), case, ref, args.device)
                 if r:
-                    print(f"  {'new ' + tiles_str(t):<34} {r[0]:>8.3f} {r[1]:>8.1f} {r[2]:>10.2e}")
+                    print(f"  {'new ' + tiles_str(t):<40} {r[0]:>8.3f} {r[1]:>8.1f} {r[2]:>10.2e}")
                     if best[1] is None or r[0] < best[1][0]:
                         best = (tiles_str(t), r)
             summary.append((model, name, rows["old"], rows["new"], best))
 
     print("\n=== prefill attention: old kernel vs new (ms, TFLOP/s; FLOPs = 4*H*D*sum q_len*(prefix+(q_len+1)/2))")
     print(f"{'model':<6} {'shape':<16} {'old ms':>8} {'TF/s':>6} {'new ms':>8} {'TF/s':>6} {'x':>5} "
-          f"{'best tiles':<22} {'ms':>8} {'TF/s':>6} {'diff old':>9} {'diff new':>9}")
+          f"{'best tiles':<27} {'ms':>8} {'TF/s':>6} {'diff old':>9} {'diff new':>9}")
     for model, name, old, new, (bt, br) in summary:
         def f(r, i, fmt):
             return format(r[i], fmt) if r else "-"
         speed = f"{old[0] / new[0]:.2f}" if old and new else "-"
         print(f"{model:<6} {name:<16} {f(old, 0, '8.3f'):>8} {f(old, 1, '6.0f'):>6} {f(new, 0, '8.3f'):>8} "
-              f"{f(new, 1, '6.0f'):>6} {speed:>5} {bt:<22} {f(br, 0, '8.3f'):>8} {f(br, 1, '6.0f'):>6} "
+              f"{f(new, 1, '6.0f'):>6} {speed:>5} {bt:<27} {f(br, 0, '8.3f'):>8} {f(br, 1, '6.0f'):>6} "
               f"{f(old, 2, '9.1e'):>9} {f(new, 2, '9.1e'):>9}")
 
 

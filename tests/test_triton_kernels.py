@@ -259,10 +259,10 @@ def test_prefill_varlen_matches_torch(shape, dtype):
 
 
 # every tile shape the kernel may be launched with, on GQA groups of 5 (rows not a multiple of the group), 4 and 1
-TILE_SHAPES = [LARGE, SMALL, Tiles(64, 128, 4, 3), Tiles(16, 16, 4, 1)]
+TILE_SHAPES = [LARGE, SMALL, Tiles(64, 128, 4, 3), Tiles(16, 16, 4, 1), Tiles(64, 32, 4, 2, one_loop=True)]
 
 
-@pytest.mark.parametrize("tiles", TILE_SHAPES, ids=lambda t: f"{t.block_m}x{t.block_n}")
+@pytest.mark.parametrize("tiles", TILE_SHAPES, ids=lambda t: f"{t.block_m}x{t.block_n}" + ("-1loop" if t.one_loop else ""))
 @pytest.mark.parametrize("shape", [(10, 2, 32, 16), (8, 2, 32, 64), (4, 4, 16, 256)])
 def test_prefill_tiles_and_groups_match_torch(tiles, shape):
     """Diagonal tiles of odd-length chunks, with and without a cached prefix (on and off the block and key-tile

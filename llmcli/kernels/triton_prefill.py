@@ -40,6 +40,10 @@ class Tiles:
     num_warps: int
     num_stages: int
     maxnreg: int | None = None  # registers per thread cap: 128 lets two 8-warp programs share an SM
+    # one masked loop over all of a chunk's own keys instead of an unmasked loop and a masked one: the K/V
+    # pipeline does not drain and refill at the diagonal (a memory latency per program) at the cost of the
+    # mask on every tile
+    one_loop: bool = False
 
 
 # Longest chunk of a step from which the 16-bit, head_dim <= 128 kernel uses LARGE tiles. Each distinct
@@ -118,6 +122,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
     QPT: tl.constexpr,  # queries per tile: BLOCK_M // GROUP
+    ONE_LOOP: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -160,14 +165,17 @@ def _prefill_kernel(
                 stride_kcs, stride_vcs, bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True)
 
     # the chunk's own keys, in chunk coordinates: those before the tile's first query are visible to all its
-    # rows (no mask); the diagonal tiles after them get the causal mask
+    # rows (no mask); the diagonal tiles after them get the causal mask (ONE_LOOP: every tile does)
     k_base = k_ptr + tok_base * stride_kt + kvh * stride_kh
     v_base = v_ptr + tok_base * stride_vt + kvh * stride_vh
-    full_end = (q_first // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
-            k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
+    if ONE_LOOP:
+        full_end = 0
+    else:
+        full_end = (q_first // BLOCK_N) * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
+                k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
     last = tl.minimum(q_first + QPT, q_len)  # one past the tile's last query
     for n0 in range(full_end, last, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
@@ -232,7 +240,7 @@ def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tenso
         out.stride(0), out.stride(1), scale * math.log2(math.e),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         PAGED=paged is not None, QPT=t.block_m // group, num_warps=t.num_warps, num_stages=t.num_stages,
-        **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
+        ONE_LOOP=t.one_loop, **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
     )
     return out
 
