@@ -297,7 +297,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--no-sweep", action="store_true", help="old vs new default tiles only")
+    ap.add_argument("--budget", type=float, default=270.0,
+                    help="seconds after which the sweep is cut short (old vs new still run), so the summary prints")
     args = ap.parse_args()
+    start = time.perf_counter()
     torch.manual_seed(0)
     if args.device == "cuda":
         assert torch.cuda.is_available(), "needs CUDA (or --device cpu for the smoke test)"
@@ -347,6 +350,9 @@ def main() -> None:
             for t in sweep:
                 if t.block_m < group:
                     continue
+                if time.perf_counter() - start > args.budget:
+                    print(f"  (sweep cut: past the {args.budget:.0f} s budget)")
+                    break
                 r = run_one(f"new {tiles_str(t)}", lambda c, o, t=t: new_prefill(c, o, t), case, ref, args.device)
                 if r:
                     print(f"  {'new ' + tiles_str(t):<40} {r[0]:>8.3f} {r[1]:>8.1f} {r[2]:>10.2e}")
