@@ -34,7 +34,7 @@ from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
 from llmcli.kernels.torch_backend import TorchAttentionBackend, store_kv_torch  # noqa: E402
 from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel  # noqa: E402
-from llmcli.kernels.triton_prefill import LARGE, SMALL, Tiles, prefill_paged, prefill_varlen  # noqa: E402
+from llmcli.kernels.triton_prefill import LARGE, LONG, SMALL, Tiles, prefill_paged, prefill_varlen  # noqa: E402
 from llmcli.kernels.triton_sample import CHUNK, _gumbel, sample_unfiltered  # noqa: E402
 from llmcli.kernels import triton_sample  # noqa: E402
 from llmcli.kernels import triton_logprobs  # noqa: E402
@@ -259,7 +259,7 @@ def test_prefill_varlen_matches_torch(shape, dtype):
 
 
 # every tile shape the kernel may be launched with, on GQA groups of 5 (rows not a multiple of the group), 4 and 1
-TILE_SHAPES = [LARGE, SMALL, Tiles(64, 128, 4, 3), Tiles(16, 16, 4, 1), Tiles(64, 32, 4, 2, one_loop=True)]
+TILE_SHAPES = [LONG, LARGE, SMALL, Tiles(64, 128, 4, 3), Tiles(16, 16, 4, 1), Tiles(64, 32, 4, 2, one_loop=True)]
 
 
 @pytest.mark.parametrize("tiles", TILE_SHAPES, ids=lambda t: f"{t.block_m}x{t.block_n}" + ("-1loop" if t.one_loop else ""))

@@ -13,7 +13,7 @@ import torch
 
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel
-from llmcli.kernels.triton_prefill import LARGE_TILES_FROM, prefill_paged, prefill_varlen
+from llmcli.kernels.triton_prefill import LARGE_TILES_FROM, LONG_TILES_FROM, prefill_paged, prefill_varlen
 from llmcli.kernels.triton_store import store_kv
 
 _DEFAULT_SMS = 132  # H200; used when the device cannot be asked (CPU interpreter)
@@ -26,7 +26,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    prefill_variant_lengths = (16, LARGE_TILES_FROM)
+    prefill_variant_lengths = (16, LARGE_TILES_FROM, LONG_TILES_FROM)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)

@@ -46,13 +46,17 @@ class Tiles:
     one_loop: bool = False
 
 
-# Longest chunk of a step from which the 16-bit, head_dim <= 128 kernel uses LARGE tiles. Each distinct
-# Tiles is one more compiled variant at start-up (model_runner._compile_variants), so keep this to two.
+# Longest chunk of a step from which the 16-bit, head_dim <= 128 kernel uses LARGE tiles (LONG from
+# LONG_TILES_FROM). Each distinct Tiles is two more compiled variants at start-up (plain and paged; see
+# model_runner._compile_variants), so keep these few.
 LARGE_TILES_FROM = 128
 # Hopper, measured on an H200 (run 19): 128 rows x 32 keys, 8 warps, 4 K/V stages in flight won on 570- and
 # 2048-token prompts; capped at 128 registers (no spills at GQA group 2) and 96 KiB of shared memory, two
 # programs share an SM, so one's prologue and epilogue hide behind the other's matmuls
 LARGE = Tiles(128, 32, 8, 4, maxnreg=128)
+# long chunks amortise a program's start over many key tiles: 128x128/w8/s3 won at 8192 tokens (run 19)
+LONG_TILES_FROM = 4096
+LONG = Tiles(128, 128, 8, 3)
 SMALL = Tiles(64, 64, 4, 3)   # short chunks / mixed steps: more programs, less padding
 WIDE = Tiles(64, 32, 4, 2)    # float32 or head_dim 256: smaller K/V tiles so the pipeline fits
 
@@ -189,9 +193,11 @@ def _prefill_kernel(
 
 
 def _tiles(head_dim: int, elem_size: int, max_seqlen_q: int, group: int) -> Tiles:
-    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LARGE/SMALL/WIDE above)."""
+    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LONG/LARGE/SMALL/WIDE above)."""
     if elem_size > 2 or head_dim > 128:
         tiles = WIDE
+    elif max_seqlen_q >= LONG_TILES_FROM:
+        tiles = LONG
     elif max_seqlen_q >= LARGE_TILES_FROM:
         tiles = LARGE
     else:
