@@ -108,8 +108,11 @@ def bench_prefill(prefix: int, q_len: int, batch: int, check: bool) -> tuple[flo
         q, k_cache, v_cache, tables, lens = paged_case([ctx] * batch, [q_len] * batch)
         cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * q_len
         out = torch.empty_like(q)
-        fns.append(lambda q=q, k=k_cache, v=v_cache, t=tables, c=cu_q, n=lens, o=out: prefill_paged(
-            q, k, v, t, c, n, q_len, D ** -0.5, out=o))
+        # the chunks' own K/V, packed (the kernel reads them there and only the prefix from the cache)
+        k_new = torch.cat([gather_kv_torch(k_cache, tables[j], ctx)[prefix:] for j in range(batch)])
+        v_new = torch.cat([gather_kv_torch(v_cache, tables[j], ctx)[prefix:] for j in range(batch)])
+        fns.append(lambda q=q, kn=k_new, vn=v_new, k=k_cache, v=v_cache, t=tables, c=cu_q, n=lens, o=out:
+                   prefill_paged(q, kn, vn, k, v, t, c, n, q_len, D ** -0.5, out=o))
         if check and i == 0:
             meta = AttentionMetadata(is_prefill=True, slot_mapping=None, context_lens=lens, block_tables=tables,
                                      cu_seqlens_q=cu_q, max_seqlen_q=q_len, max_seqlen_k=ctx, has_prefix=True)
@@ -160,7 +163,7 @@ def main() -> None:
         base = triton_prefill._tiles
         for tiles in [(128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4),
                       (64, 32, 4, 3), (128, 64, 4, 3)]:
-            triton_prefill._tiles = lambda d, e, m, t=tiles: t
+            triton_prefill._tiles = lambda *_, t=tiles: triton_prefill.Tiles(*t)
             row = [bench_prefill(p, n, b, check=False)[1] for b, p, n in cases]
             print(f"prefill tiles {tiles}: " + " ".join(f"{t:.1f}" for t in row))
         triton_prefill._tiles = base

@@ -34,7 +34,7 @@ from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
 from llmcli.kernels.torch_backend import TorchAttentionBackend, store_kv_torch  # noqa: E402
 from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel  # noqa: E402
-from llmcli.kernels.triton_prefill import prefill_paged, prefill_varlen  # noqa: E402
+from llmcli.kernels.triton_prefill import LARGE, LONG, SMALL, Tiles, prefill_paged, prefill_varlen  # noqa: E402
 from llmcli.kernels.triton_sample import CHUNK, _gumbel, sample_unfiltered  # noqa: E402
 from llmcli.kernels import triton_sample  # noqa: E402
 from llmcli.kernels import triton_logprobs  # noqa: E402
@@ -163,10 +163,16 @@ def test_choose_num_splits():
 
 
 # -- prefill ----------------------------------------------------------------------
-def check_prefill(prefix_lens, q_lens, shape, dtype, paged):
+def check_prefill(prefix_lens, q_lens, shape, dtype, paged, tiles=None, poison_tails=False):
     num_heads, num_kv_heads, head_dim, block_size = shape
     ctx_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     k_cache, v_cache, tables, slots = make_case(ctx_lens, q_lens, num_kv_heads, head_dim, block_size, dtype)
+    if poison_tails:  # the unused slots of each sequence's last block: a key read past the context shows up as NaN
+        for i, c in enumerate(ctx_lens):
+            if c % block_size:
+                last = int(tables[i, (c - 1) // block_size])
+                k_cache[last, c % block_size:] = float("nan")
+                v_cache[last, c % block_size:] = float("nan")
     total = sum(q_lens)
     q = torch.randn(total, num_heads, head_dim, dtype=dtype, device=DEVICE)
     k = torch.randn(total, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
@@ -182,9 +188,9 @@ def check_prefill(prefix_lens, q_lens, shape, dtype, paged):
     out = nan_like(q.shape, dtype)
     if paged:
         store_kv(k, v, k_cache, v_cache, slots)
-        prefill_paged(q, k_cache, v_cache, tables, cu_q, lens, max(q_lens), scale, out=out)
+        prefill_paged(q, k, v, k_cache, v_cache, tables, cu_q, lens, max(q_lens), scale, out=out, tiles=tiles)
     else:
-        prefill_varlen(q, k, v, cu_q, max(q_lens), scale, out=out)
+        prefill_varlen(q, k, v, cu_q, max(q_lens), scale, out=out, tiles=tiles)
     assert torch.isfinite(out).all(), "unwritten or NaN output"
     assert rel_err(out, ref) <= TOL[dtype]
 
@@ -250,6 +256,28 @@ def test_mixed_step_gives_the_prefill_kernel_aligned_views(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_varlen_matches_torch(shape, dtype):
     check_prefill([0, 0, 0, 0], [1, 37, 64, 100], shape, dtype, paged=False)
+
+
+# every tile shape the kernel may be launched with, on GQA groups of 5 (rows not a multiple of the group), 4 and 1
+TILE_SHAPES = [LONG, LARGE, SMALL, Tiles(64, 128, 4, 3), Tiles(16, 16, 4, 1), Tiles(64, 32, 4, 2, one_loop=True)]
+
+
+@pytest.mark.parametrize("tiles", TILE_SHAPES, ids=lambda t: f"{t.block_m}x{t.block_n}" + ("-1loop" if t.one_loop else ""))
+@pytest.mark.parametrize("shape", [(10, 2, 32, 16), (8, 2, 32, 64), (4, 4, 16, 256)])
+def test_prefill_tiles_and_groups_match_torch(tiles, shape):
+    """Diagonal tiles of odd-length chunks, with and without a cached prefix (on and off the block and key-tile
+    grid), key tiles inside one cache block and across several; the tail of each last block is NaN."""
+    check_prefill([0, 0, 0, 0], [1, 3, 77, 131], shape, torch.float32, paged=False, tiles=tiles)
+    check_prefill([0, 21, 64, 130, 5], [131, 1, 77, 40, 2], shape, torch.float32, paged=True, tiles=tiles,
+                  poison_tails=True)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefill_default_large_tiles_fp16(paged):
+    """Chunks long enough for the default LARGE tiles, in float16, Qwen3-0.6B's and -8B's head shapes."""
+    for shape in [(16, 8, 128, 256), (32, 8, 128, 16)]:
+        check_prefill([0, 300, 0] if paged else [0, 0, 0], [129, 200, 7], shape, torch.float16, paged=paged,
+                      poison_tails=paged)
 
 
 @gpu_only

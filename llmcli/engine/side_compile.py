@@ -106,13 +106,13 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
         def run() -> object:
             q = torch.zeros(q_len, heads, dim, dtype=dtype, device=device)
             cu_q = torch.tensor([0, q_len], **i32)
+            k = torch.zeros(q_len, kv_heads, dim, dtype=dtype, device=device)
             if k_len == q_len:
-                k = torch.zeros(q_len, kv_heads, dim, dtype=dtype, device=device)
                 return prefill_varlen(q, k, k, cu_q, q_len, scale)
             blocks = -(-k_len // bs)
             cache = torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype, device=device)
             table = torch.arange(blocks, **i32)[None, :]  # as _prefill_metadata builds it: one row
-            return prefill_paged(q, cache, cache, table, cu_q, torch.tensor([k_len], **i32), q_len, scale)
+            return prefill_paged(q, k, k, cache, cache, table, cu_q, torch.tensor([k_len], **i32), q_len, scale)
         return run
 
     tasks: list[Task] = []

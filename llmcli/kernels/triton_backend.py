@@ -13,7 +13,7 @@ import torch
 
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel
-from llmcli.kernels.triton_prefill import LARGE_TILES_FROM, prefill_paged, prefill_varlen
+from llmcli.kernels.triton_prefill import LARGE_TILES_FROM, LONG_TILES_FROM, prefill_paged, prefill_varlen
 from llmcli.kernels.triton_store import store_kv
 
 _DEFAULT_SMS = 132  # H200; used when the device cannot be asked (CPU interpreter)
@@ -26,7 +26,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    prefill_variant_lengths = (16, LARGE_TILES_FROM)
+    prefill_variant_lengths = (16, LARGE_TILES_FROM, LONG_TILES_FROM)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
@@ -107,7 +107,7 @@ class TritonAttentionBackend(AttentionBackend):
             assert meta.cu_seqlens_q is not None
             if meta.has_prefix:
                 assert meta.block_tables is not None and k_cache is not None
-                return prefill_paged(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                return prefill_paged(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                      meta.context_lens, meta.max_seqlen_q, self.scale)
             return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale)
         assert meta.block_tables is not None and k_cache is not None
@@ -123,8 +123,8 @@ class TritonAttentionBackend(AttentionBackend):
                      num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd])
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
-                prefill_paged(q[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q, self._rest_lens,
-                              meta.rest_max_seqlen_q, self.scale, out=out[nd:])
+                prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,
+                              self._rest_lens, meta.rest_max_seqlen_q, self.scale, out=out[nd:])
             else:
                 prefill_varlen(q[nd:], k[nd:], v[nd:], self._rest_cu_q, meta.rest_max_seqlen_q, self.scale,
                                out=out[nd:])
