@@ -4,7 +4,7 @@
 For each model, one engine per variant: ``base`` (the defaults: since 2026-12-01 the decode CUDA graph also
 holds the lm_head and sampler), ``sample_in_graph=false`` (they run after the graph, the old default),
 ``decode_gemm=triton-silu`` (SiLU-and-mul as the gate/up GEMM's epilogue), ``decode_gemm=triton`` (every
-thin-M GEMM in Triton), or several joined with ``+`` (``name=true/false`` for a switch). On the first
+thin-M GEMM in Triton), ``blas=cublaslt`` (torch's cuBLASLt front end for every GEMM), or several joined with ``+`` (``name=true/false`` for a switch). On the first
 engine of each model the workloads run with ``mixed_steps`` off and on (a scheduler attribute, so one engine
 serves both; the prefill-heavy preset, ~50 s a run, on the first model only); the other engines run the
 default workload with ``mixed_steps`` off. Printed per run: output tok/s, the share of the workload's physical bound, host ms
@@ -88,14 +88,24 @@ def jobs_for(model: str, args: argparse.Namespace) -> list[Job]:
 
 
 def variant_kwargs(variant: str) -> dict[str, Any]:
-    """``base``, ``name`` (a switch on) or ``name=value``, joined with ``+``, as LLM keyword arguments."""
+    """``base``, ``name`` (a switch on) or ``name=value``, joined with ``+``, as LLM keyword arguments
+    (``blas=...`` is not one: see ``blas_library``)."""
     out: dict[str, Any] = {}
     for part in variant.split("+"):
-        if part == "base":
+        if part == "base" or part.startswith("blas="):
             continue
         name, eq, value = part.partition("=")
         out[name] = {"true": True, "false": False}.get(value.lower(), value) if eq else True
     return out
+
+
+def blas_library(variant: str) -> str:
+    """The cuBLAS front end a variant asks for with ``blas=cublas|cublaslt`` (torch's default otherwise): decode
+    GEMMs of a few hundred rows are where its kernel choice shows."""
+    for part in variant.split("+"):
+        if part.startswith("blas="):
+            return part.partition("=")[2]
+    return "default"
 
 
 def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, float]]]:
@@ -229,6 +239,9 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
     if args.tiny:  # small budgets, so that prompts prefill in several steps beside running decodes
         kwargs.update(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=512, max_num_seqs=8,
                       max_num_batched_tokens=96)
+    blas = blas_library(variant)
+    if args.device == "cuda":
+        torch.backends.cuda.preferred_blas_library(blas)  # before the graphs are captured
     start = time.perf_counter()
     llm = LLM(str(case.path), **kwargs)
     engine = llm.engine
@@ -274,6 +287,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                              "n/a" if r["host_ms"] is None else f"{r['host_ms']:.3f} @{r['host_batch']}",
                              "n/a" if r["device_idle_share"] is None else f"{100 * r['device_idle_share']:.0f}%"])
     finally:
+        if args.device == "cuda":
+            torch.backends.cuda.preferred_blas_library("default")
         llm.shutdown()
         del llm
         gc.collect()
