@@ -281,7 +281,8 @@ def test_bench_json(tiny_model, tmp_path):
     saved = tmp_path / "bench.json"
     result = runner.invoke(app, ["bench", *engine_args(tiny_model), "--load-format", "dummy", "--num-prompts", "6",
                                  "--input-len", "8:24", "--output-len", "4", "--prefix-len", "16", "--warmup", "1",
-                                 "--json", "--output", str(saved)])
+                                 # prefill first, so that every token after a request's first is a decode step's
+                                 "--no-mixed-steps", "--json", "--output", str(saved)])
     assert result.exit_code == 0, result.output
     data = orjson.loads(result.stdout)
     assert set(data) >= BENCH_KEYS and orjson.loads(saved.read_bytes()) == data
