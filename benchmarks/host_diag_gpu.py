@@ -10,7 +10,8 @@ every thread of the process that used more than 2% of the run's wall time in CPU
 
 Then llmcli's decode step at batches 256, 64 and 16 (context ~800): CUDA-graph replay time of the forward
 plus sampler against the sum of its kernels' device time (the same step launched eagerly under the
-profiler), i.e. how much of the step is launch gaps and kernel tails rather than kernels.
+profiler), i.e. how much of the step is launch gaps and kernel tails rather than kernels. Last, one mixed step
+shaped like the prefill-heavy preset's (496 sequences decoding, 16 new 570-token prompts): its kernels by group.
 
     python benchmarks/host_diag_gpu.py               # GPU: ~2 minutes
 """
@@ -210,13 +211,95 @@ def breakdown(llm: Any, facts: dict[str, Any], batches: list[int], context: int,
                         sorted(groups.items(), key=lambda kv: -kv[1]["us"])) + " |")
 
 
+MIXED_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
+    ("decode attention", ("_decode_partition_kernel", "_decode_reduce_kernel")),
+    ("prefill attention", ("_prefill_kernel",)),
+    ("kv store", ("_store_kv_kernel",)),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
+    ("RMSNorm", ("_rms_norm_kernel",)),
+    ("SiLU-and-mul", ("_silu_and_mul_kernel",)),
+    ("q/k norm + rotary", ("_qk_norm_rotary_kernel",)),
+    ("sampler", ("_sample", "_row_keys", "argmax", "softmax", "topk", "sort")),
+)
+
+
+def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_prompts: int, prompt_len: int,
+                    device: str) -> None:
+    """One mixed step like the prefill-heavy preset's: ``decode_rows`` sequences decoding (context ~prompt_len)
+    and ``new_prompts`` fresh prompts prefilled beside them; device time by kernel group (profiler) and the
+    step's wall time with a sync."""
+    import random
+
+    from llmcli import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(5)
+    vocab = facts["vocab"]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
+                            repetition_penalty=1.0)
+    engine.scheduler.block_manager.reset_prefix_cache()
+    for i in range(decode_rows):
+        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-d{i}")
+    sched = engine.scheduler
+    while sched.waiting or not all(s.num_completion_tokens >= 1 for s in sched.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    for i in range(new_prompts):
+        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-p{i}")
+    sync()
+    t = time.perf_counter()
+    if device == "cuda":
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            sync()
+        wall = time.perf_counter() - t
+        groups: dict[str, list[float]] = {}
+        top = []
+        for evt in prof.key_averages():
+            if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
+                continue
+            group = next((g for g, keys in MIXED_GROUPS if any(k in evt.key for k in keys)), "other")
+            row = groups.setdefault(group, [0, 0.0])
+            row[0] += evt.count
+            row[1] += evt.self_device_time_total / 1e3
+            top.append((evt.self_device_time_total / 1e3, evt.count, evt.key[:70]))
+        total = sum(r[1] for r in groups.values())
+        say(f"\nmixed step: {decode_rows} decode rows (context ~{prompt_len}) + {new_prompts} x {prompt_len}-token "
+            f"prompts, kind {engine.step_timer.kind}; wall with profiler {1e3 * wall:.2f} ms, kernels {total:.2f} ms")
+        say("| group | kernels | ms | share |")
+        say("|---|---:|---:|---:|")
+        for name, (count, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+            say(f"| {name} | {count} | {ms:.3f} | {100 * ms / total:.1f}% |")
+        say("top kernels: " + "; ".join(f"{ms:.3f} ms x{n} {name}" for ms, n, name in sorted(top, reverse=True)[:8]))
+    else:
+        engine.step()
+        say(f"\nmixed step (CPU): {1e3 * (time.perf_counter() - t):.1f} ms, kind {engine.step_timer.kind}")
+    # the same kind of step again without the profiler: wall time only
+    for i in range(new_prompts):
+        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-q{i}")
+    sync()
+    t = time.perf_counter()
+    engine.step()
+    sync()
+    say(f"the next such step without the profiler: {1e3 * (time.perf_counter() - t):.2f} ms "
+        f"(kind {engine.step_timer.kind}, {engine.step_timer.tokens[engine.step_timer.kind]} tokens so far)")
+    while engine.has_unfinished():
+        engine.step()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="configs/Qwen3-0.6B")
     p.add_argument("--settings", nargs="*", default=["base", "threads1", "nogc", "base"])
-    p.add_argument("--batches", nargs="+", type=int, default=[256, 64, 16])
+    p.add_argument("--batches", nargs="*", type=int, default=[256, 64, 16])
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--mixed", default="496x16x570",
+                   help="DxNxL: a mixed step of D decoding sequences and N new L-token prompts ('' to skip)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: a few small requests, no breakdown")
     args = p.parse_args(argv)
     from llmcli import LLM
@@ -237,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     for setting in args.settings:
         run_once(llm, engine, phases, prompts, outs, setting)
     del engine.step_timer.phase
-    breakdown(llm, facts, args.batches, args.context, args.device)
+    if args.batches:
+        breakdown(llm, facts, args.batches, args.context, args.device)
+    if args.mixed:
+        d, n, length = (int(x) for x in args.mixed.split("x"))
+        mixed_breakdown(llm, facts, d, n, length, args.device)
     llm.shutdown()
     return 0
 
