@@ -65,7 +65,7 @@ def main() -> None:
     from llmcli.layers.compile import compile_on_cuda
     from llmcli.layers.norm import add_rms_norm, rms_norm
     from llmcli.layers.rotary import RotaryEmbedding
-    from llmcli.models.qwen3 import qk_norm_rotary
+    from llmcli.layers.rotary import qk_norm_rotary
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float16

@@ -2,7 +2,8 @@
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before the kernel module is
 imported) in float32 and float16; with CUDA on the GPU, in bfloat16 too, plus a CUDA-graph capture. The
-reference is the eager code in llmcli.layers / llmcli.models (``fn.__wrapped__``), on fresh random inputs.
+reference is the eager code in llmcli.layers (``fn.__wrapped__``), on fresh random inputs; the fused q/k
+transform + KV store must equal the q/k kernel followed by the store kernel (triton_store.store_kv) bit for bit.
 """
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
-    if "llmcli.kernels.triton_elementwise" in sys.modules:  # decorated before the switch: redo it
-        importlib.reload(sys.modules["llmcli.kernels.triton_elementwise"])
+    for _name in ("triton_elementwise", "triton_store"):  # decorated before the switch: redo it
+        if f"llmcli.kernels.{_name}" in sys.modules:
+            importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
 from llmcli.kernels import triton_elementwise as te  # noqa: E402
 from llmcli.layers.activation import silu_and_mul  # noqa: E402
 from llmcli.layers.compile import elementwise_mode  # noqa: E402
 from llmcli.layers.norm import add_rms_norm, rms_norm  # noqa: E402
-from llmcli.layers.rotary import RotaryEmbedding  # noqa: E402
-from llmcli.models.qwen3 import qk_norm_rotary  # noqa: E402
+from llmcli.kernels.triton_store import store_kv  # noqa: E402
+from llmcli.layers.rotary import RotaryEmbedding, qk_norm_rotary  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -105,6 +107,61 @@ def test_qk_norm_rotary_matches_eager(dtype, m, heads, kv_heads, head_dim):
     assert torch.equal(qkv, before)
 
 
+def qk_store_case(m, heads, kv_heads, head_dim, block_size, dtype, num_blocks=None):
+    """q/k/v as views of one fused qkv projection, the caches as one layer's views of a two-layer pool (the
+    model runner's layout), and a slot per token: distinct random slots, some -1 (token 0's among them)."""
+    qkv = randn(m, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(m, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(m, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(m, kv_heads, head_dim)
+    num_blocks = num_blocks or -(-m // block_size) + 2
+    pool = randn(2, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:m]
+    slots[torch.randperm(m, device=DEVICE)[: m // 3]] = -1
+    slots[0] = -1
+    positions = torch.randint(0, 4096, (m,), device=DEVICE)
+    weights = 1 + 0.1 * randn(head_dim, dtype=dtype), 1 + 0.1 * randn(head_dim, dtype=dtype)
+    return qkv, (q, k, v), pool, slots, positions, weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,heads,kv_heads,head_dim,block_size", [
+    (13, 16, 8, 128, 16), (9, 6, 2, 64, 256), (7, 5, 3, 128, 64), (20, 4, 1, 64, 16), (5, 4, 2, 16, 16)])
+def test_qk_norm_rotary_store_is_the_kernel_then_store_kv(dtype, m, heads, kv_heads, head_dim, block_size):
+    """The fused kernel gives the q/k of ``qk_norm_rotary``'s kernel and leaves the KV pool as ``store_kv`` of
+    its k (and the untouched v) does: bit for bit, GQA ratios 1-5, head_dim 16-128, blocks of 16-256."""
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
+    qkv, (q, k, v), pool, slots, positions, (qw, kw) = qk_store_case(m, heads, kv_heads, head_dim, block_size, dtype)
+    before, ref_pool = qkv.clone(), pool.clone()
+    q_ref, k_ref = te.qk_norm_rotary(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
+    store_kv(k_ref, v, ref_pool[0, 1], ref_pool[1, 1], slots)
+    q_out, k_out = te.qk_norm_rotary_store(q, k, v, positions, qw, kw, EPS, rotary.cos, rotary.sin, pool[0, 1],
+                                           pool[1, 1], slots)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(pool, ref_pool)  # stored rows, and nothing anywhere else (the other layer, the -1 slots)
+    assert not torch.equal(pool[0, 1], pool[0, 0]) and torch.equal(qkv, before)
+    kept = slots >= 0
+    flat_k = pool[0, 1].reshape(-1, kv_heads, head_dim)
+    assert torch.equal(flat_k[slots[kept]], k_ref[kept])  # the store happened (not both runs storing nothing)
+
+
+def test_qk_norm_rotary_store_with_every_slot_skipped():
+    """Slots all -1 (a warm-up step, padding rows of a decode graph): q/k as ever, the caches untouched."""
+    dtype, heads, kv_heads, head_dim = torch.float32, 4, 2, 64
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
+    _, (q, k, v), pool, slots, positions, (qw, kw) = qk_store_case(6, heads, kv_heads, head_dim, 16, dtype)
+    slots.fill_(-1)
+    before = pool.clone()
+    out = te.qk_norm_rotary_store(q, k, v, positions, qw, kw, EPS, rotary.cos, rotary.sin, pool[0, 0], pool[1, 0],
+                                  slots)
+    ref = te.qk_norm_rotary(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref)) and torch.equal(pool, before)
+    empty = te.qk_norm_rotary_store(q[:0], k[:0], v[:0], positions[:0], qw, kw, EPS, rotary.cos, rotary.sin,
+                                    pool[0, 0], pool[1, 0], slots[:0])
+    assert [t.shape for t in empty] == [(0, heads, head_dim), (0, kv_heads, head_dim)]
+
+
 @pytest.mark.skipif(ON_GPU, reason="CPU-only: the interpreter in the CPU model; GPU e2e covers the real path")
 def test_tiny_model_with_the_kernels_matches_transformers(tiny_model, hf_oracle, monkeypatch):
     """The kernels at the model's own call sites (shapes, strided q/k views, argument order): greedy float32
@@ -115,7 +172,7 @@ def test_tiny_model_with_the_kernels_matches_transformers(tiny_model, hf_oracle,
     monkeypatch.setattr("llmcli.layers.norm.rms_norm", te.rms_norm)
     monkeypatch.setattr("llmcli.layers.norm.add_rms_norm", te.add_rms_norm)
     monkeypatch.setattr("llmcli.layers.activation.silu_and_mul", te.silu_and_mul)
-    monkeypatch.setattr("llmcli.models.qwen3.qk_norm_rotary", te.qk_norm_rotary)
+    monkeypatch.setattr("llmcli.layers.attention.qk_norm_rotary", te.qk_norm_rotary)
     prompts = random_prompts([1, 6, 19], seed=7)
     llm = LLM(str(tiny_model), device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=16,
               max_num_batched_tokens=32, max_num_seqs=4, max_model_len=48, enable_prefix_caching=False)
@@ -154,9 +211,12 @@ def calls(dtype):  # Qwen3-0.6B's sizes
     qkv, hw = torch.randn(3, 32 * 128, dtype=dtype), torch.ones(128, dtype=dtype)
     q, k = qkv[:, : 16 * 128].view(3, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(3, 8, 128)
     pos, rot = torch.zeros(3, dtype=torch.int64), RotaryEmbedding(128, 64, 1_000_000.0)
+    v, pool = qkv[:, 24 * 128 :].view(3, 8, 128), torch.zeros(2, 4, 256, 8, 128, dtype=dtype)
     return {"rms_norm": lambda: te.rms_norm(x, w, 1e-6), "add_rms_norm": lambda: te.add_rms_norm(x, x, w, 1e-6),
             "silu_and_mul": lambda: te.silu_and_mul(gate_up),
-            "qk_norm_rotary": lambda: te.qk_norm_rotary(q, k, pos, hw, hw, 1e-6, rot.cos, rot.sin)}
+            "qk_norm_rotary": lambda: te.qk_norm_rotary(q, k, pos, hw, hw, 1e-6, rot.cos, rot.sin),
+            "qk_norm_rotary_store": lambda: te.qk_norm_rotary_store(q, k, v, pos, hw, hw, 1e-6, rot.cos, rot.sin,
+                                                                    pool[0], pool[1], pos)}
 
 out = {}
 for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
@@ -200,8 +260,8 @@ def test_kernels_compile_for_h200_with_vector_loads(sm90_ptx):
     produced is what they replace."""
     import re
 
-    assert set(sm90_ptx) == {f"{op}/{t}" for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rotary")
-                             for t in ("bf16", "fp16")}
+    ops = ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rotary", "qk_norm_rotary_store")
+    assert set(sm90_ptx) == {f"{op}/{t}" for op in ops for t in ("bf16", "fp16")}
     for name, got in sm90_ptx.items():
         ptx = got["ptx"]
         assert got["has_cubin"], name

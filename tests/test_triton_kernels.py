@@ -21,8 +21,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     # triton picks interpreter vs compiler when a kernel is decorated: redo it if imported earlier
-    for _name in ("triton_store", "triton_decode", "triton_prefill", "triton_backend", "triton_sample",
-                  "triton_logprobs"):
+    for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend",
+                  "triton_sample", "triton_logprobs"):
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
@@ -30,7 +30,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from llmcli.kernels import make_backend  # noqa: E402
-from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
+from llmcli.kernels import triton_elementwise as te  # noqa: E402
+from llmcli.kernels.backend import AttentionMetadata, QKNormRotary  # noqa: E402
 from llmcli.kernels.torch_backend import TorchAttentionBackend, store_kv_torch  # noqa: E402
 from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel  # noqa: E402
@@ -320,6 +321,55 @@ def test_backend_decode_through_graph_buffers():
     assert rel_err(out[:n], ref) <= TOL[dtype]
 
 
+def test_backend_fuses_the_qk_transform_with_its_store_through_graph_buffers():
+    """A decode step padded to a graph batch (slots -1 past the real rows) and a prefill over cached prefixes:
+    handed the un-normalised q/k and a QKNormRotary, the backend gives the output and the cache of the q/k kernel
+    followed by its plain forward, bit for bit."""
+    from llmcli.layers.rotary import RotaryEmbedding
+
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    dtype, n, padded = torch.float32 if not ON_GPU else torch.bfloat16, 3, 8
+    rotary = RotaryEmbedding(head_dim, 512, 1_000_000.0).to(DEVICE)
+    weights = [1 + 0.1 * torch.randn(head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+    scale = head_dim ** -0.5
+    ctx_lens, q_lens = [5, 100, 300], [1, 1, 1]
+    for prefill in (False, True):
+        if prefill:
+            q_lens = [4, 37, 2]
+        k_cache, v_cache, tables, slots = make_case(ctx_lens, q_lens, num_kv_heads, head_dim, block_size, dtype)
+        rows = padded if not prefill else sum(q_lens)
+        qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q, k, v = (t.view(rows, -1, head_dim) for t in (q, k, v))
+        positions = torch.cat([torch.arange(c - n_q, c, device=DEVICE) for c, n_q in zip(ctx_lens, q_lens)])
+        positions = torch.cat([positions, positions.new_zeros(rows - positions.numel())])
+        transform = QKNormRotary(positions, *weights, 1e-6, rotary.cos, rotary.sin)
+        lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+        if prefill:
+            cu = torch.tensor([0, 4, 41, 43], dtype=torch.int32, device=DEVICE)
+            meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables,
+                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=37, max_seqlen_k=300,
+                                     has_prefix=True)
+        else:
+            meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
+                                     max_seqlen_k=max(ctx_lens))
+        outs, caches = [], []
+        for fused in (False, True):
+            backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, block_size)
+            backend.init_graph_buffers(16, 64, DEVICE)
+            backend.prepare(meta) if prefill else backend.prepare_for_replay(meta, padded)
+            kc, vc = k_cache.clone(), v_cache.clone()
+            if fused:
+                outs.append(backend.forward(q, k, v, kc, vc, qk_norm=transform))
+            else:
+                qn, kn = te.qk_norm_rotary(q, k, positions, *weights, 1e-6, rotary.cos, rotary.sin)
+                outs.append(backend.forward(qn, kn, v, kc, vc))
+            caches.append((kc, vc))
+        assert torch.equal(outs[0], outs[1])
+        assert all(torch.equal(a, b) for a, b in zip(*caches))
+        assert not torch.equal(caches[1][0], k_cache) and not torch.equal(caches[1][1], v_cache)
+
+
 def test_backend_prefill_warmup_without_cache():
     num_heads, num_kv_heads, head_dim = 16, 8, 128
     dtype = torch.float16
@@ -404,6 +454,63 @@ def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample
     prompts = random_prompts([45, 9, 30], seed=405)  # 3 rows in the graph of 4; blocks of 16 fill up on the way
     check_against_hf(run, hf_oracle, prompts, max_new=8)
     assert run.llm.engine.step_timer.steps["decode"] >= 7
+
+
+def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_model, hf_oracle, run_factory,
+                                                                        monkeypatch):
+    """The triton backend's one kernel for q/k norm + rotary + KV store against the q/k kernel and then store_kv,
+    on the tiny model through chunked prefill, mixed steps, prefix-cache hits and decode (through the graph
+    buffers, padding rows included): the same logits at every step, bit for bit. CPU: the interpreter in float32
+    with the fusion forced on (the layers run eager on CPU otherwise) and HF's greedy tokens; GPU: bfloat16 with
+    captured CUDA graphs, the fusion on by default."""
+    from collections import Counter
+
+    from llmcli import SamplingParams
+    from llmcli.kernels import triton_backend
+
+    calls: Counter = Counter()
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(te, "qk_norm_rotary_store", counted("fused", te.qk_norm_rotary_store))
+    monkeypatch.setattr(triton_backend, "store_kv", counted("store_kv", triton_backend.store_kv))
+    monkeypatch.setattr("llmcli.layers.attention.qk_norm_rotary", counted("qk", te.qk_norm_rotary))
+    prefix = random_prompts([32], seed=410)[0]
+    prompts = [prefix + t for t in random_prompts([1, 12], seed=411)] + random_prompts([3, 30], seed=412)
+    logits, tokens = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr("llmcli.layers.attention.triton_kernels_on", lambda t, on=fused: on)
+        run = run_factory(tiny_model, attention_backend="triton", max_num_batched_tokens=24, max_num_seqs=3,
+                          max_model_len=64, mixed_steps=True, sample_in_graph=False, device=DEVICE.type,
+                          dtype="bfloat16" if ON_GPU else "float32")
+        runner = run.llm.engine.model_runner
+        if not ON_GPU:
+            runner.graphs = eager_decode_graphs(runner, False)
+        compute, seen = runner.model.compute_logits, []
+        monkeypatch.setattr(runner.model, "compute_logits", lambda h, c=compute, s=seen: s.append(c(h).clone()) or s[-1])
+        calls.clear()
+        tokens[fused] = []
+        for _ in range(2):  # the second time round, the shared prefix comes from the cache
+            if ON_GPU:
+                outs = run.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            else:
+                outs = check_against_hf(run, hf_oracle, prompts, max_new=6)
+            tokens[fused] += [list(o["token_ids"]) for o in outs]
+        logits[fused] = seen
+        assert run.llm.engine.step_timer.steps.get("mixed", 0) > 0 and run.llm.engine.step_timer.steps["decode"] > 0
+        assert run.llm.engine.stats.prefix_cache_hit_tokens >= 32 * 2
+        if fused:
+            assert calls["fused"] > 0 and calls["store_kv"] == 0 and calls["qk"] == 0, calls
+        else:
+            assert calls["fused"] == 0 and calls["store_kv"] > 0 and calls["qk"] > 0, calls
+    assert tokens[True] == tokens[False]
+    assert len(logits[True]) == len(logits[False]) > 0
+    for step, (a, b) in enumerate(zip(logits[False], logits[True])):
+        assert torch.equal(a, b), f"logits differ at step {step}"
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU stand-in for CUDA graphs; the GPU captures real ones")

@@ -9,6 +9,12 @@ KV-cache layout (shared by every backend): per layer one key and one value
 tensor of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; token
 ``t`` of a sequence lives in block ``block_table[t // block_size]`` at row
 ``t % block_size``; its flat slot is ``block * block_size + row``.
+
+Fusing the q/k transform with the store: a model whose q and k need a per-head RMSNorm and the rotary
+embedding before attention (Qwen3) describes that work as a ``QKNormRotary``. A backend with
+``fuses_qk_norm_rotary`` may be handed it with the un-normalised q and k and then does the transform and its
+KV store in one pass; the attention layer decides when (``llmcli.layers.attention``) and otherwise applies
+the transform itself, so the other backends only ever see finished q and k.
 """
 from __future__ import annotations
 
@@ -50,10 +56,25 @@ class AttentionMetadata:
         return self.context_lens.numel()
 
 
+@dataclass
+class QKNormRotary:
+    """The transform q and k still need before attention: per-head RMSNorm (``weight * (x / rms(x)).to(dtype)``),
+    then the rotate-half rotary embedding at ``positions`` from the ``[max_position, head_dim]`` cos/sin tables."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    eps: float
+    cos: torch.Tensor  # [max_position, head_dim] float32
+    sin: torch.Tensor
+
+
 class AttentionBackend(ABC):
     """One implementation of paged attention. One instance serves every layer of a model."""
 
     name: str = "abstract"
+    # Whether ``forward`` takes ``qk_norm`` (un-normalised q/k: it normalises, rotates and stores them in one go).
+    fuses_qk_norm_rotary: bool = False
     # Chunk lengths that between them reach every compiled prefill variant; the runner runs each at start-up.
     prefill_variant_lengths: tuple[int, ...] = (16,)
 
@@ -77,8 +98,12 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         k_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, head_dim]; None before the pool exists
         v_cache: torch.Tensor | None,
+        qk_norm: QKNormRotary | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store the new k/v in the cache, then attend. Runs once per layer."""
+        """Store the new k/v in the cache, then attend. Runs once per layer.
+
+        ``qk_norm`` comes only to a backend with ``fuses_qk_norm_rotary``: q and k are then still to be
+        transformed by it, and the cache gets the transformed k (with v as it is)."""
 
     # -- CUDA-graph support (decode only) -------------------------------------
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:

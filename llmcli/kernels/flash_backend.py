@@ -23,9 +23,10 @@ class FlashAttentionBackend(AttentionBackend):
 
         self._varlen, self._with_kvcache, self._store = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
+        assert qk_norm is None, "this backend does not fuse the q/k transform (fuses_qk_norm_rotary is False)"
         if k_cache is not None and k_cache.numel():
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.is_prefill:

@@ -46,9 +46,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
+        assert qk_norm is None, "this backend does not fuse the q/k transform (fuses_qk_norm_rotary is False)"
         if k_cache is not None and k_cache.numel():
             store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

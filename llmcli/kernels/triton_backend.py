@@ -1,6 +1,7 @@
 """The ``triton`` attention backend: llmcli's own Triton kernels behind the AttentionBackend interface.
 
-Per layer: store the new K/V into the paged cache, then either prefill
+Per layer: store the new K/V into the paged cache (with q/k's RMSNorm and rotary in the same kernel when the
+layer hands over a ``QKNormRotary``: ``triton_elementwise.qk_norm_rotary_store``), then either prefill
 (paged, when some chunk has a cached prefix; plain varlen otherwise) or
 split-KV paged decode. The per-step work that does not depend on the layer
 (the decode split count and its scratch space) happens once in ``prepare``.
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
+from llmcli.kernels import triton_elementwise
+from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, QKNormRotary
 from llmcli.kernels.triton_decode import choose_num_splits, paged_decode, scratch_numel
 from llmcli.kernels.triton_prefill import LARGE_TILES_FROM, LONG_TILES_FROM, prefill_paged, prefill_varlen
 from llmcli.kernels.triton_store import store_kv
@@ -26,6 +28,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    fuses_qk_norm_rotary = True
     prefill_variant_lengths = (16, LARGE_TILES_FROM, LONG_TILES_FROM)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
@@ -96,10 +99,19 @@ class TritonAttentionBackend(AttentionBackend):
         self._ensure_scratch(worst, self._splits_for(worst, max_len, device), device)
 
     # -- per-layer ---------------------------------------------------------------
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm: QKNormRotary | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
-        if k_cache is not None and k_cache.numel():
+        has_cache = k_cache is not None and k_cache.numel()
+        if qk_norm is not None:
+            # looked up at call time: a test may reload the kernel module under the interpreter
+            te, n = triton_elementwise, qk_norm
+            if has_cache:
+                q, k = te.qk_norm_rotary_store(q, k, v, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin,
+                                               k_cache, v_cache, meta.slot_mapping)
+            else:  # start-up's warm-up pass, before the pool exists
+                q, k = te.qk_norm_rotary(q, k, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin)
+        elif has_cache:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill and meta.num_decode:
             return self._mixed(q, k, v, k_cache, v_cache, meta)

@@ -130,7 +130,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_stride, c1, c2, s1, s2, eps,
                        H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """RMSNorm then rotary of one token's ``H`` heads, the two halves of each head kept apart (rotate-half)."""
+    """RMSNorm then rotary of one token's ``H`` heads, the two halves of each head kept apart (rotate-half);
+    stores them at ``dst_row`` and returns the two halves, rounded to the output dtype."""
     HALF = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -149,18 +150,22 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
     # FP fusion would turn a product and the sum into one fma: the launch turns it off)
     n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
     n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
-    o1 = (n1 * c1).to(out_dtype).to(tl.float32) + (-n2 * s1).to(out_dtype).to(tl.float32)
-    o2 = (n2 * c2).to(out_dtype).to(tl.float32) + (n1 * s2).to(out_dtype).to(tl.float32)
+    o1 = ((n1 * c1).to(out_dtype).to(tl.float32) + (-n2 * s1).to(out_dtype).to(tl.float32)).to(out_dtype)
+    o2 = ((n2 * c2).to(out_dtype).to(tl.float32) + (n1 * s2).to(out_dtype).to(tl.float32)).to(out_dtype)
     out_ptrs = dst_ptr + dst_row + heads[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(out_ptrs, o1.to(out_dtype), mask=mask)
-    tl.store(out_ptrs + HALF, o2.to(out_dtype), mask=mask)
+    tl.store(out_ptrs, o1, mask=mask)
+    tl.store(out_ptrs + HALF, o2, mask=mask)
+    return o1, o2
 
 
 @triton.jit(do_not_specialize=["M"])
 def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, M,
                            q_stride, q_head_stride, k_stride, k_head_stride, cos_stride, sin_stride, eps,
+                           v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, v_stride, v_head_stride, kc_block_stride,
+                           kc_row_stride, kc_head_stride, vc_block_stride, vc_row_stride, vc_head_stride,
                            HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr,
+                           BLOCK_SIZE: tl.constexpr):
     HALF = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -174,22 +179,34 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
     s2 = tl.load(sin_ptr + pos * sin_stride + HALF + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     _norm_rotate_heads(q_ptr, q_out_ptr, qw_ptr, token * q_stride, token * (HQ * HEAD_DIM), q_head_stride,
                        c1, c2, s1, s2, eps, HQ, BLOCK_HQ, HEAD_DIM, BLOCK_HALF)
-    _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM), k_head_stride,
-                       c1, c2, s1, s2, eps, HK, BLOCK_HK, HEAD_DIM, BLOCK_HALF)
+    k1, k2 = _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM), k_head_stride,
+                                c1, c2, s1, s2, eps, HK, BLOCK_HK, HEAD_DIM, BLOCK_HALF)
+    if STORE:  # what store_kv does with the rotated k and v: both into row ``slot`` of the paged caches
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        heads = tl.arange(0, BLOCK_HK)
+        mask = (heads[:, None] < tl.where(slot >= 0, HK, 0)) & (dims[None, :] < HALF)  # slot -1: stores nothing
+        blk = slot // BLOCK_SIZE
+        row = slot % BLOCK_SIZE
+        k_dst = k_cache_ptr + blk * kc_block_stride + row * kc_row_stride + heads[:, None] * kc_head_stride + dims[None, :]
+        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v_src = v_ptr + token * v_stride + heads[:, None] * v_head_stride + dims[None, :]
+        v_dst = v_cache_ptr + blk * vc_block_stride + row * vc_row_stride + heads[:, None] * vc_head_stride + dims[None, :]
+        tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """Per-head RMSNorm of ``q`` [M, Hq, D] and ``k`` [M, Hk, D], then neox-style rotary at ``positions``.
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, H, D] with each head contiguous (a view when it already is)."""
+    return x if x.stride(2) == 1 else x.contiguous()
 
-    ``q`` and ``k`` may be strided views (of the fused qkv projection) as long as each head is contiguous;
-    the results are new contiguous tensors. ``cos``/``sin`` are the [max_position, D] tables."""
+
+def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+               k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+               store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None):
     m, hq, d = q.shape
     hk = k.shape[1]
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(2) != 1:
-        k = k.contiguous()
+    q, k = _head_rows(q), _head_rows(k)
     q_dtype = torch.promote_types(q.dtype, q_weight.dtype)
     k_dtype = torch.promote_types(k.dtype, k_weight.dtype)
     if q_dtype != k_dtype or q.dtype != k.dtype:
@@ -198,10 +215,45 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_
         raise ValueError("the cos/sin tables must be contiguous along the head dimension")
     q_out = torch.empty((m, hq, d), dtype=q_dtype, device=q.device)
     k_out = torch.empty((m, hk, d), dtype=k_dtype, device=k.device)
-    if m:
-        block_half = triton.next_power_of_2(d // 2)
-        _qk_norm_rotary_kernel[(m,)](
-            q, k, positions, q_weight, k_weight, cos, sin, q_out, k_out, m, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), cos.stride(0), sin.stride(0), eps, HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk,
-            BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d, BLOCK_HALF=block_half, num_warps=4, **_UNFUSED)
+    if not m:
+        return q_out, k_out
+    if store is None:  # the cache arguments are unused (STORE=False compiles them away): any tensor will do
+        v, k_cache, v_cache, slots = k, k, k, positions
+        cache_strides = (0,) * 6
+        v_strides, block_size = (0, 0), 1
+    else:
+        v, k_cache, v_cache, slots = store
+        v = _head_rows(v)
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("the KV caches must be contiguous along the head dimension")
+        if slots.numel() != m:
+            raise ValueError(f"{slots.numel()} cache slots for {m} tokens: one slot per token")
+        cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+        v_strides, block_size = (v.stride(0), v.stride(1)), k_cache.shape[1]
+    _qk_norm_rotary_kernel[(m,)](
+        q, k, positions, q_weight, k_weight, cos, sin, q_out, k_out, m, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), cos.stride(0), sin.stride(0), eps, v, slots, k_cache, v_cache, *v_strides, *cache_strides,
+        HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk, BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d,
+        BLOCK_HALF=triton.next_power_of_2(d // 2), STORE=store is not None, BLOCK_SIZE=block_size, num_warps=4,
+        **_UNFUSED)
     return q_out, k_out
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head RMSNorm of ``q`` [M, Hq, D] and ``k`` [M, Hk, D], then neox-style rotary at ``positions``.
+
+    ``q`` and ``k`` may be strided views (of the fused qkv projection) as long as each head is contiguous;
+    the results are new contiguous tensors. ``cos``/``sin`` are the [max_position, D] tables."""
+    return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, None)
+
+
+def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """``qk_norm_rotary`` and then ``triton_store.store_kv(k_out, v, k_cache, v_cache, slot_mapping)``, in one kernel.
+
+    The same q/k values as ``qk_norm_rotary`` (the same code computes them) and the same cache contents as the
+    store: the rotated k and the untouched ``v`` [M, Hk, D] go to flat slot ``slot_mapping[i]`` of the
+    ``[num_blocks, block_size, Hk, D]`` caches, nothing where the slot is -1. Returns ``(q_out, k_out)``."""
+    return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, (v, k_cache, v_cache, slot_mapping))

@@ -1,10 +1,19 @@
-"""The attention layer: q/k/v in, attention out, through whichever backend the runner chose."""
+"""The attention layer: q/k/v in, attention out, through whichever backend the runner chose.
+
+A model whose q and k still need their per-head RMSNorm and rotary embedding passes them un-normalised with a
+``QKNormRotary``: where the elementwise functions run as Triton kernels (CUDA, the default
+``LLMCLI_ELEMENTWISE=triton``) and the backend can fuse (``fuses_qk_norm_rotary``: triton), the backend does the
+transform and its KV store in one kernel, the very kernel ``qk_norm_rotary`` would launch, so the results are
+the same bits; everywhere else this layer runs ``qk_norm_rotary`` first and the backend stores as usual.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from llmcli.kernels.backend import AttentionBackend
+from llmcli.kernels.backend import AttentionBackend, QKNormRotary
+from llmcli.layers.compile import triton_kernels_on
+from llmcli.layers.rotary import qk_norm_rotary
 
 
 class Attention(nn.Module):
@@ -17,5 +26,12 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                qk_norm: QKNormRotary | None = None) -> torch.Tensor:
+        """``qk_norm``: the transform q and k still need (None: they are final)."""
+        if qk_norm is not None:
+            if self.backend.fuses_qk_norm_rotary and triton_kernels_on(q):
+                return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm)
+            q, k = qk_norm_rotary(q, k, qk_norm.positions, qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps,
+                                  qk_norm.cos, qk_norm.sin)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache)

@@ -48,6 +48,11 @@ def elementwise_mode() -> str:
     return mode
 
 
+def triton_kernels_on(t: torch.Tensor) -> bool:
+    """Whether the elementwise functions run as their Triton kernels for tensors like ``t``."""
+    return t.is_cuda and elementwise_mode() == "triton"
+
+
 def triton_on_cuda(kernel: str) -> Callable[[F], F]:
     """Run the eager ``fn`` as ``llmcli.kernels.triton_elementwise.<kernel>`` (same signature) on CUDA.
 

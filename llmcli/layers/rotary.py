@@ -1,4 +1,5 @@
-"""Rotary position embedding (half-rotation layout), cos/sin precomputed for every position."""
+"""Rotary position embedding (half-rotation layout), cos/sin precomputed for every position; and Qwen3's per-head
+q/k RMSNorm followed by it (``qk_norm_rotary``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmcli.layers.compile import compile_on_cuda
+from llmcli.layers.compile import compile_on_cuda, triton_on_cuda
+from llmcli.layers.norm import rms_norm
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -20,6 +22,17 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     cos = cos_table[positions].unsqueeze(1).to(q.dtype)
     sin = sin_table[positions].unsqueeze(1).to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@triton_on_cuda("qk_norm_rotary")
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head RMSNorm of q and k, then the rotary embedding: one kernel on CUDA rather than three
+    (kernels/triton_elementwise.py; a decode step launches hundreds of tiny ones), the eager reference here.
+    The triton attention backend runs the same kernel with its KV store fused in (layers/attention.py)."""
+    q = rms_norm.__wrapped__(q, q_weight, eps)
+    k = rms_norm.__wrapped__(k, k_weight, eps)
+    return apply_rotary.__wrapped__(positions, q, k, cos, sin)
 
 
 def rope_settings(config: Any) -> tuple[float, dict | None]:

@@ -6,29 +6,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmcli.kernels.backend import AttentionBackend
+from llmcli.kernels.backend import AttentionBackend, QKNormRotary
 from llmcli.kernels import MAX_THIN_M
 from llmcli.layers.activation import SiluAndMul
 from llmcli.layers.attention import Attention
-from llmcli.layers.compile import triton_on_cuda
 from llmcli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmcli.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from llmcli.layers.norm import RMSNorm, rms_norm
-from llmcli.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from llmcli.layers.norm import RMSNorm
+from llmcli.layers.rotary import RotaryEmbedding, rope_settings
 
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-@triton_on_cuda("qk_norm_rotary")
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """Qwen3's per-head RMSNorm of q and k, then the rotary embedding: one kernel on CUDA rather than three
-    (kernels/triton_elementwise.py; a decode step launches hundreds of tiny ones), the eager reference here."""
-    q = rms_norm.__wrapped__(q, q_weight, eps)
-    k = rms_norm.__wrapped__(k, k_weight, eps)
-    return apply_rotary.__wrapped__(positions, q, k, cos, sin)
 
 
 class Qwen3Attention(nn.Module):
@@ -49,11 +38,12 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = qk_norm_rotary(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
-                              positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                              self.rotary.cos, self.rotary.sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v)
+        # q/k's per-head norm and rotary go with the attention call: the triton backend fuses them with its KV
+        # store (one kernel; layers/attention.py), the others get them applied first
+        qk_norm = QKNormRotary(positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                               self.rotary.cos, self.rotary.sin)
+        out = self.attn(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                        v.view(-1, self.num_kv_heads, self.head_dim), qk_norm)
         return self.o_proj(out.flatten(1, 2))
 
 
