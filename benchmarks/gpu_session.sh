@@ -2,6 +2,8 @@
 # One device-machine call: install carried wheels, then the stages named on the command line.
 #   smoke   start-up + a small batch (fails fast if the GPU path is broken)
 #   e2e     tests/test_gpu_e2e.py (bf16 greedy agreement with transformers) and the triton kernel tests
+#   kernels tests/test_triton_kernels.py + test_triton_elementwise.py on the GPU, then benchmarks/fused_store_gpu.py
+#           (q/k norm+rotary with the KV store fused in vs the two kernels: µs per forward, same bits; < 1 min)
 #   bench   benchmarks/bench_vs_hf.py, extra args in BENCH_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), extra args in TP_ARGS
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
@@ -60,8 +62,9 @@ for stage in "$@"; do
   case $stage in
     smoke) timeout 240 python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1 ;;
     e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e.log" ;;
-    kernels) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_elementwise.py \
-      2>&1 | tail -5 ;;
+    kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_elementwise.py \
+      2>&1 | tail -5
+      timeout 120 python3 benchmarks/fused_store_gpu.py 2>&1 | tee "$OUT/fused_store.log" | tail -13 ;;
     # start-up first, so that the elementwise kernels' Triton cache is as cold as the machine's (run 18 to compare)
     elementwise) timeout 150 python3 benchmarks/startup_profile_gpu.py --prefill 32x570 > "$OUT/elementwise_startup.log" 2>&1
       grep -E "^imports|^LLM\(\)|^prefill|^GEMMs" "$OUT/elementwise_startup.log"

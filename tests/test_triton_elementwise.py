@@ -329,3 +329,35 @@ def test_kernels_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     for out, ref in zip(outs, body()):
         assert torch.equal(out, ref)
+
+
+@gpu_only
+def test_fused_store_replays_in_a_cuda_graph():
+    """Captured over static position and slot buffers (as the decode graphs read the backend's ``_graph_slots``),
+    replayed after new inputs and new slots: the q/k and the cache that the q/k kernel and store_kv give."""
+    dtype, m, heads, kv_heads, head_dim, block_size = torch.bfloat16, 12, 16, 8, 128, 16
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
+    qkv, (q, k, v), pool, slots, positions, (qw, kw) = qk_store_case(m, heads, kv_heads, head_dim, block_size, dtype,
+                                                                     num_blocks=8)
+
+    def body():
+        return te.qk_norm_rotary_store(q, k, v, positions, qw, kw, EPS, rotary.cos, rotary.sin, pool[0, 1],
+                                       pool[1, 1], slots)
+
+    body()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out, k_out = body()
+    qkv.copy_(torch.randn_like(qkv))
+    positions.copy_(torch.randint(0, 4096, (m,), device=DEVICE))
+    new_slots = torch.randperm(8 * block_size, device=DEVICE)[:m]
+    new_slots[::4] = -1
+    slots.copy_(new_slots)
+    ref_pool = pool.clone()
+    q_ref, k_ref = te.qk_norm_rotary(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
+    store_kv(k_ref, v, ref_pool[0, 1], ref_pool[1, 1], slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert torch.equal(pool, ref_pool)

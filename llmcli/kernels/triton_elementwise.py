@@ -1,5 +1,7 @@
 """Hand-written Triton kernels for the model's elementwise work: RMSNorm (with the residual add), SiLU-and-mul,
-and Qwen3's per-head q/k RMSNorm fused with the rotary embedding.
+and Qwen3's per-head q/k RMSNorm fused with the rotary embedding, optionally with the KV-cache store too
+(``qk_norm_rotary_store``: the triton attention backend's one kernel per layer for what ``qk_norm_rotary`` and
+``triton_store.store_kv`` did in two; a compile-time switch of the same kernel, so q/k are the same bits).
 
 Each kernel is specialised on its feature sizes (hidden size, intermediate size, heads, head_dim) as constexprs,
 so that it compiles to straight-line vectorised code once per model, and takes the token count M at run time

@@ -3,7 +3,9 @@
 One program per token: it reads the token's flat slot, and copies the token's
 ``[num_kv_heads, head_dim]`` key and value rows into ``block = slot // block_size``,
 ``row = slot % block_size`` of the caches. Slot -1 (padding, or a token whose KV
-must not be kept) writes nothing.
+must not be kept) writes nothing. The triton backend stores inside the q/k
+norm + rotary kernel instead when the layer lets it (``triton_elementwise.qk_norm_rotary_store``);
+this kernel serves the flash-attn backend and the triton backend's other paths.
 """
 from __future__ import annotations
 
