@@ -136,8 +136,8 @@ def triton_variants() -> int | None:
         from triton.runtime.jit import JITFunction
 
         total = 0
-        for name in ("triton_decode", "triton_prefill", "triton_store", "triton_sample", "triton_logprobs",
-                     "triton_gemm"):
+        for name in ("triton_decode", "triton_prefill", "triton_store", "triton_elementwise", "triton_sample",
+                     "triton_logprobs", "triton_gemm"):  # triton_elementwise: also the triton backend's KV store
             for obj in vars(importlib.import_module(f"llmcli.kernels.{name}")).values():
                 if isinstance(obj, JITFunction):
                     total += sum(len(caches[0]) for caches in obj.device_caches.values())

@@ -491,7 +491,12 @@ def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_mode
         if not ON_GPU:
             runner.graphs = eager_decode_graphs(runner, False)
         compute, seen = runner.model.compute_logits, []
-        monkeypatch.setattr(runner.model, "compute_logits", lambda h, c=compute, s=seen: s.append(c(h).clone()) or s[-1])
+
+        def recorded(hidden, compute=compute, seen=seen):
+            seen.append(compute(hidden).clone())
+            return seen[-1]
+
+        monkeypatch.setattr(runner.model, "compute_logits", recorded)
         calls.clear()
         tokens[fused] = []
         for _ in range(2):  # the second time round, the shared prefix comes from the cache

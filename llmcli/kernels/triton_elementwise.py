@@ -189,11 +189,13 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
         mask = (heads[:, None] < tl.where(slot >= 0, HK, 0)) & (dims[None, :] < HALF)  # slot -1: stores nothing
         blk = slot // BLOCK_SIZE
         row = slot % BLOCK_SIZE
-        k_dst = k_cache_ptr + blk * kc_block_stride + row * kc_row_stride + heads[:, None] * kc_head_stride + dims[None, :]
+        k_dst = (k_cache_ptr + blk * kc_block_stride + row * kc_row_stride + heads[:, None] * kc_head_stride
+                 + dims[None, :])
         tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         v_src = v_ptr + token * v_stride + heads[:, None] * v_head_stride + dims[None, :]
-        v_dst = v_cache_ptr + blk * vc_block_stride + row * vc_row_stride + heads[:, None] * vc_head_stride + dims[None, :]
+        v_dst = (v_cache_ptr + blk * vc_block_stride + row * vc_row_stride + heads[:, None] * vc_head_stride
+                 + dims[None, :])
         tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
