@@ -218,7 +218,7 @@ MIXED_GROUPS = (  # (group, substrings of the CUDA kernel name), first match win
     ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
     ("RMSNorm", ("_rms_norm_kernel",)),
     ("SiLU-and-mul", ("_silu_and_mul_kernel",)),
-    ("q/k norm + rotary", ("_qk_norm_rotary_kernel",)),
+    ("q/k norm + rotary + kv store", ("_qk_norm_rotary_kernel",)),  # the triton backend stores in it
     ("sampler", ("_sample", "_row_keys", "argmax", "softmax", "topk", "sort")),
 )
 
