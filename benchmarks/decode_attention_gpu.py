@@ -3,13 +3,14 @@
 For Qwen3-0.6B (16/8/128, 28 layers) and Qwen3-8B (32/8/128, 36 layers) head shapes, bf16, block size 256
 (the engine's default), every batch in 1 … 256 and context in 256 … 4096 (all rows that long): one CUDA graph
 per path holds a loop of one decode attention call per layer, each over its own cache (as many distinct
-caches as fit ~16 GB, rotated), after an L2 flush; the graph's replay time minus that of a flush-only graph
+caches as fit ~16 GB, rotated), after an L2 flush, with the split count a decode graph of the engine uses
+(chosen for ``--max-model-len`` keys, since graphs are captured before any context is known); the graph's replay time minus that of a flush-only graph
 is the attention time (median of CUDA-event timed replays). Prints ms per step (all layers), GB/s of KV read
 and its share of a measured copy bandwidth (read + write bytes / time of a 1 GiB device copy), the max
 |diff| against a float32 torch reference and whether the two paths' outputs are bit-identical (after the
 timed replays, so the one-launch counters must have been reset replay after replay). Candidates (one launch,
-at batch <= 64): other split counts (programs per SM, tokens per split) and launch settings (BLOCK_N,
-warps, stages); a summary table ends the run.
+at batch <= 64): other split counts (from the real context, programs per SM, tokens per split) and launch
+settings (BLOCK_N, warps, stages); a summary table ends the run.
 
     python benchmarks/decode_attention_gpu.py               # on CUDA, under 2 minutes
     python benchmarks/decode_attention_gpu.py --quick       # fewer shapes and candidates
@@ -50,6 +51,7 @@ class Candidate:
 BASELINE = Candidate("two-launch", replace(DEFAULT_TUNING, one_launch=False))
 ONE = Candidate("one-launch", replace(DEFAULT_TUNING, one_launch=True))
 SPLIT_CANDIDATES = [
+    Candidate("ctx", ONE.tuning, {"from_ctx": True}),  # split count from the real context, not max_model_len
     Candidate("pps2", ONE.tuning, {"programs_per_sm": 2}),
     Candidate("pps8", ONE.tuning, {"programs_per_sm": 8}),
     Candidate("min64", ONE.tuning, {"min_tokens": 64}),
@@ -204,7 +206,10 @@ def run_case(model: str, shape: tuple, batch: int, ctx: int, args, device, dtype
     seen: dict[tuple, str] = {}
     ref = reference(case) if not args.no_check else None
     for cand in candidates:
-        n = choose_num_splits(batch, kv_heads, ctx, num_sms, **cand.split_args)
+        split_args = dict(cand.split_args)
+        # a decode graph is captured before any context is known: the engine splits for the table width
+        max_len = ctx if split_args.pop("from_ctx", False) else args.max_model_len
+        n = choose_num_splits(batch, kv_heads, max_len, num_sms, **split_args)
         key = (n, cand.tuning)
         splits[cand.name] = n
         if key in seen:  # same launch as an earlier candidate: same time
@@ -283,6 +288,8 @@ def main() -> None:
     ap.add_argument("--ctxs", default=None, help="comma list (default 256,800,2048,4096)")
     ap.add_argument("--models", default=None, help="comma list of 0.6B,8B")
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=40960,
+                    help="the graphs' split count is chosen for this many keys (the engine's default for Qwen3)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tune-max-batch", type=int, default=64, help="candidates only at batches up to this")
     ap.add_argument("--tune-model", default="0.6B", help="launch-setting candidates on this model only")
@@ -306,6 +313,7 @@ def main() -> None:
         batches, ctxs = [1, 3], [40, 300]
         args.block_size = args.block_size or 16
         args.reps, args.tune_model, num_sms, flush = 5, "tiny", 4, None  # 4 "SMs": the tiny cases split
+        args.max_model_len = min(args.max_model_len, 512)
     if args.models:
         models = {k: MODELS[k] for k in args.models.split(",")}
     if args.batches:

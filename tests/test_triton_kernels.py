@@ -216,6 +216,23 @@ def test_one_launch_decode_counters_serve_smaller_and_larger_batches():
     assert torch.count_nonzero(counters) == 0
 
 
+@gpu_only
+@pytest.mark.parametrize("batch", [1, 5, 48])
+def test_one_launch_decode_gpu_many_calls(batch):
+    """On the GPU the last program to arrive varies from call to call: the output must not."""
+    lens = torch.randint(1, 4097, (batch,)).tolist()
+    lens[0], lens[-1] = 4096, 0 if batch > 1 else 4096
+    case = decode_case(lens, (16, 8, 128, 256), torch.bfloat16)
+    num_splits = choose_num_splits(batch, 8, 40960)
+    assert num_splits > 1
+    two = split_decode(case, num_splits, one_launch=False)
+    counters = torch.zeros(counters_numel(batch, 8), dtype=torch.int32, device=DEVICE)
+    for _ in range(30):
+        assert torch.equal(split_decode(case, num_splits, one_launch=True, counters=counters), two)
+    assert torch.count_nonzero(counters) == 0
+    assert rel_err(two, case[-1]) <= TOL[torch.bfloat16]
+
+
 def test_backend_decode_one_launch_and_two_launches_agree():
     """Through the backend (its own scratch and counters), layer after layer, as a decode step runs."""
     shape = (16, 8, 128, 256)
