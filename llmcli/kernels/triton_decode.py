@@ -15,8 +15,9 @@ base-2 log-sum-exp) and the partials are combined in one of two ways:
   so programs need not be resident together.
 - two launches: a small reduce kernel combines them afterwards (A/B and fallback).
 
-Both combine through ``_combine_splits``, a loop over the splits in order, so
-the two paths give bit-identical outputs whichever program happens to finish last.
+Both combine through ``_combine_head``: each split's partial sits at its split
+index in one fixed-width tile, reduced by the same tree whichever program
+finished last, so outputs are deterministic and the two paths bit-identical.
 
 The partition size is computed inside the kernel from the row's own context
 length, so the launch depends only on the batch size and ``num_splits`` (host
@@ -36,7 +37,7 @@ BLOCK_N = 64  # keys per tile: 64 x 128 bf16 = 16 KiB per K (and V) tile
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism it adds
 PROGRAMS_PER_SM = 4  # split until about this many programs per SM
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # a power of two: the combine reads every split's partial as one tile this wide
 NUM_WARPS = 4
 NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
 ONE_LAUNCH = True  # combine split partials in the partition kernel (False: a second, reduce kernel)
@@ -56,30 +57,23 @@ DEFAULT_TUNING = DecodeTuning()
 
 
 @triton.jit
-def _combine_splits(part_out_ptr, part_lse_ptr, rows, mask, num_splits,
-                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The combined output of partial rows ``rows + s`` (s = 0 .. num_splits-1), splits taken in order.
+def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.constexpr):
+    """Combine one head's partials (rows ``rows`` where ``mask_s``) into ``dst``.
 
-    A sequential loop (not a tree reduction whose order depends on the tensor layout) makes the
-    arithmetic the same in every kernel that calls this. ``.cg`` loads read L2, never a stale L1 line
-    left by an earlier step's partials on this SM.
+    One fixed-width tile of every split (MAX_SPLITS wide whatever the count, so the reduction
+    tree, and with it the rounding, is the same in every kernel that calls this), loaded in one
+    round trip. ``.cg`` loads read L2, never a stale L1 line left by an earlier step on this SM.
     """
     d = tl.arange(0, HEAD_DIM)
-    top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + rows + s, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        top = tl.maximum(top, lse)
+    lse = tl.load(part_lse_ptr + rows, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=mask_s[:, None], other=0.0,
+                   cache_modifier=".cg")
+    top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights become 0, not NaN
-    denom = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + rows + s, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - top)
-        denom = denom + w
-        part = tl.load(part_out_ptr + (rows + s)[:, None] * HEAD_DIM + d[None, :], mask=mask[:, None],
-                       other=0.0, cache_modifier=".cg")
-        acc = tl.fma(part, w[:, None], acc)  # explicit fma: no compiler choice between fused and not
-    return acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    w = tl.exp2(lse - top)
+    denom = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(dst + d, o.to(dst.dtype.element_ty))
 
 
 # Table width and split count change from step to step: without do_not_specialize Triton would
@@ -95,6 +89,7 @@ def _decode_partition_kernel(
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+    MAX_SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -159,8 +154,12 @@ def _decode_partition_kernel(
             counter = counters_ptr + b * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:  # the last of this (sequence, KV head): all partials are written
-                o = _combine_splits(part_out_ptr, part_lse_ptr, rows, mask_g, num_splits, GROUP_PAD, HEAD_DIM)
-                tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+                sp = tl.arange(0, MAX_SPLITS_PAD)
+                row0 = (b * (GROUP * tl.num_programs(1)) + kvh * GROUP).to(tl.int64) * num_splits
+                out_row = out_ptr + b.to(tl.int64) * stride_ob
+                for gi in tl.static_range(GROUP):
+                    _combine_head(part_out_ptr, part_lse_ptr, row0 + gi * num_splits + sp, sp < num_splits,
+                                  out_row + (kvh * GROUP + gi) * stride_oh, HEAD_DIM)
                 tl.store(counter, 0)  # nobody else touches it in this launch; the next launch sees 0
     else:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
@@ -169,19 +168,15 @@ def _decode_partition_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr,
 ):
-    """The two-launch path's combine: grid (batch, num_kv_heads), the same rows as a partition program."""
+    """The two-launch path's combine: grid (batch, num_heads), one head's partials per program."""
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    heads = kvh * GROUP + g
-    mask_g = g < GROUP
-    rows = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits
-    o = _combine_splits(part_out_ptr, part_lse_ptr, rows, mask_g, num_splits, GROUP_PAD, HEAD_DIM)
-    dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+    h = tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS_PAD)
+    rows = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits + s
+    _combine_head(part_out_ptr, part_lse_ptr, rows, s < num_splits,
+                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, HEAD_DIM)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132, *,
@@ -240,6 +235,7 @@ def paged_decode(
     group = num_heads // num_kv_heads
     group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
     split = num_splits > 1
+    assert num_splits <= MAX_SPLITS, f"at most {MAX_SPLITS} splits (the combine's fixed tile width)"
     one_launch = split and tuning.one_launch
     if split:
         n_out, n_lse = scratch_numel(batch, num_heads, head_dim, num_splits)
@@ -264,12 +260,12 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * math.log2(math.e), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=split, ONE_LAUNCH=one_launch,
+        SPLIT=split, ONE_LAUNCH=one_launch, MAX_SPLITS_PAD=MAX_SPLITS,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
     )
     if split and not one_launch:
-        _decode_reduce_kernel[(batch, num_kv_heads)](
+        _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, num_warps=tuning.num_warps,
+            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps,
         )
     return out
