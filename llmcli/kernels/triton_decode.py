@@ -186,7 +186,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms:
     With fewer than ~3 programs per SM the GPU cannot keep enough loads in flight, so
     split until there are about ``programs_per_sm`` per SM, but never give a split fewer than
     ``min_tokens`` keys of the longest context. (Measured on an H200 at Qwen3-0.6B
-    shapes: batch 1 x 8k keys goes from 0.16 to 2.2 TB/s with 64 splits.)
+    shapes: batch 1 x 8k keys goes from 0.16 to 2.2 TB/s with 64 splits.) A decode graph is
+    captured before any context is known, for the table width (max_model_len keys), so there
+    only the programs-per-SM bound applies; rows shorter than that leave some splits empty.
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= 3 * num_sms:
