@@ -17,6 +17,9 @@
 #   elementwise  issues #13/#12 (~4 min): start-up + 32x570 prefill profile with the Triton elementwise kernels
 #           (startup_profile_gpu.py), tests/test_triton_elementwise.py on the GPU (bf16, CUDA graph), then
 #           benchmarks/elementwise_gpu.py (torch.compile vs the kernels: µs, GB/s, max diff), args in ELEMENTWISE_ARGS
+#   decode-attn  issue #13 (<= 2 min): benchmarks/decode_attention_gpu.py: paged decode attention, two launches per
+#           layer vs one (split-KV partials combined by the last program), split-count and launch candidates at
+#           batch <= 64, Qwen3-0.6B/8B heads, batch 1-256 x context 256-4096, in CUDA graphs; args in DECODE_ATTN_ARGS
 #   job     benchmarks/job_gpu.py: `llmcli generate` wall vs the engine alone (issue 12), extra args in JOB_ARGS
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   host-diag  benchmarks/host_diag_gpu.py (issue #13, ~2 min): host phases' wall vs CPU time, busy threads, settings;
@@ -71,6 +74,8 @@ for stage in "$@"; do
       grep -A14 -E "^ +ms +calls +kernel" "$OUT/elementwise_startup.log"
       timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_elementwise.py 2>&1 | tail -5
       timeout 300 python3 benchmarks/elementwise_gpu.py ${ELEMENTWISE_ARGS:-} 2>&1 | tee "$OUT/elementwise.log" ;;
+    decode-attn) timeout 170 python3 benchmarks/decode_attention_gpu.py ${DECODE_ATTN_ARGS:-} 2>&1 \
+      | tee "$OUT/decode_attn.log" ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     stopped-rank) timeout 330 python3 benchmarks/stopped_rank_gpu.py 2>&1 | tee "$OUT/stopped_rank.log" ;;
     logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;

@@ -72,18 +72,12 @@ def test_attention_tasks_cover_the_prefill_variants_and_each_decode_split_count(
     # varlen and paged at chunk lengths 16 and 64 (the long variant, clipped to the largest chunk)
     splits = {choose_num_splits(b, 2, 4096, backend._sms(DEVICE)) for b in sizes}
     assert 1 in splits and len(splits) > 1  # small graphs split their contexts, large ones do not
-    assert len(tasks) == 4 + len({(n > 1, triton_pad(n), n % 16 == 0) for n in splits})
+    assert len(tasks) == 4 + len({(n > 1, n % 16 == 0) for n in splits})
     outputs = [task() for task in tasks]
     for out in outputs:  # zero queries, keys and values: every row attends to zeros (or to nothing)
         assert out.shape[1:] == (4, 16) and torch.count_nonzero(out) == 0
     assert {out.shape[0] for out in outputs} == {16, 64, 1}
     assert attention_tasks(object(), torch.float32, DEVICE, 4096, 64, sizes) == []  # other backends: nothing
-
-
-def triton_pad(n: int) -> int:
-    import triton
-
-    return triton.next_power_of_2(n)
 
 
 def test_cancelling_drops_the_tasks_not_started():

@@ -128,15 +128,16 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
             q = torch.zeros(1, heads, dim, dtype=dtype, device=device)
             cache = torch.zeros(1, bs, kv_heads, dim, dtype=dtype, device=device)
             table = torch.zeros(1, max_blocks, **i32)  # the graphs' table buffer is max_blocks wide
-            return paged_decode(q, cache, cache, table, torch.zeros(1, **i32), scale, num_splits=num_splits)
+            return paged_decode(q, cache, cache, table, torch.zeros(1, **i32), scale, num_splits=num_splits,
+                                tuning=backend.decode_tuning)
         return run
 
-    # one launch per compiled variant: split or not, the reduce's padded width, and how Triton specializes
-    # the count itself (1, a multiple of 16, other)
+    # one launch per compiled variant: split or not, and how Triton specializes the count itself (1, a
+    # multiple of 16, other); the splits are combined by a loop, so their count sets no block width
     variants: dict[tuple, int] = {}
     for b in graph_batch_sizes:
         n = backend._splits_for(b, max_blocks * bs, device)
-        variants.setdefault((n > 1, 1 << max(0, n - 1).bit_length(), n % 16 == 0), n)
+        variants.setdefault((n > 1, n % 16 == 0), n)
     tasks += [decode(n) for n in variants.values()]
     return tasks
 

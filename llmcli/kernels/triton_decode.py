@@ -4,10 +4,20 @@ Grid ``(batch, num_kv_heads, num_splits)``. One program serves every query head
 of one KV head (the GQA group, padded to 16 rows so ``tl.dot`` can use the
 tensor cores), so each cached K/V byte is read once per step. A sequence's
 context is cut into ``num_splits`` partitions of whole ``BLOCK_N`` tiles; each
-program runs an online softmax over its partition and, when there is more than
-one split, writes a partial result (normalised output plus base-2 log-sum-exp)
-that a small reduce kernel combines. With one split the partition kernel writes
-the output directly.
+program runs an online softmax over its partition. With one split it writes the
+output directly. With more, each writes a partial result (normalised output plus
+base-2 log-sum-exp) and the partials are combined in one of two ways:
+
+- one launch (the default, ``ONE_LAUNCH``): after writing its partial a program
+  bumps a per-(sequence, KV head) int32 counter (acq_rel, GPU scope); the one
+  that arrives last combines the partials and writes the output, then sets the
+  counter back to 0 for the next step or graph replay. Nobody waits on anybody,
+  so programs need not be resident together.
+- two launches: a small reduce kernel combines them afterwards (A/B and fallback).
+
+Both combine through ``_combine_head``: each split's partial sits at its split
+index in one fixed-width tile, reduced by the same tree whichever program
+finished last, so outputs are deterministic and the two paths bit-identical.
 
 The partition size is computed inside the kernel from the row's own context
 length, so the launch depends only on the batch size and ``num_splits`` (host
@@ -17,6 +27,7 @@ Rows with context length 0 (graph padding) read nothing and write zeros.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,9 +36,44 @@ import triton.language as tl
 BLOCK_N = 64  # keys per tile: 64 x 128 bf16 = 16 KiB per K (and V) tile
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism it adds
-MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4  # split until about this many programs per SM
+MAX_SPLITS = 64  # a power of two: the combine reads every split's partial as one tile this wide
 NUM_WARPS = 4
 NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
+ONE_LAUNCH = True  # combine split partials in the partition kernel (False: a second, reduce kernel)
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch settings of the decode kernel; the defaults are the module constants (benchmarks sweep others)."""
+
+    block_n: int = BLOCK_N
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+    one_launch: bool = ONE_LAUNCH
+
+
+DEFAULT_TUNING = DecodeTuning()
+
+
+@triton.jit
+def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.constexpr):
+    """Combine one head's partials (rows ``rows`` where ``mask_s``) into ``dst``.
+
+    One fixed-width tile of every split (MAX_SPLITS wide whatever the count, so the reduction
+    tree, and with it the rounding, is the same in every kernel that calls this), loaded in one
+    round trip. ``.cg`` loads read L2, never a stale L1 line left by an earlier step on this SM.
+    """
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(part_lse_ptr + rows, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=mask_s[:, None], other=0.0,
+                   cache_modifier=".cg")
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights become 0, not NaN
+    w = tl.exp2(lse - top)
+    denom = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(dst + d, o.to(dst.dtype.element_ty))
 
 
 # Table width and split count change from step to step: without do_not_specialize Triton would
@@ -35,14 +81,15 @@ NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     stride_qb, stride_qh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     stride_bt, stride_ob, stride_oh,
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+    MAX_SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -95,50 +142,59 @@ def _decode_partition_kernel(
     # Empty partition (or context 0): l == 0, output 0 and lse -inf, never NaN.
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        row = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
-        tl.store(part_lse_ptr + row, lse, mask=mask_g)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=mask_g[:, None])
+        rows = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits
+        tl.store(part_lse_ptr + rows + split, lse, mask=mask_g)
+        tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=mask_g[:, None])
+        if ONE_LAUNCH:
+            # every thread's partial stores come before the (one-thread) release of the counter
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last of this (sequence, KV head): all partials are written
+                sp = tl.arange(0, MAX_SPLITS_PAD)
+                row0 = (b * (GROUP * tl.num_programs(1)) + kvh * GROUP).to(tl.int64) * num_splits
+                out_row = out_ptr + b.to(tl.int64) * stride_ob
+                for gi in tl.static_range(GROUP):
+                    _combine_head(part_out_ptr, part_lse_ptr, row0 + gi * num_splits + sp, sp < num_splits,
+                                  out_row + (kvh * GROUP + gi) * stride_oh, HEAD_DIM)
+                tl.store(counter, 0)  # nobody else touches it in this launch; the next launch sees 0
     else:
-        dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr,
 ):
+    """The two-launch path's combine: grid (batch, num_heads), one head's partials per program."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    mask_s = s < num_splits
-    row = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights become 0, not NaN
-    w = tl.exp2(lse - top)
-    denom = tl.sum(w, 0)
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask_s[:, None], other=0.0)
-    o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    s = tl.arange(0, MAX_SPLITS_PAD)
+    rows = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits + s
+    _combine_head(part_out_ptr, part_lse_ptr, rows, s < num_splits,
+                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, HEAD_DIM)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132, *,
+                      programs_per_sm: int = PROGRAMS_PER_SM, min_tokens: int = MIN_TOKENS_PER_SPLIT) -> int:
     """How many partitions to cut each context into, from host-side sizes only.
 
     With fewer than ~3 programs per SM the GPU cannot keep enough loads in flight, so
-    split until there are about four per SM, but never give a split fewer than
-    MIN_TOKENS_PER_SPLIT keys of the longest context. (Measured on an H200 at Qwen3-0.6B
-    shapes: batch 1 x 8k keys goes from 0.16 to 2.2 TB/s with 64 splits.)
+    split until there are about ``programs_per_sm`` per SM, but never give a split fewer than
+    ``min_tokens`` keys of the longest context. (Measured on an H200 at Qwen3-0.6B
+    shapes: batch 1 x 8k keys goes from 0.16 to 2.2 TB/s with 64 splits.) A decode graph is
+    captured before any context is known, for the table width (max_model_len keys), so there
+    only the programs-per-SM bound applies; rows shorter than that leave some splits empty.
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= 3 * num_sms:
         return 1
-    wanted = triton.cdiv(4 * num_sms, programs)
-    useful = max(1, max_seqlen_k // MIN_TOKENS_PER_SPLIT)
+    wanted = triton.cdiv(programs_per_sm * num_sms, programs)
+    useful = max(1, max_seqlen_k // min_tokens)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
@@ -150,17 +206,25 @@ def scratch_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) ->
     return rows * head_dim, rows
 
 
+def counters_numel(batch: int, num_kv_heads: int) -> int:
+    """Elements of the int32 arrival counters a one-launch split needs (zeroed once, reset by the kernel)."""
+    return batch * num_kv_heads
+
+
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1,
     part_out: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+    tuning: DecodeTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """Attention of ``q`` [batch, num_heads, head_dim] over each row's cached context.
 
     ``part_out``/``part_lse`` are flat float32 scratch buffers of at least
     ``scratch_numel(...)`` elements (needed when ``num_splits > 1``; pass
-    preallocated ones under CUDA graphs).
+    preallocated ones under CUDA graphs). ``counters`` is a flat int32 buffer of at
+    least ``counters_numel(...)`` zeros for the one-launch path; the kernel leaves it
+    zeroed again, so one buffer serves every later call (and graph replay) on its stream.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -171,7 +235,10 @@ def paged_decode(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
+    group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
     split = num_splits > 1
+    assert num_splits <= MAX_SPLITS, f"at most {MAX_SPLITS} splits (the combine's fixed tile width)"
+    one_launch = split and tuning.one_launch
     if split:
         n_out, n_lse = scratch_numel(batch, num_heads, head_dim, num_splits)
         if part_out is None or part_lse is None:
@@ -180,21 +247,27 @@ def paged_decode(
         assert part_out.numel() >= n_out and part_lse.numel() >= n_lse, "scratch too small"
     else:
         part_out = part_lse = out  # unused by the kernel
+    if one_launch:
+        if counters is None:
+            counters = torch.zeros(counters_numel(batch, num_kv_heads), dtype=torch.int32, device=q.device)
+        assert counters.dtype == torch.int32 and counters.numel() >= counters_numel(batch, num_kv_heads), \
+            "counters too small"
+    else:
+        counters = context_lens  # unused by the kernel
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * math.log2(math.e), num_splits,
-        GROUP=group, GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, SPLIT=split,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES if k_cache.element_size() <= 2 else 2,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
+        SPLIT=split, ONE_LAUNCH=one_launch, MAX_SPLITS_PAD=MAX_SPLITS,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
     )
-    if split:
+    if split and not one_launch:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps,
         )
     return out

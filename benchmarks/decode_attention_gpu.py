@@ -1,0 +1,351 @@
+"""Paged decode attention: the two-launch split-KV path vs one launch per layer, and split-count candidates.
+
+For Qwen3-0.6B (16/8/128, 28 layers) and Qwen3-8B (32/8/128, 36 layers) head shapes, bf16, block size 256
+(the engine's default), every batch in 1 … 256 and context in 256 … 4096 (all rows that long): one CUDA graph
+per path holds a loop of one decode attention call per layer, each over its own cache (as many distinct
+caches as fit ~16 GB, rotated), after an L2 flush, with the split count a decode graph of the engine uses
+(chosen for ``--max-model-len`` keys, since graphs are captured before any context is known); the graph's replay time minus that of a flush-only graph
+is the attention time (median of CUDA-event timed replays). Prints ms per step (all layers), GB/s of KV read
+and its share of a measured copy bandwidth (read + write bytes / time of a 1 GiB device copy), the max
+|diff| against a float32 torch reference and whether the two paths' outputs are bit-identical (after the
+timed replays, so the one-launch counters must have been reset replay after replay). Candidates (one launch,
+at batch <= 64): other split counts (from the real context, programs per SM, tokens per split) and launch
+settings (BLOCK_N, warps, stages); a summary table ends the run.
+
+    python benchmarks/decode_attention_gpu.py               # on CUDA, under 2 minutes
+    python benchmarks/decode_attention_gpu.py --quick       # fewer shapes and candidates
+    python benchmarks/decode_attention_gpu.py --device cpu  # smoke test: Triton's interpreter, float32, tiny sizes
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+
+from llmcli.kernels.triton_decode import (  # noqa: E402
+    DEFAULT_TUNING, DecodeTuning, choose_num_splits, counters_numel, paged_decode, scratch_numel,
+)
+
+MODELS = {"0.6B": (16, 8, 128, 28), "8B": (32, 8, 128, 36)}  # q heads, kv heads, head_dim, layers
+TINY = {"tiny": (4, 2, 32, 2)}
+CACHE_BUDGET = 16 << 30  # bytes of distinct KV caches per case
+FLUSH_BYTES = 256 << 20  # > the H200's L2 (50 MB): written before each replay's layers
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    tuning: DecodeTuning = DEFAULT_TUNING
+    split_args: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+BASELINE = Candidate("two-launch", replace(DEFAULT_TUNING, one_launch=False))
+ONE = Candidate("one-launch", replace(DEFAULT_TUNING, one_launch=True))
+SPLIT_CANDIDATES = [
+    Candidate("ctx", ONE.tuning, {"from_ctx": True}),  # split count from the real context, not max_model_len
+    Candidate("pps2", ONE.tuning, {"programs_per_sm": 2}),
+    Candidate("pps8", ONE.tuning, {"programs_per_sm": 8}),
+    Candidate("min64", ONE.tuning, {"min_tokens": 64}),
+    Candidate("min256", ONE.tuning, {"min_tokens": 256}),
+]
+LAUNCH_CANDIDATES = [
+    Candidate("n32", replace(ONE.tuning, block_n=32)),
+    Candidate("n128s2", replace(ONE.tuning, block_n=128, num_stages=2)),
+    Candidate("w8", replace(ONE.tuning, num_warps=8)),
+    Candidate("s2", replace(ONE.tuning, num_stages=2)),
+    Candidate("s4", replace(ONE.tuning, num_stages=4)),
+]
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    tables: torch.Tensor
+    lens: torch.Tensor
+    kv_bytes: int  # KV bytes one layer's call reads
+
+
+def make_case(batch: int, ctx: int, heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype,
+              device: torch.device, copies: int) -> Case:
+    per_seq = -(-ctx // block)
+    num_blocks = batch * per_seq
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, per_seq)
+    caches = []
+    for _ in range(copies):
+        shape = (num_blocks, block, kv_heads, dim)
+        caches.append((torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)))
+    q = torch.randn(batch, heads, dim, dtype=dtype, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return Case(q, caches, tables, lens, batch * ctx * kv_heads * dim * 2 * dtype.itemsize)
+
+
+def reference(case: Case) -> torch.Tensor:
+    """Float32 softmax attention over each row's gathered context (first cache)."""
+    k_cache, v_cache = case.caches[0]
+    batch, heads, dim = case.q.shape
+    _, block, kv_heads, _ = k_cache.shape
+    ctx = int(case.lens[0])
+    k = k_cache[case.tables.long()].reshape(batch, -1, kv_heads, dim)[:, :ctx].float()
+    v = v_cache[case.tables.long()].reshape(batch, -1, kv_heads, dim)[:, :ctx].float()
+    q = case.q.float().view(batch, kv_heads, heads // kv_heads, dim)  # query head h uses KV head h // group
+    scores = torch.einsum("bkgd,bnkd->bkgn", q, k) * dim ** -0.5
+    return torch.einsum("bkgn,bnkd->bkgd", scores.softmax(-1), v).reshape(batch, heads, dim)
+
+
+class Runner:
+    """One step's layer loop for a candidate: its own outputs and scratch, the split count fixed on the host."""
+
+    def __init__(self, case: Case, layers: int, num_splits: int, tuning: DecodeTuning) -> None:
+        self.case, self.layers, self.num_splits, self.tuning = case, layers, num_splits, tuning
+        batch, heads, dim = case.q.shape
+        kv_heads = case.caches[0][0].shape[2]
+        n_out, n_lse = scratch_numel(batch, heads, dim, num_splits)
+        dev = case.q.device
+        self.part_out = torch.empty(max(n_out, 1), dtype=torch.float32, device=dev)
+        self.part_lse = torch.empty(max(n_lse, 1), dtype=torch.float32, device=dev)
+        self.counters = torch.zeros(counters_numel(batch, kv_heads), dtype=torch.int32, device=dev)
+        self.outs = [torch.empty_like(case.q) for _ in range(min(layers, 2))]
+
+    def step(self) -> None:
+        c = self.case
+        for layer in range(self.layers):
+            k_cache, v_cache = c.caches[layer % len(c.caches)]
+            paged_decode(c.q, k_cache, v_cache, c.tables, c.lens, c.q.shape[2] ** -0.5, self.num_splits,
+                         self.part_out, self.part_lse, out=self.outs[min(layer, len(self.outs) - 1)],
+                         counters=self.counters, tuning=self.tuning)
+
+    def first_output(self) -> torch.Tensor:
+        """Layer 0's output (over the first cache; the other layers write elsewhere)."""
+        return self.outs[0]
+
+
+def time_ms(fn, device: torch.device, reps: int) -> float:
+    """Median ms of ``fn`` (a graph replay on CUDA; an eager call on the CPU)."""
+    fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(max(1, reps // 5)):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    for _ in range(2):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def graphed(fn, device: torch.device, flush: torch.Tensor | None):
+    """``fn`` after an L2 flush, captured in a CUDA graph (on CUDA); the callable that runs it."""
+    def body() -> None:
+        if flush is not None:
+            flush.zero_()
+        fn()
+    if device.type != "cuda":
+        return body
+    body()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph.replay
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a device-to-device copy, read + write bytes counted."""
+    n = (1 << 30) if device.type == "cuda" else (16 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(graphed(lambda: dst.copy_(src), device, None), device, 20)
+    return 2 * n / ms / 1e6
+
+
+@dataclass
+class Result:
+    model: str
+    batch: int
+    ctx: int
+    splits: dict[str, int]
+    ms: dict[str, float]
+    gbs: float  # KV GB/s of the one-launch path
+    max_diff: dict[str, float]
+    identical: bool
+    errors: dict[str, str]
+
+
+def run_case(model: str, shape: tuple, batch: int, ctx: int, args, device, dtype, copy_gbs: float,
+             flush: torch.Tensor | None, num_sms: int) -> Result:
+    heads, kv_heads, dim, layers = shape
+    kv_bytes = batch * ctx * kv_heads * dim * 2 * dtype.itemsize
+    copies = max(1, min(layers, CACHE_BUDGET // max(kv_bytes, 1))) if device.type == "cuda" else 1
+    case = make_case(batch, ctx, heads, kv_heads, dim, args.block_size, dtype, device, copies)
+    reps = args.reps
+    base_ms = time_ms(graphed(lambda: None, device, flush), device, reps) if flush is not None else 0.0
+
+    candidates = [BASELINE, ONE]
+    if batch <= args.tune_max_batch and not args.quick:
+        candidates += SPLIT_CANDIDATES + (LAUNCH_CANDIDATES if model == args.tune_model else [])
+    splits, ms, diffs, errors = {}, {}, {}, {}
+    outputs: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    ref = reference(case) if not args.no_check else None
+    for cand in candidates:
+        split_args = dict(cand.split_args)
+        # a decode graph is captured before any context is known: the engine splits for the table width
+        max_len = ctx if split_args.pop("from_ctx", False) else args.max_model_len
+        n = choose_num_splits(batch, kv_heads, max_len, num_sms, **split_args)
+        key = (n, cand.tuning)
+        splits[cand.name] = n
+        if key in seen:  # same launch as an earlier candidate: same time
+            ms[cand.name] = ms[seen[key]]
+            continue
+        seen[key] = cand.name
+        try:
+            runner = Runner(case, layers, n, cand.tuning)
+            replay = graphed(runner.step, device, flush)
+            ms[cand.name] = max(time_ms(replay, device, reps) - base_ms, 1e-6)
+            out = runner.first_output()
+            if cand.name in (BASELINE.name, ONE.name):
+                outputs[cand.name] = out.clone()
+            if ref is not None:
+                diffs[cand.name] = (out.float() - ref).abs().max().item()
+        except Exception as exc:  # a launch setting the GPU cannot take (shared memory): report, go on
+            errors[cand.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            ms[cand.name] = float("nan")
+    identical = BASELINE.name in outputs and ONE.name in outputs and torch.equal(outputs[BASELINE.name],
+                                                                                 outputs[ONE.name])
+    gbs = kv_bytes * layers / ms[ONE.name] / 1e6
+    return Result(model, batch, ctx, splits, ms, gbs, diffs, identical, errors)
+
+
+def print_row(r: Result, copy_gbs: float) -> None:
+    two, one = r.ms[BASELINE.name], r.ms[ONE.name]
+    others = {k: v for k, v in r.ms.items() if k not in (BASELINE.name, ONE.name) and v == v}
+    best = min(others, key=others.get) if others else "-"
+    best_txt = f"{best} x{r.splits[best]} {others[best]:.3f}" if others else "-"
+    diff = max((r.max_diff.get(k, 0.0) for k in (BASELINE.name, ONE.name)), default=float("nan"))
+    print(f"{r.model:>5} {r.batch:>5} {r.ctx:>5} {r.splits[ONE.name]:>6} {two:>9.3f} {one:>9.3f} {two / one:>6.2f} "
+          f"{r.gbs:>8.0f} {100 * r.gbs / copy_gbs:>5.0f}% {diff:>9.2e} {'yes' if r.identical else 'NO':>5}  {best_txt}",
+          flush=True)
+    for name, err in r.errors.items():
+        print(f"      {name}: {err}")
+
+
+def summary(results: list[Result], copy_gbs: float) -> None:
+    print("\nsummary: % of copy bandwidth, two-launch -> one-launch (-> best candidate, batch <= 64)")
+    for model in dict.fromkeys(r.model for r in results):
+        rows = [r for r in results if r.model == model]
+        ctxs = sorted({r.ctx for r in rows})
+        print(f"{model:>5} batch | " + " | ".join(f"ctx {c:>5}{'':>14}" for c in ctxs))
+        for batch in sorted({r.batch for r in rows}):
+            cells = []
+            for c in ctxs:
+                r = next((x for x in rows if x.batch == batch and x.ctx == c), None)
+                if r is None:
+                    cells.append(f"{'':>23}")
+                    continue
+                pct = {k: 100 * r.gbs * r.ms[ONE.name] / v / copy_gbs for k, v in r.ms.items() if v == v}
+                others = {k: v for k, v in pct.items() if k not in (BASELINE.name, ONE.name)}
+                best = f"->{max(others.values()):3.0f}" if others else ""
+                cells.append(f"{pct[BASELINE.name]:3.0f} ->{pct[ONE.name]:3.0f}{best:>6}{'' if r.identical else ' !=':>3}"
+                             .ljust(23))
+            print(f"{'':>5} {batch:>5} | " + " | ".join(cells))
+    speedups = [r.ms[BASELINE.name] / r.ms[ONE.name] for r in results]
+    small = [s for r, s in zip(results, speedups) if r.batch <= 64]
+    geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")  # noqa: E731
+    print(f"one-launch vs two-launch speed-up, geometric mean: all {geo(speedups):.3f}, batch <= 64 {geo(small):.3f}")
+    names = {k for r in results for k in r.ms if k not in (BASELINE.name, ONE.name)}
+    for name in sorted(names):
+        rel = [r.ms[ONE.name] / r.ms[name] for r in results if name in r.ms and r.ms[name] == r.ms[name]]
+        if rel:
+            print(f"candidate {name:>7} vs one-launch default: geo-mean speed-up {geo(rel):.3f} over {len(rel)} cases, "
+                  f"worst {min(rel):.3f}, best {max(rel):.3f}")
+    bad = [f"{r.model}/b{r.batch}/c{r.ctx}" for r in results if not r.identical]
+    print("bit-identical two-launch vs one-launch:", "all cases" if not bad else "NOT in " + ", ".join(bad))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true", help="fewer shapes, no candidates")
+    ap.add_argument("--batches", default=None, help="comma list (default 1,4,16,32,64,128,256)")
+    ap.add_argument("--ctxs", default=None, help="comma list (default 256,800,2048,4096)")
+    ap.add_argument("--models", default=None, help="comma list of 0.6B,8B")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=40960,
+                    help="the graphs' split count is chosen for this many keys (the engine's default for Qwen3)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--tune-max-batch", type=int, default=64, help="candidates only at batches up to this")
+    ap.add_argument("--tune-model", default="0.6B", help="launch-setting candidates on this model only")
+    ap.add_argument("--budget", type=float, default=135.0,
+                    help="seconds: no new case starts after this, so the summary prints inside the stage's timeout")
+    ap.add_argument("--no-check", action="store_true", help="skip the torch reference")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        assert torch.cuda.is_available(), "needs CUDA (or --device cpu)"
+        import triton
+        dtype, models = torch.bfloat16, MODELS
+        batches, ctxs = [1, 4, 16, 32, 64, 128, 256], [256, 800, 2048, 4096]
+        if args.quick:
+            batches, ctxs = [1, 16, 64, 256], [800, 4096]
+        args.block_size = args.block_size or 256
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+        print(torch.cuda.get_device_name(), f"({num_sms} SMs)", "triton", triton.__version__, "torch", torch.__version__)
+    else:
+        dtype, models = torch.float32, TINY
+        batches, ctxs = [1, 3], [40, 300]
+        args.block_size = args.block_size or 16
+        args.reps, args.tune_model, num_sms, flush = 5, "tiny", 4, None  # 4 "SMs": the tiny cases split
+        args.max_model_len = min(args.max_model_len, 512)
+    if args.models:
+        models = {k: MODELS[k] for k in args.models.split(",")}
+    if args.batches:
+        batches = [int(x) for x in args.batches.split(",")]
+    if args.ctxs:
+        ctxs = [int(x) for x in args.ctxs.split(",")]
+    copy_gbs = copy_bandwidth(device)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); block size {args.block_size}; {dtype}")
+    print(f"\n{'model':>5} {'batch':>5} {'ctx':>5} {'splits':>6} {'2-launch':>9} {'1-launch':>9} {'x':>6} "
+          f"{'GB/s':>8} {'copy':>6} {'max|diff|':>9} {'ident':>5}  best candidate (splits, ms)")
+    print(f"{'':>24} (ms per step: all layers' attention, after an L2 flush)")
+    results = []
+    t0 = time.perf_counter()
+    skipped = 0
+    for model, shape in models.items():
+        for batch in batches:
+            for ctx in ctxs:
+                if time.perf_counter() - t_start > args.budget:
+                    skipped += 1
+                    continue
+                r = run_case(model, shape, batch, ctx, args, device, dtype, copy_gbs, flush, num_sms)
+                print_row(r, copy_gbs)
+                results.append(r)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print(f"\n{len(results)} cases in {time.perf_counter() - t0:.0f} s"
+          + (f"; {skipped} skipped (over --budget {args.budget:.0f} s)" if skipped else ""))
+    summary(results, copy_gbs)
+
+
+if __name__ == "__main__":
+    main()
