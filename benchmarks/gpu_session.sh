@@ -66,7 +66,7 @@ for stage in "$@"; do
     smoke) timeout 240 python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1 ;;
     e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e.log" ;;
     kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_elementwise.py \
-      2>&1 | tail -5
+      2>&1 | tee "$OUT/kernels.log" | tail -5
       timeout 120 python3 benchmarks/fused_store_gpu.py 2>&1 | tee "$OUT/fused_store.log" | tail -13 ;;
     # start-up first, so that the elementwise kernels' Triton cache is as cold as the machine's (run 18 to compare)
     elementwise) timeout 150 python3 benchmarks/startup_profile_gpu.py --prefill 32x570 > "$OUT/elementwise_startup.log" 2>&1
