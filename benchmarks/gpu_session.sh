@@ -24,6 +24,7 @@
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   host-diag  benchmarks/host_diag_gpu.py (issue #13, ~2 min): host phases' wall vs CPU time, busy threads, settings;
 #           decode step graph time vs kernel time at batches 256/64/16; args in HOST_DIAG_ARGS
+#   launch  benchmarks/launch_overhead_gpu.py (issue #13, ~20 s): host cost of one eager kernel launch, by wrapper
 #   startup benchmarks/startup_gpu.py: process launch to a ready engine, 0.6B x3 (first = cold on a fresh machine),
 #           0.6B with every16 and pow2 graph sizes, 8B x2; run it FIRST on a fresh machine; args in STARTUP_ARGS.
 #           Then benchmarks/sampler_check_gpu.py: the Triton sampler (now also behind top-k/top-p) on every path
@@ -84,6 +85,7 @@ for stage in "$@"; do
     startup) timeout 420 python3 benchmarks/startup_gpu.py ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log"
       [ -n "${SKIP_SAMPLER_CHECK:-}" ] || timeout 120 python3 benchmarks/sampler_check_gpu.py 2>&1 | tail -8 \
         | tee "$OUT/sampler_check.log" ;;
+    launch) timeout 120 python3 benchmarks/launch_overhead_gpu.py ${LAUNCH_ARGS:-} 2>&1 | tee "$OUT/launch.log" ;;
     host-diag) timeout 300 python3 benchmarks/host_diag_gpu.py ${HOST_DIAG_ARGS:-} 2>&1 | tee "$OUT/host_diag.log" ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;

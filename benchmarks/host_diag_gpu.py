@@ -282,11 +282,18 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
     for i in range(new_prompts):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-q{i}")
     sync()
+    timer = engine.step_timer
+    before = dict(timer.seconds)
     t = time.perf_counter()
     engine.step()
+    launched = time.perf_counter() - t
     sync()
-    say(f"the next such step without the profiler: {1e3 * (time.perf_counter() - t):.2f} ms "
-        f"(kind {engine.step_timer.kind}, {engine.step_timer.tokens[engine.step_timer.kind]} tokens so far)")
+    kind = timer.kind
+    phases = {p: 1e3 * (timer.seconds[(kind, p)] - before.get((kind, p), 0.0)) for (k, p) in list(timer.seconds)
+              if k == kind}
+    say(f"the next such step without the profiler: {1e3 * (time.perf_counter() - t):.2f} ms with a sync, "
+        f"engine.step() returned after {1e3 * launched:.2f} ms (kind {kind}); its step-timer phases (ms): "
+        + ", ".join(f"{p} {v:.2f}" for p, v in phases.items() if v > 0.005))
     while engine.has_unfinished():
         engine.step()
 

@@ -40,7 +40,7 @@ PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 MAX_SPLITS = 64  # a power of two: the combine reads every split's partial as one tile this wide
 NUM_WARPS = 4
 NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
-ONE_LAUNCH = True  # combine split partials in the partition kernel (False: a second, reduce kernel)
+ONE_LAUNCH = False  # combine split partials in the partition kernel (False: a second, reduce kernel)
 
 
 @dataclass(frozen=True)
