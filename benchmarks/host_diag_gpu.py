@@ -11,7 +11,7 @@ every thread of the process that used more than 2% of the run's wall time in CPU
 Then llmcli's decode step at batches 256, 64 and 16 (context ~800): CUDA-graph replay time of the forward
 plus sampler against the sum of its kernels' device time (the same step launched eagerly under the
 profiler), i.e. how much of the step is launch gaps and kernel tails rather than kernels. Last, one mixed step
-shaped like the prefill-heavy preset's (496 sequences decoding, 16 new 570-token prompts): its kernels by group.
+shaped like the prefill-heavy preset's (464 sequences decoding, 16 new 570-token prompts, three times): its kernels by group.
 
     python benchmarks/host_diag_gpu.py               # GPU: ~2 minutes
 """
@@ -223,6 +223,15 @@ MIXED_GROUPS = (  # (group, substrings of the CUDA kernel name), first match win
 )
 
 
+def allocator_events(device: str) -> dict[str, int]:
+    """Counters of the CUDA caching allocator (a cudaMalloc/cudaFree inside a step can stall the host)."""
+    if device != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+    return {k: int(stats.get(k, 0)) for k in keys}
+
+
 def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_prompts: int, prompt_len: int,
                     device: str) -> None:
     """One mixed step like the prefill-heavy preset's: ``decode_rows`` sequences decoding (context ~prompt_len)
@@ -278,12 +287,13 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
     else:
         engine.step()
         say(f"\nmixed step (CPU): {1e3 * (time.perf_counter() - t):.1f} ms, kind {engine.step_timer.kind}")
-    # the same kind of step again without the profiler: wall time only
+    # the same kind of step again without the profiler: wall time, step-timer phases, allocator events
     for i in range(new_prompts):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-q{i}")
     sync()
     timer = engine.step_timer
     before = dict(timer.seconds)
+    mem0 = allocator_events(device)
     t = time.perf_counter()
     engine.step()
     launched = time.perf_counter() - t
@@ -291,9 +301,30 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
     kind = timer.kind
     phases = {p: 1e3 * (timer.seconds[(kind, p)] - before.get((kind, p), 0.0)) for (k, p) in list(timer.seconds)
               if k == kind}
+    mem1 = allocator_events(device)
     say(f"the next such step without the profiler: {1e3 * (time.perf_counter() - t):.2f} ms with a sync, "
         f"engine.step() returned after {1e3 * launched:.2f} ms (kind {kind}); its step-timer phases (ms): "
         + ", ".join(f"{p} {v:.2f}" for p, v in phases.items() if v > 0.005))
+    say("  caching allocator during that step: " + ", ".join(f"{k} +{mem1[k] - mem0[k]}" for k in mem0)
+        + (f"; reserved {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if device == "cuda" else ""))
+    # and once more under cProfile: where the host's time goes (cProfile slows Python ~1.5-2x)
+    import cProfile
+    import io
+    import pstats
+
+    for i in range(new_prompts):
+        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-c{i}")
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.step()
+    sync()
+    prof.disable()
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(22)
+        say(f"cProfile of that kind of step ({timer.kind}), by {order}:")
+        say("\n".join(line[:150] for line in buf.getvalue().splitlines()[6:] if line.strip()))
     while engine.has_unfinished():
         engine.step()
 
@@ -305,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="*", type=int, default=[256, 64, 16])
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--mixed", default="496x16x570",
+    p.add_argument("--mixed", default="464x16x570",
                    help="DxNxL: a mixed step of D decoding sequences and N new L-token prompts ('' to skip)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: a few small requests, no breakdown")
     args = p.parse_args(argv)

@@ -57,7 +57,7 @@ ENGINE_KNOBS = (
                                        "free memory.", "sized from free memory; on CPU 4 GiB or less"),
     Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens.", "on"),
     Knob("mixed_steps", bool, "Decode running requests in the same step as new prompts' prefill chunks "
-                              "(off: a step is all prefill or all decode, prefill first).", "on"),
+                              "(off: a step is all prefill or all decode, prefill first).", "off"),
     Knob("sample_in_graph", bool, "CUDA: run the lm_head and the sampler inside the decode CUDA graph (once the "
                                   "one-pass sampler passed its start-up check).", "on"),
     Knob("decode_gemm", str, "GEMMs of decode-sized batches: triton-silu fuses SiLU-and-mul into the gate/up "

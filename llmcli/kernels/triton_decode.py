@@ -8,16 +8,21 @@ program runs an online softmax over its partition. With one split it writes the
 output directly. With more, each writes a partial result (normalised output plus
 base-2 log-sum-exp) and the partials are combined in one of two ways:
 
-- one launch (the default, ``ONE_LAUNCH``): after writing its partial a program
-  bumps a per-(sequence, KV head) int32 counter (acq_rel, GPU scope); the one
-  that arrives last combines the partials and writes the output, then sets the
-  counter back to 0 for the next step or graph replay. Nobody waits on anybody,
-  so programs need not be resident together.
-- two launches: a small reduce kernel combines them afterwards (A/B and fallback).
+- two launches (the default): a small reduce kernel combines them afterwards.
+- one launch (``ONE_LAUNCH`` / ``DecodeTuning.one_launch``): after writing its
+  partial a program bumps a per-(sequence, KV head) int32 counter (acq_rel, GPU
+  scope); the one that arrives last combines the partials and writes the output,
+  then sets the counter back to 0 for the next step or graph replay. Nobody waits
+  on anybody, so programs need not be resident together. Measured on an H200
+  (benchmarks/RESULTS.md run 23) it is slower than two launches at batches <= 64
+  (0.82x geometric mean: the partition kernel's extra combine code costs more than
+  the launch it saves), so it stays off; ``decode_attention_gpu.py`` compares them.
 
 Both combine through ``_combine_head``: each split's partial sits at its split
 index in one fixed-width tile, reduced by the same tree whichever program
-finished last, so outputs are deterministic and the two paths bit-identical.
+finished last, so outputs are deterministic. The two paths are bit-identical in
+Triton's interpreter; compiled for the GPU they differ in the last bits in some
+shapes (the compiler schedules the combine differently inside the two kernels).
 
 The partition size is computed inside the kernel from the row's own context
 length, so the launch depends only on the batch size and ``num_splits`` (host
