@@ -14,12 +14,18 @@ elementwise ms of one 0.6B prefill forward of 9,120 tokens (28 layers).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness.kernel_device import use_kernel_device  # noqa: E402
 
 MODELS = {  # hidden, intermediate, q heads, kv heads, head_dim
     "0.6B": (1024, 3072, 16, 8, 128),
@@ -54,10 +60,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-    elif not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --device cpu for the interpreter smoke test")
+    use_kernel_device(args.device)
     import triton.testing
 
     from llmcli.kernels import triton_elementwise as te

@@ -12,11 +12,17 @@ the same pool as (a), bit for bit. Last: a results table (µs per forward, saved
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness.kernel_device import use_kernel_device  # noqa: E402
 
 MODELS = {"0.6B": (16, 8, 128, 28), "8B": (32, 8, 128, 36)}  # q heads, kv heads, head_dim, layers
 TINY = {"tiny": (4, 2, 16, 2)}
@@ -35,10 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-    elif not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --device cpu for the interpreter smoke test")
+    use_kernel_device(args.device)
     import triton.testing
 
     from llmcli.kernels import triton_elementwise as te

@@ -108,7 +108,7 @@ def test_store_kv_matches_torch(block_size, dtype):
 
 
 # -- decode -----------------------------------------------------------------------
-def check_decode(ctx_lens, shape, dtype, num_splits):
+def decode_case(ctx_lens, shape, dtype):
     num_heads, num_kv_heads, head_dim, block_size = shape
     batch = len(ctx_lens)
     k_cache, v_cache, tables, slots = make_case(ctx_lens, [1] * batch, num_kv_heads, head_dim, block_size, dtype)
@@ -118,14 +118,18 @@ def check_decode(ctx_lens, shape, dtype, num_splits):
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
                              max_seqlen_k=max(ctx_lens))
-    scale = head_dim ** -0.5
-    ref = reference(meta, q, k, v, k_cache.clone(), v_cache.clone(), num_heads, scale)
-
+    ref = reference(meta, q, k, v, k_cache.clone(), v_cache.clone(), num_heads, head_dim ** -0.5)
     store_kv(k, v, k_cache, v_cache, slots)
+    return q, k_cache, v_cache, tables, lens, ref
+
+
+def check_decode(ctx_lens, shape, dtype, num_splits):
+    q, k_cache, v_cache, tables, lens, ref = decode_case(ctx_lens, shape, dtype)
+    batch, num_heads, head_dim = q.shape
     out = nan_like(q.shape, dtype)
     n_out, n_lse = scratch_numel(batch, num_heads, head_dim, num_splits)
     part_out, part_lse = nan_like((max(n_out, 1),), torch.float32), nan_like((max(n_lse, 1),), torch.float32)
-    paged_decode(q, k_cache, v_cache, tables, lens, scale, num_splits, part_out, part_lse, out=out)
+    paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits, part_out, part_lse, out=out)
     assert torch.isfinite(out).all(), "unwritten or NaN output"
     assert (out[lens == 0] == 0).all(), "padding rows must be zeros"
     assert rel_err(out, ref) <= TOL[dtype]
@@ -156,21 +160,6 @@ def test_decode_gpu_sizes(batch, max_ctx, shape):
     lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     lens[0] = max_ctx
     check_decode(lens, shape, torch.bfloat16, choose_num_splits(batch, shape[1], max_ctx))
-
-
-def decode_case(ctx_lens, shape, dtype):
-    num_heads, num_kv_heads, head_dim, block_size = shape
-    batch = len(ctx_lens)
-    k_cache, v_cache, tables, slots = make_case(ctx_lens, [1] * batch, num_kv_heads, head_dim, block_size, dtype)
-    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=DEVICE)
-    k = torch.randn(batch, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    v = torch.randn_like(k)
-    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
-                             max_seqlen_k=max(ctx_lens))
-    ref = reference(meta, q, k, v, k_cache.clone(), v_cache.clone(), num_heads, head_dim ** -0.5)
-    store_kv(k, v, k_cache, v_cache, slots)
-    return q, k_cache, v_cache, tables, lens, ref
 
 
 def split_decode(case, num_splits, one_launch, counters=None):
