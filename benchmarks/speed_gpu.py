@@ -4,7 +4,8 @@
 For each model, one engine per variant: ``base`` (the defaults: since 2026-12-01 the decode CUDA graph also
 holds the lm_head and sampler), ``sample_in_graph=false`` (they run after the graph, the old default),
 ``decode_gemm=triton-silu`` (SiLU-and-mul as the gate/up GEMM's epilogue), ``decode_gemm=triton`` (every
-thin-M GEMM in Triton), ``blas=cublaslt`` (torch's cuBLASLt front end for every GEMM), or several joined with ``+`` (``name=true/false`` for a switch). On the first
+thin-M GEMM in Triton), ``blas=cublaslt`` (torch's cuBLASLt front end for every GEMM), any engine setting as ``name=value``
+(``max_num_seqs=1024``), or several joined with ``+`` (``name=true/false`` for a switch). On the first
 engine of each model the workloads run with ``mixed_steps`` off and on (a scheduler attribute, so one engine
 serves both; the prefill-heavy preset, ~50 s a run, on the first model only); the other engines run the
 default workload with ``mixed_steps`` off. Printed per run: output tok/s, the share of the workload's physical bound, host ms
@@ -95,8 +96,20 @@ def variant_kwargs(variant: str) -> dict[str, Any]:
         if part == "base" or part.startswith("blas="):
             continue
         name, eq, value = part.partition("=")
-        out[name] = {"true": True, "false": False}.get(value.lower(), value) if eq else True
+        out[name] = _value(value) if eq else True
     return out
+
+
+def _value(text: str) -> Any:
+    """A variant's ``name=value``: true/false, an int (``max_num_seqs=1024``), a float, else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def blas_library(variant: str) -> str:
