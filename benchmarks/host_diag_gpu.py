@@ -242,6 +242,7 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
     from llmcli import SamplingParams
 
     engine = llm.engine
+    engine.scheduler.mixed_steps = True  # whatever the engine's default: this probe is about mixed steps
     rng = random.Random(5)
     vocab = facts["vocab"]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
@@ -257,6 +258,7 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
     for i in range(new_prompts):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-p{i}")
     sync()
+    tokens0 = dict(engine.step_timer.tokens)
     t = time.perf_counter()
     if device == "cuda":
         from torch.autograd import DeviceType
@@ -277,8 +279,10 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
             row[1] += evt.self_device_time_total / 1e3
             top.append((evt.self_device_time_total / 1e3, evt.count, evt.key[:70]))
         total = sum(r[1] for r in groups.values())
+        kind = engine.step_timer.kind
         say(f"\nmixed step: {decode_rows} decode rows (context ~{prompt_len}) + {new_prompts} x {prompt_len}-token "
-            f"prompts, kind {engine.step_timer.kind}; wall with profiler {1e3 * wall:.2f} ms, kernels {total:.2f} ms")
+            f"prompts asked, kind {kind}, {engine.step_timer.tokens[kind] - tokens0.get(kind, 0)} tokens in the step; "
+            f"wall with profiler {1e3 * wall:.2f} ms, kernels {total:.2f} ms")
         say("| group | kernels | ms | share |")
         say("|---|---:|---:|---:|")
         for name, (count, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
@@ -286,13 +290,15 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
         say("top kernels: " + "; ".join(f"{ms:.3f} ms x{n} {name}" for ms, n, name in sorted(top, reverse=True)[:8]))
     else:
         engine.step()
-        say(f"\nmixed step (CPU): {1e3 * (time.perf_counter() - t):.1f} ms, kind {engine.step_timer.kind}")
+        kind = engine.step_timer.kind
+        say(f"\nmixed step (CPU): {1e3 * (time.perf_counter() - t):.1f} ms, kind {kind}, "
+            f"{engine.step_timer.tokens[kind] - tokens0.get(kind, 0)} tokens")
     # the same kind of step again without the profiler: wall time, step-timer phases, allocator events
     for i in range(new_prompts):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-q{i}")
     sync()
     timer = engine.step_timer
-    before = dict(timer.seconds)
+    before, tokens0 = dict(timer.seconds), dict(timer.tokens)
     mem0 = allocator_events(device)
     t = time.perf_counter()
     engine.step()
@@ -303,7 +309,8 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
               if k == kind}
     mem1 = allocator_events(device)
     say(f"the next such step without the profiler: {1e3 * (time.perf_counter() - t):.2f} ms with a sync, "
-        f"engine.step() returned after {1e3 * launched:.2f} ms (kind {kind}); its step-timer phases (ms): "
+        f"engine.step() returned after {1e3 * launched:.2f} ms (kind {kind}, "
+        f"{timer.tokens[kind] - tokens0.get(kind, 0)} tokens); its step-timer phases (ms): "
         + ", ".join(f"{p} {v:.2f}" for p, v in phases.items() if v > 0.005))
     say("  caching allocator during that step: " + ", ".join(f"{k} +{mem1[k] - mem0[k]}" for k in mem0)
         + (f"; reserved {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if device == "cuda" else ""))
