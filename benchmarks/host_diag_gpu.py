@@ -336,6 +336,86 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
         engine.step()
 
 
+def kernel_union_ms(trace_path: str) -> tuple[float, float, int]:
+    """(device busy ms, span ms from the first kernel's start to the last one's end, kernels) of a chrome trace."""
+    import json
+
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0, len(spans)
+
+
+def busy_window(llm: Any, facts: dict[str, Any], spec: str, device: str) -> None:
+    """The prefill-heavy preset's steady state: ``NxLxSxW`` = N prompts of ~L tokens (32 output tokens each),
+    S steps to fill the engine, then W steps under the profiler: how busy the device was over those steps
+    (union of kernel intervals / their span), and the host's wall ms per step kind with its phases. Busy near
+    100% means the device sets the pace (kernel speed is the lever); well under, the host does."""
+    import random
+    import tempfile
+
+    from llmcli import SamplingParams
+
+    n, length, skip, window = (int(x) for x in spec.split("x"))
+    engine = llm.engine
+    rng = random.Random(11)
+    vocab = facts["vocab"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
+                            repetition_penalty=1.0)
+    engine.scheduler.block_manager.reset_prefix_cache()
+    for i in range(n):
+        engine.add_request([rng.randrange(vocab) for _ in range(length + rng.randrange(-30, 31))], params,
+                           request_id=f"busy-{i}")
+    for _ in range(skip):
+        engine.step()
+    timer = engine.step_timer
+    before_s, before_n, before_t = dict(timer.seconds), dict(timer.steps), dict(timer.tokens)
+    kinds: dict[str, list[float]] = defaultdict(list)
+    trace = tempfile.mktemp(suffix=".json")
+    t0 = time.perf_counter()
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(window):
+                t = time.perf_counter()
+                engine.step()
+                kinds[timer.kind].append(1e3 * (time.perf_counter() - t))
+            sync()
+        wall = 1e3 * (time.perf_counter() - t0)
+        prof.export_chrome_trace(trace)
+        busy, span, count = kernel_union_ms(trace)
+        os.unlink(trace)
+    else:
+        for _ in range(window):
+            t = time.perf_counter()
+            engine.step()
+            kinds[timer.kind].append(1e3 * (time.perf_counter() - t))
+        wall, busy, span, count = 1e3 * (time.perf_counter() - t0), 0.0, 0.0, 0
+    say(f"\nsteady state of {n} x ~{length}-token prompts (32 out), {window} steps after {skip}: wall {wall:.1f} ms,"
+        f" device busy {busy:.1f} ms of a {span:.1f} ms kernel span ({100 * busy / max(span, 1e-9):.0f}%), "
+        f"{count} kernels/copies")
+    for kind, times in kinds.items():
+        steps = timer.steps[kind] - before_n.get(kind, 0)
+        tokens = timer.tokens[kind] - before_t.get(kind, 0)
+        phases = {p: 1e3 * (timer.seconds[(k, p)] - before_s.get((k, p), 0.0)) / max(steps, 1)
+                  for (k, p) in list(timer.seconds) if k == kind}
+        say(f"  {kind}: {len(times)} steps, {tokens / max(steps, 1):.0f} tokens/step, engine.step() median "
+            f"{statistics.median(times):.2f} ms; phases ms/step: "
+            + ", ".join(f"{p} {v:.2f}" for p, v in phases.items() if v > 0.005))
+    while engine.has_unfinished():
+        engine.step()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="configs/Qwen3-0.6B")
@@ -345,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--mixed", default="464x16x570",
                    help="DxNxL: a mixed step of D decoding sequences and N new L-token prompts ('' to skip)")
+    p.add_argument("--busy", default="",
+                   help="NxLxSxW: N prompts of ~L tokens, W profiled steps after S (e.g. 3000x570x150x40; '' skips)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: a few small requests, no breakdown")
     args = p.parse_args(argv)
     from llmcli import LLM
@@ -370,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.mixed:
         d, n, length = (int(x) for x in args.mixed.split("x"))
         mixed_breakdown(llm, facts, d, n, length, args.device)
+    for mixed in (False, True) if args.busy else ():
+        engine.scheduler.mixed_steps = mixed
+        say(f"(busy window with mixed_steps={mixed})")
+        busy_window(llm, facts, args.busy, args.device)
     llm.shutdown()
     return 0
 

@@ -605,6 +605,25 @@ def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample
     assert run.llm.engine.step_timer.steps["decode"] >= 7
 
 
+
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+@pytest.mark.parametrize("mixed_steps", [False, True])
+def test_graph_step_after_a_step_wider_than_the_graphs(tiny_model, hf_oracle, run_factory, monkeypatch, mixed_steps):
+    """max_num_seqs above the largest graph (as 1024 is above 512): a decode step that fits a graph right after
+    a step that sampled more rows than the graphs hold (eager decode, or a mixed step) takes its in-flight tokens
+    from that wider step. Graphs of 1 and 2 rows here, 4 sequences: HF's greedy tokens, no crash."""
+    from llmcli.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "graph_batch_sizes", lambda max_num_seqs, spacing=None: [1, 2])
+    run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
+                      max_num_batched_tokens=48, mixed_steps=mixed_steps)
+    runner = run.llm.engine.model_runner
+    runner.graphs = eager_decode_graphs(runner, sample_in_graph=False)
+    assert runner.graphs.batch_sizes == [1, 2]
+    prompts = random_prompts([40, 7, 23, 3], seed=407)  # chunked: the sequences start (and finish) apart
+    check_against_hf(run, hf_oracle, prompts, max_new=8)
+
+
 def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_model, hf_oracle, run_factory,
                                                                         monkeypatch):
     """The triton backend's one kernel for q/k norm + rotary + KV store against the q/k kernel and then store_kv,
