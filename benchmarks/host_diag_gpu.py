@@ -416,6 +416,53 @@ def busy_window(llm: Any, facts: dict[str, Any], spec: str, device: str) -> None
         engine.step()
 
 
+def preset_profile(llm: Any, facts: dict[str, Any], n: int, device: str) -> None:
+    """``n`` prompts shaped like the prefill-heavy preset's (540-600 tokens, 32 out, greedy) through
+    ``LLM.generate`` under the profiler, with mixed steps off then on: the run's wall time against the sum of its
+    kernels by group (one stream, so the sum is the time the device was busy), and per group the share of the
+    run. The whole job, not a window: start, steady state and tail."""
+    import random
+
+    from llmcli import SamplingParams
+
+    rng = random.Random(13)
+    vocab = facts["vocab"]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(540, 600))] for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
+                            repetition_penalty=1.0)
+    for mixed in (False, True):
+        llm.engine.scheduler.mixed_steps = mixed
+        llm.engine.scheduler.block_manager.reset_prefix_cache()
+        sync()
+        t = time.perf_counter()
+        if device != "cuda":
+            llm.generate(prompts, params)
+            say(f"\npreset-shaped job, {n} prompts, mixed_steps={mixed} (CPU): {time.perf_counter() - t:.1f} s")
+            continue
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params)
+            sync()
+        wall = 1e3 * (time.perf_counter() - t)
+        groups: dict[str, list[float]] = {}
+        for evt in prof.key_averages():
+            if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
+                continue
+            group = next((g for g, keys in MIXED_GROUPS if any(k in evt.key for k in keys)), "other")
+            row = groups.setdefault(group, [0, 0.0])
+            row[0] += evt.count
+            row[1] += evt.self_device_time_total / 1e3
+        total = sum(r[1] for r in groups.values())
+        say(f"\npreset-shaped job, {n} prompts, mixed_steps={mixed}, max_num_seqs {llm.engine.config.max_num_seqs}: "
+            f"wall {wall / 1e3:.2f} s under the profiler, kernels {total / 1e3:.2f} s ({100 * total / wall:.0f}% busy)")
+        say("| group | kernels | s | share of kernels |")
+        say("|---|---:|---:|---:|")
+        for name, (count, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+            say(f"| {name} | {count} | {ms / 1e3:.3f} | {100 * ms / total:.1f}% |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="configs/Qwen3-0.6B")
@@ -427,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="DxNxL: a mixed step of D decoding sequences and N new L-token prompts ('' to skip)")
     p.add_argument("--busy", default="",
                    help="NxLxSxW: N prompts of ~L tokens, W profiled steps after S (e.g. 3000x570x150x40; '' skips)")
+    p.add_argument("--preset", type=int, default=0,
+                   help="N: a job of N prompts shaped like the prefill-heavy preset under the profiler (0 skips)")
+    p.add_argument("--engine", nargs="*", default=[], help="engine settings as name=value (max_num_seqs=1024)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: a few small requests, no breakdown")
     args = p.parse_args(argv)
     from llmcli import LLM
@@ -437,7 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     reqs = make_requests(workload, facts["vocab"], set(facts["eos_token_ids"]))
     prompts, outs = [r[0] for r in reqs], [r[1] for r in reqs]
     t = time.perf_counter()
-    llm = LLM(str(model), load_format="dummy", seed=0, device=args.device)
+    from benchmarks.speed_gpu import variant_kwargs
+
+    llm = LLM(str(model), load_format="dummy", seed=0, device=args.device, 
+              **(variant_kwargs("+".join(args.engine)) if args.engine else {}))
     engine = llm.engine
     say(f"{facts['name']}: ready in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}, "
         f"cpus {os.cpu_count()}, switch interval {sys.getswitchinterval()}")
@@ -456,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.scheduler.mixed_steps = mixed
         say(f"(busy window with mixed_steps={mixed})")
         busy_window(llm, facts, args.busy, args.device)
+    if args.preset:
+        preset_profile(llm, facts, args.preset, args.device)
     llm.shutdown()
     return 0
 

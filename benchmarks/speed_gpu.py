@@ -84,7 +84,7 @@ def jobs_for(model: str, args: argparse.Namespace) -> list[Job]:
         heavy = Workload(num_prompts=48, input_len=(40, 60), output_len=(4, 4), temperature=0.0)
     jobs = [Job("default", default, [False, True], [False])]
     if args.prefill_heavy and ("0.6B" in model or args.tiny):
-        jobs.append(Job("prefill-heavy", heavy, [False, True], [True]))
+        jobs.append(Job("prefill-heavy", heavy, [False, True], [False]))
     return jobs
 
 
@@ -269,7 +269,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
             say(f"  greedy agreement with {case.variants[0]} (mixed_steps=False), mixed_steps={mixed}: "
                 f"{100 * agreement(case.base_tokens, tokens):.2f}%")
         for job in case.jobs:
-            if job.name == "prefill-heavy" and n_engine > 0:
+            if job.name == "prefill-heavy" and n_engine > 0 and not args.prefill_heavy_all:
                 continue  # ~50 s a run: the first engine only
             prompts, outs = case.workloads[job.name]
             for mixed in job.mixed if n_engine == 0 else job.mixed_later:
@@ -319,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--later-variants", nargs="+", default=["base", "decode_gemm=triton-silu"],
                    help="engines to build for the other models")
     p.add_argument("--no-prefill-heavy", dest="prefill_heavy", action="store_false")
+    p.add_argument("--prefill-heavy-all", action="store_true",
+                   help="the prefill-heavy preset on every engine of the first model (mixed steps as for later engines)")
     p.add_argument("--time-budget", type=float, default=280, help="seconds; later runs are skipped past it")
     return p.parse_args(argv)
 
