@@ -471,9 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--device", default="cuda")
     p.add_argument("--mixed", default="464x16x570",
-                   help="DxNxL: a mixed step of D decoding sequences and N new L-token prompts ('' to skip)")
+                   help="DxNxL: a mixed step of D decoding sequences and N new L-token prompts (none: skip)")
     p.add_argument("--busy", default="",
-                   help="NxLxSxW: N prompts of ~L tokens, W profiled steps after S (e.g. 3000x570x150x40; '' skips)")
+                   help="NxLxSxW: N prompts of ~L tokens, W profiled steps after S (e.g. 3000x570x150x40)")
     p.add_argument("--preset", type=int, default=0,
                    help="N: a job of N prompts shaped like the prefill-heavy preset under the profiler (0 skips)")
     p.add_argument("--engine", nargs="*", default=[], help="engine settings as name=value (max_num_seqs=1024)")
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     del engine.step_timer.phase
     if args.batches:
         breakdown(llm, facts, args.batches, args.context, args.device)
-    if args.mixed:
+    if args.mixed and args.mixed != "none":
         d, n, length = (int(x) for x in args.mixed.split("x"))
         mixed_breakdown(llm, facts, d, n, length, args.device)
     for mixed in (False, True) if args.busy else ():

@@ -272,7 +272,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
             if job.name == "prefill-heavy" and n_engine > 0 and not args.prefill_heavy_all:
                 continue  # ~50 s a run: the first engine only
             prompts, outs = case.workloads[job.name]
-            for mixed in job.mixed if n_engine == 0 else job.mixed_later:
+            every = job.name == "prefill-heavy" and args.prefill_heavy_all
+            for mixed in job.mixed if n_engine == 0 or every else job.mixed_later:
                 if time.perf_counter() > deadline:
                     say(f"SKIPPED {facts['name']} {variant} {job.name} mixed_steps={mixed}: past the time budget")
                     continue
@@ -320,7 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engines to build for the other models")
     p.add_argument("--no-prefill-heavy", dest="prefill_heavy", action="store_false")
     p.add_argument("--prefill-heavy-all", action="store_true",
-                   help="the prefill-heavy preset on every engine of the first model (mixed steps as for later engines)")
+                   help="the prefill-heavy preset on every engine of the first model, mixed steps off and on")
     p.add_argument("--time-budget", type=float, default=280, help="seconds; later runs are skipped past it")
     return p.parse_args(argv)
 
