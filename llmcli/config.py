@@ -34,7 +34,7 @@ class Config:
 
     model: str
     max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
+    max_num_seqs: int = 1024
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -50,7 +50,7 @@ class Config:
     seed: int = 0
     tokenizer: str | None = None
     generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
-    mixed_steps: bool = False  # decode rows ride along with prompt chunks in one step (else prefill first)
+    mixed_steps: bool = True  # decode rows ride along with prompt chunks in one step (False: prefill first)
     sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
     decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
 

@@ -406,36 +406,45 @@ def mixed_step_count(run: Run) -> int:
     return run.llm.engine.step_timer.steps.get("mixed", 0)
 
 
-def test_mixed_steps_chunked_prefill(tiny_model, hf_oracle, run_factory):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_mixed_steps_chunked_prefill(tiny_model, hf_oracle, run_factory, mixed):
     """Prompts prefilled in chunks of 40 tokens while the ones already admitted keep decoding; with 4
-    sequences at most, later prompts arrive as earlier ones finish."""
+    sequences at most, later prompts arrive as earlier ones finish. ``mixed=False``: the prefill-first
+    scheduler (an option since mixed steps became the default) on the same workload."""
     prompts = random_prompts(MIXED_LENGTHS, seed=500)
-    run = run_factory(tiny_model, max_num_batched_tokens=40, max_num_seqs=4, mixed_steps=True)
+    run = run_factory(tiny_model, max_num_batched_tokens=40, max_num_seqs=4, mixed_steps=mixed)
     check_against_hf(run, hf_oracle, prompts)
-    assert mixed_step_count(run) > 10, "the workload should have run decode rows beside prompt chunks"
+    if mixed:
+        assert mixed_step_count(run) > 10, "the workload should have run decode rows beside prompt chunks"
+    else:
+        assert mixed_step_count(run) == 0
 
 
-def test_mixed_steps_prefix_hits(tiny_model, hf_oracle, run_factory):
-    """Mixed steps over prompts sharing a cached prefix (a block-aligned and an unaligned tail)."""
+@pytest.mark.parametrize("mixed", [True, False])
+def test_mixed_steps_prefix_hits(tiny_model, hf_oracle, run_factory, mixed):
+    """Mixed steps (and prefill first) over prompts sharing a cached prefix (a block-aligned and an unaligned
+    tail)."""
     bs = 16
     prefix = random_prompts([5 * bs + 3], seed=510)[0]
     prompts = [prefix + t for t in random_prompts([1, 16, 29, 64, 3], seed=511)] + random_prompts([90], seed=512)
-    run = run_factory(tiny_model, kvcache_block_size=bs, max_num_batched_tokens=32, max_num_seqs=3, mixed_steps=True)
+    run = run_factory(tiny_model, kvcache_block_size=bs, max_num_batched_tokens=32, max_num_seqs=3, mixed_steps=mixed)
     check_against_hf(run, hf_oracle, prompts)
     before = run.llm.engine.stats.prefix_cache_hit_tokens
     check_against_hf(run, hf_oracle, prompts)
     assert run.llm.engine.stats.prefix_cache_hit_tokens - before >= 5 * bs * len(prompts[:5])
-    assert mixed_step_count(run) > 0
+    assert (mixed_step_count(run) > 0) == mixed
 
 
-def test_mixed_steps_preemption(tiny_model, hf_oracle, run_factory):
-    """A pool too small for every request: decode rows of a mixed step preempt, prompts still prefill."""
+@pytest.mark.parametrize("mixed", [True, False])
+def test_mixed_steps_preemption(tiny_model, hf_oracle, run_factory, mixed):
+    """A pool too small for every request: decode rows of a mixed step preempt, prompts still prefill (and
+    the same with prefill first)."""
     prompts = random_prompts([50, 75, 99, 120, 8, 64, 33], seed=520)
     run = run_factory(tiny_model, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
-                      max_num_batched_tokens=24, mixed_steps=True)
+                      max_num_batched_tokens=24, mixed_steps=mixed)
     check_against_hf(run, hf_oracle, prompts, max_new=40)
     assert run.llm.engine.stats.num_preemptions > 0
-    assert mixed_step_count(run) > 0
+    assert (mixed_step_count(run) > 0) == mixed
 
 
 def test_mixed_steps_take_no_more_steps_when_everything_fits(tiny_model, hf_oracle, run_factory):

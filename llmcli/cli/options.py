@@ -42,7 +42,7 @@ class Knob:
 ENGINE_KNOBS = (
     Knob("max_num_batched_tokens", int, "Most tokens computed in one engine step (prefill chunks plus decodes).",
          "16384"),
-    Knob("max_num_seqs", int, "Most sequences running at once.", "512"),
+    Knob("max_num_seqs", int, "Most sequences running at once.", "1024"),
     Knob("max_model_len", int, "Longest sequence, prompt plus output.",
          "the model's max_position_embeddings, at most 40960"),
     Knob("gpu_memory_utilization", float, "Share of GPU memory llmcli may use for weights, activations and KV cache.",
@@ -57,7 +57,7 @@ ENGINE_KNOBS = (
                                        "free memory.", "sized from free memory; on CPU 4 GiB or less"),
     Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens.", "on"),
     Knob("mixed_steps", bool, "Decode running requests in the same step as new prompts' prefill chunks "
-                              "(off: a step is all prefill or all decode, prefill first).", "off"),
+                              "(off: a step is all prefill or all decode, prefill first).", "on"),
     Knob("sample_in_graph", bool, "CUDA: run the lm_head and the sampler inside the decode CUDA graph (once the "
                                   "one-pass sampler passed its start-up check).", "on"),
     Knob("decode_gemm", str, "GEMMs of decode-sized batches: triton-silu fuses SiLU-and-mul into the gate/up "
