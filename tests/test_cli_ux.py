@@ -265,7 +265,7 @@ def test_help_speaks_the_cli():
     result = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "80"})
     assert result.exit_code == 0
     text = result.stdout
-    assert "<bool>" not in text and "[default: 512]" in text
+    assert "<bool>" not in text and "Most sequences running at once. [default: 1024]" in " ".join(text.split())
     assert max(len(line) for line in text.splitlines()) <= 80
     wide = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"}).stdout
     assert "<auto|cuda|cpu>" in wide and "<auto|qwen3|none>" in wide and "<bool>" not in wide
