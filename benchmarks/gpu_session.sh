@@ -28,6 +28,8 @@
 #   startup benchmarks/startup_gpu.py: process launch to a ready engine, 0.6B x3 (first = cold on a fresh machine),
 #           0.6B with every16 and pow2 graph sizes, 8B x2; run it FIRST on a fresh machine; args in STARTUP_ARGS.
 #           Then benchmarks/sampler_check_gpu.py: the Triton sampler (now also behind top-k/top-p) on every path
+#   prefill-graphs  benchmarks/prefill_graphs_gpu.py: prefill_graphs on vs off in one engine (greedy agreement, a
+#           prefill-heavy-shaped job of --prompts N, default 6000, twice each way; ~1.5 min), args in PREFILL_GRAPHS_ARGS
 #   prefill-attn  benchmarks/prefill_attention_gpu.py: the prefill attention kernel, old vs new and a tile sweep
 #           (issue #13, ~3 min), extra args in PREFILL_ATTN_ARGS ("--no-sweep": defaults only)
 set -uo pipefail
@@ -97,6 +99,8 @@ for stage in "$@"; do
         | tee "$OUT/structured_step.log"
       timeout 60 python3 benchmarks/structured_step_cpu.py --steps 40 2>&1 | tail -1 | tee -a "$OUT/structured_step.log"
       timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
+    prefill-graphs) timeout 300 python3 benchmarks/prefill_graphs_gpu.py ${PREFILL_GRAPHS_ARGS:-} 2>&1 \
+      | tee "$OUT/prefill_graphs.log" ;;
     prefill-attn) timeout 330 python3 benchmarks/prefill_attention_gpu.py ${PREFILL_ATTN_ARGS:-} 2>&1 \
       | tee "$OUT/prefill_attn.log" ;;
   esac

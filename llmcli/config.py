@@ -52,6 +52,7 @@ class Config:
     generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
     mixed_steps: bool = True  # decode rows ride along with prompt chunks in one step (False: prefill first)
     sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
+    prefill_graphs: bool = False  # CUDA: prefill/mixed steps replay graphs per token bucket, attention eager between
     decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
 
     # Filled in by __post_init__ (not user knobs).
@@ -112,7 +113,7 @@ class Config:
         if self.generation_config not in GENERATION_CONFIGS:
             raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
                                                   "for fields a request leaves unset) or 'ignore'")
-        for name in ("mixed_steps", "sample_in_graph"):
+        for name in ("mixed_steps", "sample_in_graph", "prefill_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise self._fail(name, "must be true or false")
         if not isinstance(self.seed, int):

@@ -624,6 +624,64 @@ def test_graph_step_after_a_step_wider_than_the_graphs(tiny_model, hf_oracle, ru
     check_against_hf(run, hf_oracle, prompts, max_new=8)
 
 
+
+def eager_prefill_graphs(runner, buckets):
+    """``PrefillGraphs`` with its CUDA part (capture, replay) replaced: each step runs the model eagerly at the
+    bucket's padded size from the static buffers, every attention call through ``attend`` on the real rows,
+    and the padding rows' attention output NaN (a NaN reaching a real row would show in the tokens); every
+    layer's q/k/v through the one shared buffer, as in capture."""
+    from llmcli.engine.prefill_graphs import PrefillGraphs
+    from llmcli.layers.linear import QKVParallelLinear
+
+    class EagerPrefillGraphs(PrefillGraphs):
+        def _capture(self, t):
+            self.pieces[t], self.calls[t], self.outputs[t] = [], [], None
+
+        def run(self, input_ids, positions):
+            n = input_ids.shape[0]
+            t = next(b for b in self.buckets if b >= n)
+            self.input_ids[:n].copy_(input_ids)
+            self.positions[:n].copy_(positions)
+
+            def forward(q, k, v, k_cache, v_cache, qk_norm=None):
+                out = torch.full_like(q, float("nan"))
+                self.attend(q, k, v, k_cache, v_cache, qk_norm, out, n)
+                return out
+            self.backend.forward = forward
+            QKVParallelLinear.static_out = self.qkv_buffer()
+            try:
+                return self.model(self.input_ids[:t], self.positions[:t])[:n]
+            finally:
+                del self.backend.forward
+                QKVParallelLinear.static_out = None
+
+    return EagerPrefillGraphs(runner.model, runner.backend, buckets, runner.device)
+
+
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; benchmarks/prefill_graphs_gpu.py there")
+@pytest.mark.parametrize("mixed_steps", [True, False])
+def test_prefill_graphs_pad_to_buckets_and_attend_on_real_rows(tiny_model, hf_oracle, run_factory, monkeypatch,
+                                                               mixed_steps):
+    """Prefill and mixed steps through the prefill graphs' step logic (static inputs padded to a token bucket,
+    the attention backend on the real rows, its output written in place): HF's greedy tokens through chunked
+    prefill, prefix-cache hits and decode rows beside prompt chunks."""
+    from llmcli.engine.prefill_graphs import token_buckets
+
+    run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
+                      max_num_batched_tokens=48, mixed_steps=mixed_steps)
+    runner = run.llm.engine.model_runner
+    runner.prefill_graphs = eager_prefill_graphs(runner, [16, 32, 48])
+    used = []
+    original = runner.prefill_graphs.attend
+    monkeypatch.setattr(runner.prefill_graphs, "attend", lambda *a: used.append(a[-1]) or original(*a))
+    prefix = random_prompts([20], seed=415)[0]
+    prompts = [prefix + t for t in random_prompts([30, 3], seed=416)] + random_prompts([11, 60], seed=417)
+    check_against_hf(run, hf_oracle, prompts, max_new=8)
+    assert used and any(n not in (16, 32, 48) for n in used), "steps should have been padded to a bucket"
+    assert run.llm.engine.stats.prefix_cache_hit_tokens > 0
+    assert token_buckets(16384) == [512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384]
+
+
 def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_model, hf_oracle, run_factory,
                                                                         monkeypatch):
     """The triton backend's one kernel for q/k norm + rotary + KV store against the q/k kernel and then store_kv,

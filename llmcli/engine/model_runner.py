@@ -114,7 +114,9 @@ class ModelRunner:
             with clock.phase("probe"):
                 activation_peak = self._warmup()
                 per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
-                self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, activation_peak)
+                # prefill graphs keep a forward's activations in their own pool, beside the eager ones
+                reserve = activation_peak * (2 if self._wants_prefill_graphs() else 1)
+                self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, reserve)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
             if self.num_blocks == 0:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
@@ -141,6 +143,18 @@ class ModelRunner:
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
             log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
                      clock.seconds["graphs"])
+            if self._wants_prefill_graphs():
+                from llmcli.engine.prefill_graphs import PrefillGraphs, token_buckets
+
+                with clock.phase("graphs"):
+                    self.prefill_graphs = PrefillGraphs(self.model, self.backend,
+                                                        token_buckets(config.max_num_batched_tokens), self.device)
+                self.memory_report.cuda_graph_bytes += self.prefill_graphs.pool_bytes
+                log.info("captured prefill graphs for %d token counts", len(self.prefill_graphs.buckets))
+
+    def _wants_prefill_graphs(self) -> bool:
+        return (self.config.prefill_graphs and self.device.type == "cuda" and not self.config.enforce_eager
+                and self.world == 1 and self.backend.name != "torch")
 
     def _start_side_compile(self):
         """Worker threads compiling the sampler, logprobs and thin-GEMM kernels (llmcli.engine.side_compile);
@@ -177,6 +191,7 @@ class ModelRunner:
         self.prev_in_graph = False  # they are in the decode graphs' own token buffer already
         self.timer = StepTimer()
         self.graphs = None
+        self.prefill_graphs = None  # llmcli.engine.prefill_graphs.PrefillGraphs when config.prefill_graphs
 
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""
@@ -420,9 +435,10 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
                 module.k_cache = module.v_cache = None
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = None
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.prefill_graphs = None
         self.kv_cache = None
         for param in self.model.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -437,6 +453,8 @@ class ModelRunner:
             self.prev_in_graph = False  # the replay may leave other tokens in the graphs' token buffer
             return self.graphs.replay(inputs)
         self.backend.prepare(meta)
+        if meta.is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(inputs.input_ids.numel()):
+            return self.prefill_graphs.run(inputs.input_ids, inputs.positions)
         return self.model(inputs.input_ids, inputs.positions)
 
     def _logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:

@@ -122,7 +122,10 @@ class TritonAttentionBackend(AttentionBackend):
             self._ensure_counters(max(splitting), device)
 
     # -- per-layer ---------------------------------------------------------------
-    def forward(self, q, k, v, k_cache, v_cache, qk_norm: QKNormRotary | None = None):
+    writes_out = True  # forward(..., out=) writes a prefill or mixed step's attention where the caller says
+
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm: QKNormRotary | None = None,
+                out: torch.Tensor | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         has_cache = k_cache is not None and k_cache.numel()
@@ -137,23 +140,24 @@ class TritonAttentionBackend(AttentionBackend):
         elif has_cache:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill and meta.num_decode:
-            return self._mixed(q, k, v, k_cache, v_cache, meta)
+            return self._mixed(q, k, v, k_cache, v_cache, meta, out)
         if meta.is_prefill:
             assert meta.cu_seqlens_q is not None
             if meta.has_prefix:
                 assert meta.block_tables is not None and k_cache is not None
                 return prefill_paged(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                     meta.context_lens, meta.max_seqlen_q, self.scale)
-            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale)
+                                     meta.context_lens, meta.max_seqlen_q, self.scale, out=out)
+            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out)
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                             num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse,
                             counters=self._counters, tuning=self.decode_tuning)
 
-    def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None,
+               ) -> torch.Tensor:
         """Decode rows (the first ``num_decode``) by the decode kernel, the prompt chunks after them by prefill."""
         nd = meta.num_decode
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         assert meta.block_tables is not None and k_cache is not None
         paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
                      num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd],

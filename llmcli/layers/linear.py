@@ -87,6 +87,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (num_heads + 2 * num_kv_heads) * head_dim
         super().__init__(hidden_size, out, bias)
 
+    # Set only while llmcli.engine.prefill_graphs captures: every layer's q/k/v land in this one flat buffer (the
+    # GEMM writes it directly), so that the eager attention call between two captured pieces reads a fixed
+    # address that no piece's memory pool has to keep alive for it.
+    static_out: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = QKVParallelLinear.static_out
+        if out is None or self.bias is not None or x.dim() != 2:
+            return super().forward(x)
+        m, n = x.shape[0], self.weight.shape[0]
+        return torch.mm(x, self.weight.t(), out=out[:m * n].view(m, n))
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
