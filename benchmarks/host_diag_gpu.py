@@ -223,6 +223,31 @@ MIXED_GROUPS = (  # (group, substrings of the CUDA kernel name), first match win
 )
 
 
+def greedy(max_tokens: int) -> Any:
+    """Greedy sampling of exactly ``max_tokens`` tokens with every sampling extra neutral."""
+    from llmcli import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
+                          repetition_penalty=1.0)
+
+
+def kernel_groups(prof: Any) -> tuple[dict[str, list[float]], list[tuple[float, int, str]]]:
+    """A profile's CUDA kernels by ``MIXED_GROUPS`` group: {group: [kernels, ms]}, and (ms, count, name) of each."""
+    from torch.autograd import DeviceType
+
+    groups: dict[str, list[float]] = {}
+    top = []
+    for evt in prof.key_averages():
+        if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
+            continue
+        group = next((g for g, keys in MIXED_GROUPS if any(k in evt.key for k in keys)), "other")
+        row = groups.setdefault(group, [0, 0.0])
+        row[0] += evt.count
+        row[1] += evt.self_device_time_total / 1e3
+        top.append((evt.self_device_time_total / 1e3, evt.count, evt.key[:70]))
+    return groups, top
+
+
 def allocator_events(device: str) -> dict[str, int]:
     """Counters of the CUDA caching allocator (a cudaMalloc/cudaFree inside a step can stall the host)."""
     if device != "cuda":
@@ -239,14 +264,11 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
     step's wall time with a sync."""
     import random
 
-    from llmcli import SamplingParams
-
     engine = llm.engine
     engine.scheduler.mixed_steps = True  # whatever the engine's default: this probe is about mixed steps
     rng = random.Random(5)
     vocab = facts["vocab"]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
-                            repetition_penalty=1.0)
+    params = greedy(64)
     engine.scheduler.block_manager.reset_prefix_cache()
     for i in range(decode_rows):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params, request_id=f"mix-d{i}")
@@ -261,23 +283,13 @@ def mixed_breakdown(llm: Any, facts: dict[str, Any], decode_rows: int, new_promp
     tokens0 = dict(engine.step_timer.tokens)
     t = time.perf_counter()
     if device == "cuda":
-        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.step()
             sync()
         wall = time.perf_counter() - t
-        groups: dict[str, list[float]] = {}
-        top = []
-        for evt in prof.key_averages():
-            if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
-                continue
-            group = next((g for g, keys in MIXED_GROUPS if any(k in evt.key for k in keys)), "other")
-            row = groups.setdefault(group, [0, 0.0])
-            row[0] += evt.count
-            row[1] += evt.self_device_time_total / 1e3
-            top.append((evt.self_device_time_total / 1e3, evt.count, evt.key[:70]))
+        groups, top = kernel_groups(prof)
         total = sum(r[1] for r in groups.values())
         kind = engine.step_timer.kind
         say(f"\nmixed step: {decode_rows} decode rows (context ~{prompt_len}) + {new_prompts} x {prompt_len}-token "
@@ -363,14 +375,11 @@ def busy_window(llm: Any, facts: dict[str, Any], spec: str, device: str) -> None
     import random
     import tempfile
 
-    from llmcli import SamplingParams
-
     n, length, skip, window = (int(x) for x in spec.split("x"))
     engine = llm.engine
     rng = random.Random(11)
     vocab = facts["vocab"]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
-                            repetition_penalty=1.0)
+    params = greedy(32)
     engine.scheduler.block_manager.reset_prefix_cache()
     for i in range(n):
         engine.add_request([rng.randrange(vocab) for _ in range(length + rng.randrange(-30, 31))], params,
@@ -423,13 +432,10 @@ def preset_profile(llm: Any, facts: dict[str, Any], n: int, device: str) -> None
     run. The whole job, not a window: start, steady state and tail."""
     import random
 
-    from llmcli import SamplingParams
-
     rng = random.Random(13)
     vocab = facts["vocab"]
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(540, 600))] for _ in range(n)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, top_p=1.0, top_k=-1, min_p=0.0,
-                            repetition_penalty=1.0)
+    params = greedy(32)
     for mixed in (False, True):
         llm.engine.scheduler.mixed_steps = mixed
         llm.engine.scheduler.block_manager.reset_prefix_cache()
@@ -439,21 +445,13 @@ def preset_profile(llm: Any, facts: dict[str, Any], n: int, device: str) -> None
             llm.generate(prompts, params)
             say(f"\npreset-shaped job, {n} prompts, mixed_steps={mixed} (CPU): {time.perf_counter() - t:.1f} s")
             continue
-        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, params)
             sync()
         wall = 1e3 * (time.perf_counter() - t)
-        groups: dict[str, list[float]] = {}
-        for evt in prof.key_averages():
-            if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
-                continue
-            group = next((g for g, keys in MIXED_GROUPS if any(k in evt.key for k in keys)), "other")
-            row = groups.setdefault(group, [0, 0.0])
-            row[0] += evt.count
-            row[1] += evt.self_device_time_total / 1e3
+        groups, _ = kernel_groups(prof)
         total = sum(r[1] for r in groups.values())
         say(f"\npreset-shaped job, {n} prompts, mixed_steps={mixed}, max_num_seqs {llm.engine.config.max_num_seqs}: "
             f"wall {wall / 1e3:.2f} s under the profiler, kernels {total / 1e3:.2f} s ({100 * total / wall:.0f}% busy)")
