@@ -128,7 +128,7 @@ class Sequence:
     def truncate(self, length: int) -> None:
         """Drop tokens past ``length`` (sampled speculatively after the sequence had already finished)."""
         del self.token_ids[length:]
-        self.num_pending = sum(t == PENDING_TOKEN for t in self.token_ids)
+        self.num_pending = self.token_ids.count(PENDING_TOKEN)  # list.count: it runs for every finished request
         self.pending_row = -1
 
     def length_limit_reached(self, max_model_len: int) -> bool:
