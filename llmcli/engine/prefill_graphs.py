@@ -19,6 +19,7 @@ the bucket's padded size that goes through ``attend`` and the shared buffers the
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -90,7 +91,7 @@ class PrefillGraphs:
             torch.cuda.synchronize(device)
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nothing()):
+        with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
             for t in reversed(buckets):  # largest first: the smaller ones fit in the memory it leaves free
                 self._capture(t)
         if device.type == "cuda":
@@ -115,7 +116,7 @@ class PrefillGraphs:
         return self._out[:q.numel()].view(q.shape)
 
     def begin_piece(self) -> None:
-        """Start capturing the next piece (tests: start recording its eager replay)."""
+        """Start capturing the next piece into the pool every piece of every bucket shares."""
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self._pool)
         self._open = graph
@@ -184,11 +185,3 @@ class PrefillGraphs:
         self.pieces.clear()
         self.calls.clear()
         self.outputs.clear()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
