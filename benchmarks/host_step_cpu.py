@@ -76,7 +76,7 @@ def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
     top = graphs.batch_sizes[-1]
     graphs.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8)
     graphs.i64, graphs.delta_index, graphs.f32, lens, graphs.delta_blocks = staged_views(graphs.staged, top)
-    graphs.tokens = torch.zeros(top, dtype=torch.int64)
+    graphs.tokens = torch.zeros(max(top, config.max_num_seqs), dtype=torch.int64)
     graphs.ring, graphs.sample_in_graph = None, sample_in_graph
     graphs._host_views, graphs._cpu_host = {}, None
     graphs.backend = SimpleNamespace(_graph_lens=lens,

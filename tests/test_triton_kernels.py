@@ -611,7 +611,8 @@ def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample
 def test_graph_step_after_a_step_wider_than_the_graphs(tiny_model, hf_oracle, run_factory, monkeypatch, mixed_steps):
     """max_num_seqs above the largest graph (as 1024 is above 512): a decode step that fits a graph right after
     a step that sampled more rows than the graphs hold (eager decode, or a mixed step) takes its in-flight tokens
-    from that wider step. Graphs of 1 and 2 rows here, 4 sequences: HF's greedy tokens, no crash."""
+    from that wider step (the graphs' token buffer holds max_num_seqs). Graphs of 1 and 2 rows here, 4
+    sequences: HF's greedy tokens, no crash."""
     from llmcli.engine import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "graph_batch_sizes", lambda max_num_seqs, spacing=None: [1, 2])

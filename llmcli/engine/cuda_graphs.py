@@ -106,7 +106,9 @@ class DecodeGraphs:
         self.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8, device=device)
         self.i64, self.delta_index, self.f32, lens, self.delta_blocks = staged_views(self.staged, top)
         self.input_ids, self.positions = self.i64[0], self.i64[1]
-        self.tokens = torch.zeros(top, dtype=torch.int64, device=device)  # where in-flight tokens are read from
+        # where in-flight tokens are read from: the previous step's tokens are copied in whole, and a step may
+        # sample up to max_num_seqs rows (a mixed step, or an eager decode step wider than the largest graph)
+        self.tokens = torch.zeros(max(top, config.max_num_seqs), dtype=torch.int64, device=device)
         backend.init_graph_buffers(top, max_blocks, device)
         backend._graph_slots, backend._graph_lens = self.i64[_SLOTS], lens
         self.ring = StagingRing() if device.type == "cuda" else None

@@ -335,7 +335,7 @@ class ModelRunner:
         int32 tensor in pinned memory on CUDA, or None), which is applied to the logits before sampling.
         """
         if not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs)) and before_sample is None \
-                and self._prev_tokens_fit_graphs() and (self.rank != 0 or not any(s.wants_extras for s in seqs)):
+                and (self.rank != 0 or not any(s.wants_extras for s in seqs)):
             return self._launch_graph(seqs)  # the common decode step: nothing between the logits and the sampler
         self.prev_in_graph = False
         with self.timer.phase("prepare"):
@@ -375,12 +375,6 @@ class ModelRunner:
                 token_ids = self._share_tokens(token_ids, len(inputs.sampled_seqs))
             self.prev_tokens = token_ids
             return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None, extras, self.readback)
-
-    def _prev_tokens_fit_graphs(self) -> bool:
-        """Whether the last step's sampled tokens fit the graphs' token buffer, which a staged replay reads its
-        in-flight tokens from: not after a step of more rows than the largest graph (max_num_seqs above 512,
-        or a mixed step), whose rows the step after it may point anywhere into; that step runs eagerly."""
-        return self.prev_in_graph or self.prev_tokens is None or self.graphs.fits(self.prev_tokens.numel())
 
     def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
