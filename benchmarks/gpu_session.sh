@@ -32,6 +32,9 @@
 #           prefill-heavy-shaped job of --prompts N, default 6000, twice each way; ~1.5 min), args in PREFILL_GRAPHS_ARGS
 #   prefill-attn  benchmarks/prefill_attention_gpu.py: the prefill attention kernel, old vs new and a tile sweep
 #           (issue #13, ~3 min), extra args in PREFILL_ATTN_ARGS ("--no-sweep": defaults only)
+#   decode-gemm  benchmarks/decode_gemm_gpu.py: the split-K Triton thin GEMM vs cuBLAS, PDL on/off (correctness,
+#           then ms per decode GEMM chain in a CUDA graph; ~2 min), then the GPU thin-GEMM/PDL kernel tests;
+#           args in DECODE_GEMM_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -101,6 +104,8 @@ for stage in "$@"; do
       timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     prefill-graphs) timeout 300 python3 benchmarks/prefill_graphs_gpu.py ${PREFILL_GRAPHS_ARGS:-} 2>&1 \
       | tee "$OUT/prefill_graphs.log" ;;
+    decode-gemm) timeout 300 python3 benchmarks/decode_gemm_gpu.py ${DECODE_GEMM_ARGS:-} 2>&1 | tee "$OUT/decode_gemm.log"
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "gemm or pdl" 2>&1 | tail -4 ;;
     prefill-attn) timeout 330 python3 benchmarks/prefill_attention_gpu.py ${PREFILL_ATTN_ARGS:-} 2>&1 \
       | tee "$OUT/prefill_attn.log" ;;
   esac

@@ -5,7 +5,7 @@ On the GPU each new specialization of a kernel (Triton compiles one per constexp
 argument that is 1 or a multiple of 16, per pointer that is 16-byte aligned or not) is compiled the first
 time a step needs it, which stalls that step for about a second. Under ``TRITON_INTERPRET=1`` nothing is
 compiled, but this script computes the same key for every launch, so it shows which run would have compiled
-what: start-up's variant pass (``_compile_variants``), then a workload with prefill-first steps, then the same
+what: start-up's variant pass (``warmup.compile_variants``), then a workload with prefill-first steps, then the same
 workload with ``mixed_steps``, on the tiny model with the Triton attention backend.
 
     python benchmarks/triton_variants_cpu.py
@@ -64,6 +64,7 @@ def record(run):
 def main() -> int:
     interpreter.InterpretedFunction.run = record(interpreter.InterpretedFunction.run)
     from llmcli import LLM, SamplingParams
+    from llmcli.engine.warmup import compile_variants
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(20, 120))] for _ in range(24)]
@@ -71,7 +72,7 @@ def main() -> int:
     llm = LLM(str(REPO / "examples" / "tiny-qwen3"), device="cpu", dtype="float32", attention_backend="triton",
               kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=512, max_num_seqs=16,
               max_num_batched_tokens=160)
-    llm.engine.model_runner._compile_variants()  # what start-up runs on CUDA
+    compile_variants(llm.engine.model_runner)  # what start-up runs on CUDA
     print(f"start-up variant pass: {len(NEW)} specializations")
     NEW.clear()
     for mixed in (False, True):

@@ -54,6 +54,7 @@ class Config:
     sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
     prefill_graphs: bool = False  # CUDA: prefill/mixed steps replay graphs per token bucket, attention eager between
     decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
+    pdl: bool = False  # CUDA, Hopper+: Triton kernels use programmatic dependent launch (llmcli.kernels.pdl)
 
     # Filled in by __post_init__ (not user knobs).
     hf_config: Any = field(default=None, repr=False)
@@ -113,7 +114,7 @@ class Config:
         if self.generation_config not in GENERATION_CONFIGS:
             raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
                                                   "for fields a request leaves unset) or 'ignore'")
-        for name in ("mixed_steps", "sample_in_graph", "prefill_graphs"):
+        for name in ("mixed_steps", "sample_in_graph", "prefill_graphs", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise self._fail(name, "must be true or false")
         if not isinstance(self.seed, int):

@@ -22,7 +22,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     # triton picks interpreter vs compiler when a kernel is decorated: redo it if imported earlier
     for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend",
-                  "triton_sample", "triton_logprobs"):
+                  "triton_sample", "triton_logprobs", "triton_gemm"):
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
@@ -43,6 +43,7 @@ from llmcli.kernels import triton_sample  # noqa: E402
 from llmcli.kernels import triton_logprobs  # noqa: E402
 from llmcli.kernels.triton_store import store_kv  # noqa: E402
 from llmcli.layers.sampler import row_keys, sample  # noqa: E402
+from llmcli.engine.warmup import compile_variants  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -766,19 +767,84 @@ def test_sampling_inside_the_decode_graph_draws_what_the_sampler_draws(tiny_mode
 
 
 # -- thin-M GEMMs (decode_gemm = triton / triton-silu) ----------------------------------------------------
-@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (5, 200, 130), (33, 128, 64), (70, 256, 192)])
+# (5, 200, 130), (3, 1000, 80), (16, 2048, 64) and (1, 3072, 256) cut K into 2-8 splits (remainder tiles too)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (5, 200, 130), (33, 128, 64), (70, 256, 192), (3, 1000, 80),
+                                   (16, 2048, 64), (1, 3072, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_thin_gemm_and_fused_silu_mul_match_torch(m, k, n, dtype):
     if ON_GPU and dtype == torch.float32:
         pytest.skip("float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+    from llmcli.kernels import triton_gemm
     from llmcli.kernels.triton_gemm import linear, silu_mul_linear
     from llmcli.layers.activation import silu_and_mul
 
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     w = (torch.randn(2 * n, k, device=DEVICE) / k ** 0.5).to(dtype)
     ref = (x.float() @ w.float().T).to(dtype)  # rounded to the model dtype, as cuBLAS's output is
-    assert rel_err(linear(x, w), ref) <= TOL[dtype]
-    assert rel_err(silu_mul_linear(x, w), silu_and_mul(ref)) <= 2 * TOL[dtype]
+    out = linear(x, w)
+    assert rel_err(out, ref) <= TOL[dtype]
+    fused = silu_mul_linear(x, w)
+    assert rel_err(fused, silu_and_mul(ref)) <= 2 * TOL[dtype]
+    # split partials are summed in split order, and the last program of a tile resets its counter: a second
+    # launch on the same scratch gives the same bits
+    assert torch.equal(linear(x, w), out) and torch.equal(silu_mul_linear(x, w), fused)
+    assert not triton_gemm._device_state(x.device)[1].any()
+
+
+def test_thin_gemm_splits_k_for_few_output_tiles_and_caps_partial_traffic():
+    from llmcli.kernels.triton_gemm import choose_splits
+
+    # 0.6B's o projection at batch 16: 16 output tiles on 132 SMs -> split K (2048 = 16 tiles of 128) 8 ways,
+    # the most that keeps the partials' bytes (8 x splits x 16 x 1024) under a quarter of the weights'
+    assert choose_splits(16, 1024, 2048, 16, 64, 128, 132) == (8, 2)  # (splits, K tiles per split)
+    # batch 1 may split further: 16 tiles of K, 2 programs per SM wanted -> 16 splits of one tile
+    assert choose_splits(1, 1024, 2048, 16, 64, 128, 132) == (16, 1)
+    # batch 256 (four row tiles of 64): the partials would cost more than they save -> no split
+    assert choose_splits(256, 1024, 2048, 64, 64, 128, 132) == (1, 16)
+    assert choose_splits(1, 1024, 2048, 16, 64, 128, 132, programs_per_sm=0) == (1, 16)  # splitting off
+    # enough output tiles already (8B's gate/up at batch 128: 192 x 2 tiles for 264 wanted programs): no split
+    assert choose_splits(128, 12288, 4096, 64, 64, 128, 132, parts=2)[0] == 1
+    assert choose_splits(64, 12288, 4096, 64, 64, 128, 132, parts=2)[0] == 2  # 192 tiles: two splits
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later")
+def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_plain_launches():
+    """Every kernel of a dependent chain (GEMM -> add+RMSNorm -> SiLU GEMM -> GEMM -> SiLU-and-mul, layer after
+    layer) reads its predecessor's output: a PDL kernel reading before its wait would show as different bits."""
+    from llmcli.kernels import pdl
+    from llmcli.kernels.triton_gemm import linear, silu_mul_linear
+
+    torch.manual_seed(5)
+    dev, dt, m, h, i = DEVICE, torch.bfloat16, 16, 1024, 3072
+    layers = [dict(a=torch.randn(h, h, device=dev).to(dt) / 32, gu=torch.randn(2 * i, h, device=dev).to(dt) / 32,
+                   d=torch.randn(h, i, device=dev).to(dt) / 55, nw=torch.rand(h, device=dev).to(dt) + 0.5)
+              for _ in range(6)]
+    x0 = torch.randn(m, h, device=dev).to(dt)
+
+    def forward():
+        x, res = x0, torch.zeros_like(x0)
+        for lw in layers:
+            x, res = te.add_rms_norm(linear(x, lw["a"]), res, lw["nw"], 1e-6)
+            x = linear(silu_mul_linear(x, lw["gu"]), lw["d"])
+            x = te.silu_and_mul(torch.cat([x, x], dim=-1))
+        return x
+
+    outs = {}
+    try:
+        for on in (False, True):
+            assert pdl.enable(on, dev) == on
+            forward()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = forward()
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[on] = out.clone()
+    finally:
+        pdl.enable(False, dev)
+    assert torch.isfinite(outs[False]).all() and outs[False].abs().sum() > 0
+    assert torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
@@ -807,7 +873,7 @@ def test_kernel_variant_warmup_stores_nothing(tiny_model, run_factory):
     runner = run.llm.engine.model_runner
     runner.kv_cache.normal_()
     before = runner.kv_cache.clone()
-    runner._compile_variants()
+    compile_variants(runner)
     assert torch.equal(runner.kv_cache, before)
 
 

@@ -65,6 +65,8 @@ ENGINE_KNOBS = (
     Knob("decode_gemm", str, "GEMMs of decode-sized batches: triton-silu fuses SiLU-and-mul into the gate/up "
                              "GEMM; triton runs every one of them in llmcli's Triton kernel.", "cublas",
          choices=("cublas", "triton-silu", "triton")),
+    Knob("pdl", bool, "CUDA, Hopper or later: llmcli's Triton kernels launch with programmatic dependent launch, "
+                      "so each may start while the previous one finishes (no effect elsewhere).", "off"),
     Knob("device", str, "Where the engine runs.", "auto: cuda if visible, else cpu",
          choices=("auto", "cuda", "cpu")),
     Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",

@@ -17,11 +17,10 @@ from llmcli.engine.sequence import Sequence
 from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs, plan_extras
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_timer import StepTimer
+from llmcli.engine.warmup import compile_variants, measure_activation_peak
 from llmcli.engine.step_inputs import (RowSampling, StepInputs, Uploader, all_greedy, decode_arrays, prepare_decode,
                                        prepare_prefill, prepare_sampling)
-from llmcli.kernels import make_backend
-from llmcli.kernels.backend import AttentionMetadata
-from llmcli.layers.logprobs import token_logprobs
+from llmcli.kernels import make_backend, pdl
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.linear import use_thin_gemm
 from llmcli.layers.sampler import Sampler
@@ -32,7 +31,6 @@ from llmcli.models.qwen3 import head_dim_of
 
 log = logging.getLogger("llmcli")
 MaskSource = Callable[[], Any]  # returns the int32 token bitmask (host) of the step's sampled rows, or None
-CPU_WARMUP_TOKENS = 256
 
 
 class LaunchedStep:
@@ -95,6 +93,7 @@ class ModelRunner:
         self.device = torch.device("cuda", self.rank) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        pdl.enable(config.pdl, self.device)  # before any kernel compiles: PDL is a compile-time option too
         self.head_dim = head_dim_of(hf)
         if config.tensor_parallel_size != self.world:
             raise RuntimeError(f"this process already belongs to a group of {self.world} tensor-parallel ranks; "
@@ -112,7 +111,7 @@ class ModelRunner:
         side = self._start_side_compile()
         try:
             with clock.phase("probe"):
-                activation_peak = self._warmup()
+                activation_peak = measure_activation_peak(self)
                 per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
                 # prefill graphs keep a forward's activations in their own pool, beside the eager ones
                 reserve = activation_peak * (2 if self._wants_prefill_graphs() else 1)
@@ -125,7 +124,7 @@ class ModelRunner:
                                                   self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
             if self.device.type == "cuda":
                 with clock.phase("compile"):
-                    self._compile_variants()
+                    compile_variants(self)
                     failed = side.join() if side is not None else 0
                 log.info("compiled the prefill and sampler variants in %.1f s", clock.seconds["compile"])
                 if failed:
@@ -180,7 +179,7 @@ class ModelRunner:
         self.config, self.device, self.num_blocks = config, device, num_blocks
         self.rank, self.world = getattr(self, "rank", 0), getattr(self, "world", 1)
         self.sampler = Sampler()
-        self._sampler_checked = False  # the one-pass sampler's start-up check (_check_sampler) ran
+        self._sampler_checked = False  # the one-pass sampler's start-up check (warmup.check_sampler) ran
         self.uploader = Uploader(device)
         self.readback = ReadbackRing() if device.type == "cuda" else None  # the sampled tokens' host buffers
         self.row_sampling = RowSampling(config.max_num_seqs + 1)
@@ -222,99 +221,6 @@ class ModelRunner:
         else:
             load_safetensors(model, cfg.model_path)
         return model.eval()
-
-    def _prefill_metadata(self, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None,
-                          ) -> AttentionMetadata:
-        """A prefill step of chunks with these query and key counts, storing nothing (slots -1)."""
-        dev = self.device
-        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
-        cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
-        return AttentionMetadata(
-            is_prefill=True, slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device=dev),
-            context_lens=torch.tensor(k_lens, dtype=torch.int32, device=dev),
-            block_tables=None if tables is None else torch.tensor(tables, dtype=torch.int32, device=dev),
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
-            has_prefix=tables is not None,
-        )
-
-    def _prefill_dummy(self, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None = None,
-                       ) -> torch.Tensor:
-        self.backend.prepare(self._prefill_metadata(q_lens, k_lens, tables))
-        positions = torch.cat([torch.arange(k - q, k, device=self.device) for q, k in zip(q_lens, k_lens)])
-        return self.model(torch.zeros(sum(q_lens), dtype=torch.int64, device=self.device), positions)
-
-    @torch.inference_mode()
-    def _warmup(self) -> int:
-        """Run the largest prefill the scheduler may send (no cache yet) and return its activation peak."""
-        cfg = self.config
-        tokens = cfg.max_num_batched_tokens if self.device.type == "cuda" else min(cfg.max_num_batched_tokens,
-                                                                                  CPU_WARMUP_TOKENS)
-        seq_len = min(cfg.max_model_len, tokens)
-        lens = [seq_len] * min(tokens // seq_len, cfg.max_num_seqs)
-        if not lens:
-            return 0
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        hidden = self._prefill_dummy(lens, lens)
-        # the sampler at the largest decode batch is part of the peak too
-        rows = torch.arange(min(cfg.max_num_seqs, hidden.shape[0]), device=self.device) % hidden.shape[0]
-        logits = self.model.compute_logits(hidden[rows])
-        if logits is not None:
-            self._check_sampler(logits.shape[-1])  # before the sampler's first use, so a failure falls back
-            self._sample_dummy(logits, use_filters=True)
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del hidden, logits
-        torch.cuda.empty_cache()
-        return peak
-
-    def _check_sampler(self, vocab_size: int) -> None:
-        """Once, on CUDA: the one-pass Triton sampler against the torch path; off for good if it fails."""
-        if self.device.type != "cuda" or self._sampler_checked:
-            return
-        self._sampler_checked = True
-        failure = self.sampler.check_one_pass(vocab_size, self.device)
-        if failure:
-            log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
-
-    def _sample_dummy(self, logits: torch.Tensor, use_filters: bool) -> torch.Tensor:
-        b, dev = logits.shape[0], self.device
-        ones = torch.ones(b, device=dev)
-        zeros = torch.zeros(b, dtype=torch.int64, device=dev)
-        return self.sampler(logits, ones, torch.full((b,), 50, device=dev), ones * 0.9, ones * 0.05, zeros, zeros,
-                            use_filters)
-
-    @torch.inference_mode()
-    def _compile_variants(self) -> None:
-        """Run every kernel variant a step can need once now, so no real step stops to compile one.
-
-        Triton compiles one kernel per combination of compile-time choices (paged or not, the tile size
-        that follows from the longest chunk, the sampler's logits dtype with and without top-k/top-p); left
-        to the first real steps, those compilations stall them. Most were compiled meanwhile by the side
-        compile's threads (llmcli.engine.side_compile), and then these launches only find them. Inputs are
-        dummies over existing blocks; nothing is stored.
-        """
-        bs, cfg = self.config.kvcache_block_size, self.config
-        biggest = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1)
-        for q_len in sorted({min(n, biggest) for n in self.backend.prefill_variant_lengths}):
-            self._prefill_dummy([q_len], [q_len])
-            k_len = q_len + min(bs, cfg.max_model_len - q_len)  # a cached prefix: the paged path
-            if k_len > q_len and -(-k_len // bs) <= self.num_blocks:
-                self._prefill_dummy([q_len], [k_len], [list(range(-(-k_len // bs)))])
-        logits = self.model.compute_logits(torch.zeros(2, self.config.hf_config.hidden_size, device=self.device,
-                                                       dtype=self.config.torch_dtype))
-        if logits is not None:
-            self._check_sampler(logits.shape[-1])
-            self._sample_dummy(logits, use_filters=False)
-            self._sample_dummy(logits, use_filters=True)
-            for k in (1, 5):  # builds the logprobs kernels too (top-k widths 1 and 8; others on first use)
-                token_logprobs(logits, logits.argmax(dim=-1), k)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, before_sample: MaskSource | None = None,

@@ -5,7 +5,7 @@ is spent waiting for ptxas subprocesses; start-up used to meet the variants one 
 row-key, logprobs, thin-GEMM and attention kernels need only tensors of the right shapes, strides and dtypes,
 so worker threads launch each once on small dummies while the main thread runs the memory probe and the
 prefill variants; on a warm cache each launch just loads its kernel. Best effort by design: whatever the
-threads miss or fail on, the main thread's own passes (``ModelRunner._compile_variants``, graph capture)
+threads miss or fail on, the main thread's own passes (``warmup.compile_variants``, graph capture)
 still compile before any real step. The dummies take well under 100 MiB, so the probe's activation peak (hence the KV pool) moves by less.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def kernel_tasks(model: nn.Module, vocab_size: int, dtype: torch.dtype, device: 
 def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, max_model_len: int,
                     max_num_batched_tokens: int, graph_batch_sizes: list[int]) -> list[Task]:
     """Launches that compile the Triton attention kernels start-up meets later: the prefill variants of
-    ``ModelRunner._compile_variants`` (varlen and paged, short and long chunks) and one decode launch per
+    ``warmup.compile_variants`` (varlen and paged, short and long chunks) and one decode launch per
     split count the decode graphs will use. Inputs are small dummies with the real strides; nothing is stored."""
     if getattr(backend, "name", None) != "triton":
         return []
@@ -111,7 +111,7 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
                 return prefill_varlen(q, k, k, cu_q, q_len, scale)
             blocks = -(-k_len // bs)
             cache = torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype, device=device)
-            table = torch.arange(blocks, **i32)[None, :]  # as _prefill_metadata builds it: one row
+            table = torch.arange(blocks, **i32)[None, :]  # as warmup.prefill_metadata builds it: one row
             return prefill_paged(q, k, k, cache, cache, table, cu_q, torch.tensor([k_len], **i32), q_len, scale)
         return run
 

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmcli.kernels import pdl
+
 BLOCK_N = 64  # keys per tile: 64 x 128 bf16 = 16 KiB per K (and V) tile
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism it adds
@@ -94,8 +96,11 @@ def _decode_partition_kernel(
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-    MAX_SPLITS_PAD: tl.constexpr,
+    MAX_SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # llmcli.kernels.pdl: q comes from the previous kernel; the next may launch once we are past this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -173,9 +178,12 @@ def _decode_partition_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """The two-launch path's combine: grid (batch, num_heads), one head's partials per program."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS_PAD)
@@ -267,12 +275,14 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * math.log2(math.e), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=split, ONE_LAUNCH=one_launch, MAX_SPLITS_PAD=MAX_SPLITS,
+        SPLIT=split, ONE_LAUNCH=one_launch, MAX_SPLITS_PAD=MAX_SPLITS, PDL=pdl.enabled(),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
+        **pdl.options(),
     )
     if split and not one_launch:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps,
+            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps, PDL=pdl.enabled(),
+            **pdl.options(),
         )
     return out

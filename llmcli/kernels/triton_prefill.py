@@ -48,7 +48,7 @@ class Tiles:
 
 # Longest chunk of a step from which the 16-bit, head_dim <= 128 kernel uses LARGE tiles (LONG from
 # LONG_TILES_FROM). Each distinct Tiles is two more compiled variants at start-up (plain and paged; see
-# model_runner._compile_variants), so keep these few.
+# warmup.compile_variants), so keep these few.
 LARGE_TILES_FROM = 128
 # Hopper, measured on an H200 (run 19): 128 rows x 32 keys, 8 warps, 4 K/V stages in flight won on 570- and
 # 2048-token prompts; capped at 128 registers (no spills at GQA group 2) and 96 KiB of shared memory, two

@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Decode GEMMs on the GPU: llmcli's split-K Triton thin GEMM against cuBLAS, with and without PDL.
+
+Correctness first: every projection shape of the chosen models at decode batch sizes, bfloat16, against
+torch's matmul (cuBLAS): worst relative error, and whether two launches give the same bits (split-K sums its
+partials in a fixed order). Then speed: one CUDA graph holding a model's whole decode GEMM chain (per layer
+qkv, o, gate/up with SiLU-and-mul, down; every layer its own weights, so L2 cannot keep them between replays),
+replayed back to back; milliseconds per chain and the weights' GB/s. Rows:
+
+- ``cublas``: torch's linear for every projection, then llmcli's Triton SiLU-and-mul kernel (today's default);
+- ``triton``: the Triton GEMMs (SiLU-and-mul fused into the gate/up one);
+- ``triton+pdl``: the same with programmatic dependent launch (weights prefetched to L2 before the wait);
+- sweeps of the Triton kernel's tiles and split-K, with PDL.
+
+    python benchmarks/decode_gemm_gpu.py --models configs/Qwen3-0.6B configs/Qwen3-8B --batches 1 16 64 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from llmcli.kernels import pdl  # noqa: E402
+from llmcli.kernels.triton_elementwise import silu_and_mul  # noqa: E402
+from llmcli.kernels.triton_gemm import DEFAULT_TUNING, GemmTuning, linear, silu_mul_linear  # noqa: E402
+
+VARIANTS: dict[str, tuple[bool, GemmTuning | None]] = {  # name -> (pdl, tuning; None: cuBLAS)
+    "cublas": (False, None),
+    "triton": (False, DEFAULT_TUNING),
+    "triton+pdl": (True, DEFAULT_TUNING),
+    "triton+pdl, no prefetch": (True, replace(DEFAULT_TUNING, prefetch=False)),
+    "triton+pdl, no split": (True, replace(DEFAULT_TUNING, programs_per_sm=0)),
+    "triton+pdl, block_n 32": (True, replace(DEFAULT_TUNING, block_n=32)),
+    "triton+pdl, block_n 32, no split": (True, replace(DEFAULT_TUNING, block_n=32, programs_per_sm=0)),
+    "triton+pdl, block_n 32, block_k 256": (True, replace(DEFAULT_TUNING, block_n=32, block_k=256)),
+}
+
+
+def shapes_of(model_dir: Path) -> dict[str, int]:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return dict(hidden=cfg["hidden_size"], inter=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
+                q=cfg["num_attention_heads"] * head_dim, kv=cfg["num_key_value_heads"] * head_dim)
+
+
+def layer_weights(s: dict[str, int], dev: torch.device, scale: float = 0.02) -> list[dict[str, torch.Tensor]]:
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, device=dev) * scale).to(torch.bfloat16)
+    return [dict(qkv=w(s["q"] + 2 * s["kv"], s["hidden"]), o=w(s["hidden"], s["q"]),
+                 gate_up=w(2 * s["inter"], s["hidden"]), down=w(s["hidden"], s["inter"])) for _ in range(s["layers"])]
+
+
+def chain(layers: list[dict[str, torch.Tensor]], xs: dict[str, torch.Tensor], tuning: GemmTuning | None) -> None:
+    for lw in layers:
+        if tuning is None:
+            F.linear(xs["h"], lw["qkv"])
+            F.linear(xs["attn"], lw["o"])
+            silu_and_mul(F.linear(xs["h"], lw["gate_up"]))
+            F.linear(xs["mlp"], lw["down"])
+        else:
+            linear(xs["h"], lw["qkv"], tuning)
+            linear(xs["attn"], lw["o"], tuning)
+            silu_mul_linear(xs["h"], lw["gate_up"], tuning)
+            linear(xs["mlp"], lw["down"], tuning)
+
+
+def check(layers: list[dict[str, torch.Tensor]], s: dict[str, int], batches: list[int], dev: torch.device) -> list[str]:
+    """Worst relative error against cuBLAS and determinism, per shape and batch; returns failures."""
+    failures = []
+    print("| projection | batch | rel err (PDL off / on) | same bits twice |")
+    print("|---|---:|---|---|")
+    lw = layers[0]
+    for m in batches:
+        xs = {"h": torch.randn(m, s["hidden"], device=dev).to(torch.bfloat16),
+              "attn": torch.randn(m, s["q"], device=dev).to(torch.bfloat16),
+              "mlp": torch.randn(m, s["inter"], device=dev).to(torch.bfloat16)}
+        for name, x_key in (("qkv", "h"), ("o", "attn"), ("gate_up", "h"), ("down", "mlp")):
+            x, w = xs[x_key], lw[name]
+            silu = name == "gate_up"
+            ref = F.linear(x, w)
+            ref = silu_and_mul(ref) if silu else ref
+            errs, same = [], True
+            for on in (False, True):
+                pdl.enable(on, dev)
+                run = (lambda: silu_mul_linear(x, w)) if silu else (lambda: linear(x, w))
+                a, b = run(), run()
+                torch.cuda.synchronize()
+                errs.append(((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9)).item())
+                same = same and torch.equal(a, b)
+            pdl.enable(False, dev)
+            ok = max(errs) < 2e-2 and same
+            if not ok:
+                failures.append(f"{name} m={m}: rel err {errs}, same bits {same}")
+            print(f"| {name} | {m} | {errs[0]:.2e} / {errs[1]:.2e} | {'yes' if same else 'NO'} |")
+    return failures
+
+
+def time_chain(layers: list[dict[str, torch.Tensor]], s: dict[str, int], m: int, dev: torch.device,
+               tuning: GemmTuning | None, use_pdl: bool, reps: int) -> float:
+    pdl.enable(use_pdl, dev)
+    xs = {"h": torch.randn(m, s["hidden"], device=dev).to(torch.bfloat16),
+          "attn": torch.randn(m, s["q"], device=dev).to(torch.bfloat16),
+          "mlp": torch.randn(m, s["inter"], device=dev).to(torch.bfloat16)}
+    chain(layers, xs, tuning)  # compile and warm outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(layers, xs, tuning)
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    pdl.enable(False, dev)
+    del graph
+    return start.elapsed_time(end) / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["configs/Qwen3-0.6B", "configs/Qwen3-8B"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    if not pdl.supported(dev):
+        print("this GPU cannot use PDL (compute capability < 9.0): the +pdl rows run without it")
+    failures: list[str] = []
+    for model in args.models:
+        s = shapes_of(REPO / model)
+        torch.manual_seed(0)
+        layers = layer_weights(s, dev)
+        weight_bytes = sum(w.numel() * w.element_size() for lw in layers for w in lw.values())
+        print(f"\n## {Path(model).name}: {s['layers']} layers, decode GEMM weights {weight_bytes / 1e9:.2f} GB\n")
+        failures += check(layers, s, args.batches, dev)
+        print(f"\nms per decode GEMM chain (one CUDA graph, {args.reps} replays); GB/s of weights in brackets\n")
+        print("| variant | " + " | ".join(f"batch {m}" for m in args.batches) + " |")
+        print("|---|" + "---:|" * len(args.batches))
+        for name in args.variants:
+            use_pdl, tuning = VARIANTS[name]
+            cells = []
+            for m in args.batches:
+                try:
+                    ms = time_chain(layers, s, m, dev, tuning, use_pdl, args.reps)
+                    cells.append(f"{ms:.3f} ({weight_bytes / ms / 1e6:,.0f})")
+                except Exception as exc:  # one variant failing must not hide the others
+                    failures.append(f"{model} {name} batch {m}: {type(exc).__name__}: {exc}")
+                    cells.append("FAILED")
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    if failures:
+        print("\nFAILED:\n" + "\n".join(failures))
+        return 1
+    print("\nall checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""Start-up passes of the model runner: the activation-peak probe and the kernel-variant pass, on dummy inputs."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmcli.kernels.backend import AttentionMetadata
+from llmcli.layers.logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from llmcli.engine.model_runner import ModelRunner
+
+log = logging.getLogger("llmcli")
+CPU_WARMUP_TOKENS = 256
+
+
+def prefill_metadata(runner: ModelRunner, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None,
+                     ) -> AttentionMetadata:
+    """A prefill step of chunks with these query and key counts, storing nothing (slots -1)."""
+    dev = runner.device
+    cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+    cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+    return AttentionMetadata(
+        is_prefill=True, slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device=dev),
+        context_lens=torch.tensor(k_lens, dtype=torch.int32, device=dev),
+        block_tables=None if tables is None else torch.tensor(tables, dtype=torch.int32, device=dev),
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+        has_prefix=tables is not None,
+    )
+
+
+def prefill_dummy(runner: ModelRunner, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None = None,
+                  ) -> torch.Tensor:
+    """The hidden states of a forward over such a prefill step, on token 0 (``prefill_metadata``)."""
+    runner.backend.prepare(prefill_metadata(runner, q_lens, k_lens, tables))
+    positions = torch.cat([torch.arange(k - q, k, device=runner.device) for q, k in zip(q_lens, k_lens)])
+    return runner.model(torch.zeros(sum(q_lens), dtype=torch.int64, device=runner.device), positions)
+
+
+@torch.inference_mode()
+def measure_activation_peak(runner: ModelRunner) -> int:
+    """Run the largest prefill the scheduler may send (no cache yet) and return its activation peak."""
+    cfg, device = runner.config, runner.device
+    tokens = cfg.max_num_batched_tokens if device.type == "cuda" else min(cfg.max_num_batched_tokens,
+                                                                          CPU_WARMUP_TOKENS)
+    seq_len = min(cfg.max_model_len, tokens)
+    lens = [seq_len] * min(tokens // seq_len, cfg.max_num_seqs)
+    if not lens:
+        return 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    hidden = prefill_dummy(runner, lens, lens)
+    # the sampler at the largest decode batch is part of the peak too
+    rows = torch.arange(min(cfg.max_num_seqs, hidden.shape[0]), device=device) % hidden.shape[0]
+    logits = runner.model.compute_logits(hidden[rows])
+    if logits is not None:
+        check_sampler(runner, logits.shape[-1])  # before the sampler's first use, so a failure falls back
+        sample_dummy(runner, logits, use_filters=True)
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del hidden, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
+def check_sampler(runner: ModelRunner, vocab_size: int) -> None:
+    """Once, on CUDA: the one-pass Triton sampler against the torch path; off for good if it fails."""
+    if runner.device.type != "cuda" or runner._sampler_checked:
+        return
+    runner._sampler_checked = True
+    failure = runner.sampler.check_one_pass(vocab_size, runner.device)
+    if failure:
+        log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
+
+
+def sample_dummy(runner: ModelRunner, logits: torch.Tensor, use_filters: bool) -> torch.Tensor:
+    """One sampler call over ``logits`` with every sampling knob set (top-k/top-p only with ``use_filters``)."""
+    b, dev = logits.shape[0], runner.device
+    ones = torch.ones(b, device=dev)
+    zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+    return runner.sampler(logits, ones, torch.full((b,), 50, device=dev), ones * 0.9, ones * 0.05, zeros, zeros,
+                          use_filters)
+
+
+@torch.inference_mode()
+def compile_variants(runner: ModelRunner) -> None:
+    """Run every kernel variant a step can need once now, so no real step stops to compile one.
+
+    Triton compiles one kernel per combination of compile-time choices (paged or not, the tile size
+    that follows from the longest chunk, the sampler's logits dtype with and without top-k/top-p); left
+    to the first real steps, those compilations stall them. Most were compiled meanwhile by the side
+    compile's threads (llmcli.engine.side_compile), and then these launches only find them. Inputs are
+    dummies over existing blocks; nothing is stored.
+    """
+    cfg = runner.config
+    bs = cfg.kvcache_block_size
+    biggest = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1)
+    for q_len in sorted({min(n, biggest) for n in runner.backend.prefill_variant_lengths}):
+        prefill_dummy(runner, [q_len], [q_len])
+        k_len = q_len + min(bs, cfg.max_model_len - q_len)  # a cached prefix: the paged path
+        if k_len > q_len and -(-k_len // bs) <= runner.num_blocks:
+            prefill_dummy(runner, [q_len], [k_len], [list(range(-(-k_len // bs)))])
+    logits = runner.model.compute_logits(torch.zeros(2, cfg.hf_config.hidden_size, device=runner.device,
+                                                     dtype=cfg.torch_dtype))
+    if logits is not None:
+        check_sampler(runner, logits.shape[-1])
+        sample_dummy(runner, logits, use_filters=False)
+        sample_dummy(runner, logits, use_filters=True)
+        for k in (1, 5):  # builds the logprobs kernels too (top-k widths 1 and 8; others on first use)
+            token_logprobs(logits, logits.argmax(dim=-1), k)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
