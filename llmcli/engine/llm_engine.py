@@ -156,7 +156,7 @@ class LLMEngine:
         return finished
 
     def _launch(self, batch: ScheduledBatch) -> InflightStep:
-        sampled = [seq for seq in batch.seqs if seq.samples_this_step] if batch.is_prefill else batch.seqs
+        sampled = batch.sampled
         constrained = self.structured is not None and any(seq.matcher is not None for seq in sampled)
         masks = self._mask_source(sampled) if constrained else None  # (no scan of the batch without structured)
         launched = self.model_runner.launch(batch.seqs, batch.is_prefill, masks)

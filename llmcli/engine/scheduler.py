@@ -14,13 +14,9 @@ from llmcli.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool  # True: one varlen batch of chunks (prefill, or mixed); False: one token per sequence
+    num_tokens: int  # tokens computed this step
+    sampled: list[Sequence]  # the sequences that get a token this step (all but a prompt cut by the budget)
     num_decode: int = 0  # a mixed step: its first ``num_decode`` sequences decode one token each
-
-    @property
-    def num_tokens(self) -> int:
-        if not self.is_prefill:
-            return len(self.seqs)
-        return sum(s.num_scheduled_tokens for s in self.seqs)
 
 
 class Scheduler:
@@ -54,22 +50,23 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         if self.mixed_steps:
             return self._schedule_mixed()
-        batch = self._schedule_prefill()
+        batch, tokens, sampled = self._schedule_prefill(self.max_num_batched_tokens)
         if batch:
-            return ScheduledBatch(batch, is_prefill=True)
+            return ScheduledBatch(batch, True, tokens, sampled)
         batch = self._schedule_decode()
-        return ScheduledBatch(batch, is_prefill=False) if batch else None
+        return ScheduledBatch(batch, False, len(batch), batch) if batch else None
 
     def _schedule_mixed(self) -> ScheduledBatch | None:
         decode = self._schedule_decode()
-        prefill = self._schedule_prefill(self.max_num_batched_tokens - len(decode))
+        prefill, tokens, sampled = self._schedule_prefill(self.max_num_batched_tokens - len(decode))
         if not prefill:
-            return ScheduledBatch(decode, is_prefill=False) if decode else None
-        return ScheduledBatch(decode + prefill, is_prefill=True, num_decode=len(decode))
+            return ScheduledBatch(decode, False, len(decode), decode) if decode else None
+        return ScheduledBatch(decode + prefill, True, len(decode) + tokens, decode + sampled, num_decode=len(decode))
 
-    def _schedule_prefill(self, budget: int | None = None) -> list[Sequence]:
-        budget = self.max_num_batched_tokens if budget is None else budget
+    def _schedule_prefill(self, budget: int) -> tuple[list[Sequence], int, list[Sequence]]:
+        """Prompt chunks within ``budget`` tokens: (sequences, tokens, those of them that sample this step)."""
         batch: list[Sequence] = []
+        start = budget
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
@@ -84,11 +81,13 @@ class Scheduler:
             budget -= seq.num_scheduled_tokens
             batch.append(seq)
             if not seq.samples_this_step:
-                break  # a chunk of a longer prompt: the budget is spent, it continues next step
+                # a chunk of a longer prompt: the budget is spent, it continues next step (so only the last
+                # sequence of a prefill batch can be one that does not sample)
+                return batch, start - budget, batch[:-1]
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return batch
+        return batch, start - budget, batch
 
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
