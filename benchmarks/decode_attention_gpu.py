@@ -1,16 +1,15 @@
-"""Paged decode attention: the two-launch split-KV path vs one launch per layer, and split-count candidates.
+"""Paged decode attention: the split-KV path as the engine runs it, and split-count and launch candidates.
 
 For Qwen3-0.6B (16/8/128, 28 layers) and Qwen3-8B (32/8/128, 36 layers) head shapes, bf16, block size 256
 (the engine's default), every batch in 1 … 256 and context in 256 … 4096 (all rows that long): one CUDA graph
-per path holds a loop of one decode attention call per layer, each over its own cache (as many distinct
-caches as fit ~16 GB, rotated), after an L2 flush, with the split count a decode graph of the engine uses
-(chosen for ``--max-model-len`` keys, since graphs are captured before any context is known); the graph's replay time minus that of a flush-only graph
-is the attention time (median of CUDA-event timed replays). Prints ms per step (all layers), GB/s of KV read
-and its share of a measured copy bandwidth (read + write bytes / time of a 1 GiB device copy), the max
-|diff| against a float32 torch reference and whether the two paths' outputs are bit-identical (after the
-timed replays, so the one-launch counters must have been reset replay after replay). Candidates (one launch,
-at batch <= 64): other split counts (from the real context, programs per SM, tokens per split) and launch
-settings (BLOCK_N, warps, stages); a summary table ends the run.
+per candidate holds a loop of one decode attention call per layer, each over its own cache (as many distinct
+caches as fit ~16 GB, rotated), after an L2 flush. The default runs with the split count a decode graph of the
+engine uses (chosen for ``--max-model-len`` keys, since graphs are captured before any context is known) and
+the default launch settings; the graph's replay time minus that of a flush-only graph is the attention time
+(median of CUDA-event timed replays). Prints ms per step (all layers), GB/s of KV read and its share of a
+measured copy bandwidth (read + write bytes / time of a 1 GiB device copy), and the max |diff| against a
+float32 torch reference. Candidates (at batch <= 64): other split counts (from the real context, programs per
+SM, tokens per split) and launch settings (BLOCK_N, warps, stages); a summary table ends the run.
 
     python benchmarks/decode_attention_gpu.py               # on CUDA, under 2 minutes
     python benchmarks/decode_attention_gpu.py --quick       # fewer shapes and candidates
@@ -32,7 +31,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
 import torch  # noqa: E402
 
 from llmcli.kernels.triton_decode import (  # noqa: E402
-    DEFAULT_TUNING, DecodeTuning, choose_num_splits, counters_numel, paged_decode, scratch_numel,
+    DEFAULT_TUNING, DecodeTuning, choose_num_splits, paged_decode, scratch_numel,
 )
 
 MODELS = {"0.6B": (16, 8, 128, 28), "8B": (32, 8, 128, 36)}  # q heads, kv heads, head_dim, layers
@@ -48,21 +47,20 @@ class Candidate:
     split_args: dict = field(default_factory=dict, hash=False, compare=False)
 
 
-BASELINE = Candidate("two-launch", replace(DEFAULT_TUNING, one_launch=False))
-ONE = Candidate("one-launch", replace(DEFAULT_TUNING, one_launch=True))
+DEFAULT = Candidate("default")
 SPLIT_CANDIDATES = [
-    Candidate("ctx", ONE.tuning, {"from_ctx": True}),  # split count from the real context, not max_model_len
-    Candidate("pps2", ONE.tuning, {"programs_per_sm": 2}),
-    Candidate("pps8", ONE.tuning, {"programs_per_sm": 8}),
-    Candidate("min64", ONE.tuning, {"min_tokens": 64}),
-    Candidate("min256", ONE.tuning, {"min_tokens": 256}),
+    Candidate("ctx", split_args={"from_ctx": True}),  # split count from the real context, not max_model_len
+    Candidate("pps2", split_args={"programs_per_sm": 2}),
+    Candidate("pps8", split_args={"programs_per_sm": 8}),
+    Candidate("min64", split_args={"min_tokens": 64}),
+    Candidate("min256", split_args={"min_tokens": 256}),
 ]
 LAUNCH_CANDIDATES = [
-    Candidate("n32", replace(ONE.tuning, block_n=32)),
-    Candidate("n128s2", replace(ONE.tuning, block_n=128, num_stages=2)),
-    Candidate("w8", replace(ONE.tuning, num_warps=8)),
-    Candidate("s2", replace(ONE.tuning, num_stages=2)),
-    Candidate("s4", replace(ONE.tuning, num_stages=4)),
+    Candidate("n32", replace(DEFAULT_TUNING, block_n=32)),
+    Candidate("n128s2", replace(DEFAULT_TUNING, block_n=128, num_stages=2)),
+    Candidate("w8", replace(DEFAULT_TUNING, num_warps=8)),
+    Candidate("s2", replace(DEFAULT_TUNING, num_stages=2)),
+    Candidate("s4", replace(DEFAULT_TUNING, num_stages=4)),
 ]
 
 
@@ -108,12 +106,10 @@ class Runner:
     def __init__(self, case: Case, layers: int, num_splits: int, tuning: DecodeTuning) -> None:
         self.case, self.layers, self.num_splits, self.tuning = case, layers, num_splits, tuning
         batch, heads, dim = case.q.shape
-        kv_heads = case.caches[0][0].shape[2]
         n_out, n_lse = scratch_numel(batch, heads, dim, num_splits)
         dev = case.q.device
         self.part_out = torch.empty(max(n_out, 1), dtype=torch.float32, device=dev)
         self.part_lse = torch.empty(max(n_lse, 1), dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(counters_numel(batch, kv_heads), dtype=torch.int32, device=dev)
         self.outs = [torch.empty_like(case.q) for _ in range(min(layers, 2))]
 
     def step(self) -> None:
@@ -122,7 +118,7 @@ class Runner:
             k_cache, v_cache = c.caches[layer % len(c.caches)]
             paged_decode(c.q, k_cache, v_cache, c.tables, c.lens, c.q.shape[2] ** -0.5, self.num_splits,
                          self.part_out, self.part_lse, out=self.outs[min(layer, len(self.outs) - 1)],
-                         counters=self.counters, tuning=self.tuning)
+                         tuning=self.tuning)
 
     def first_output(self) -> torch.Tensor:
         """Layer 0's output (over the first cache; the other layers write elsewhere)."""
@@ -183,9 +179,8 @@ class Result:
     ctx: int
     splits: dict[str, int]
     ms: dict[str, float]
-    gbs: float  # KV GB/s of the one-launch path
+    gbs: float  # KV GB/s of the default
     max_diff: dict[str, float]
-    identical: bool
     errors: dict[str, str]
 
 
@@ -198,11 +193,10 @@ def run_case(model: str, shape: tuple, batch: int, ctx: int, args, device, dtype
     reps = args.reps
     base_ms = time_ms(graphed(lambda: None, device, flush), device, reps) if flush is not None else 0.0
 
-    candidates = [BASELINE, ONE]
+    candidates = [DEFAULT]
     if batch <= args.tune_max_batch and not args.quick:
         candidates += SPLIT_CANDIDATES + (LAUNCH_CANDIDATES if model == args.tune_model else [])
     splits, ms, diffs, errors = {}, {}, {}, {}
-    outputs: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
     ref = reference(case) if not args.no_check else None
     for cand in candidates:
@@ -220,64 +214,51 @@ def run_case(model: str, shape: tuple, batch: int, ctx: int, args, device, dtype
             runner = Runner(case, layers, n, cand.tuning)
             replay = graphed(runner.step, device, flush)
             ms[cand.name] = max(time_ms(replay, device, reps) - base_ms, 1e-6)
-            out = runner.first_output()
-            if cand.name in (BASELINE.name, ONE.name):
-                outputs[cand.name] = out.clone()
             if ref is not None:
-                diffs[cand.name] = (out.float() - ref).abs().max().item()
+                diffs[cand.name] = (runner.first_output().float() - ref).abs().max().item()
         except Exception as exc:  # a launch setting the GPU cannot take (shared memory): report, go on
             errors[cand.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
             ms[cand.name] = float("nan")
-    identical = BASELINE.name in outputs and ONE.name in outputs and torch.equal(outputs[BASELINE.name],
-                                                                                 outputs[ONE.name])
-    gbs = kv_bytes * layers / ms[ONE.name] / 1e6
-    return Result(model, batch, ctx, splits, ms, gbs, diffs, identical, errors)
+    gbs = kv_bytes * layers / ms[DEFAULT.name] / 1e6
+    return Result(model, batch, ctx, splits, ms, gbs, diffs, errors)
 
 
 def print_row(r: Result, copy_gbs: float) -> None:
-    two, one = r.ms[BASELINE.name], r.ms[ONE.name]
-    others = {k: v for k, v in r.ms.items() if k not in (BASELINE.name, ONE.name) and v == v}
+    others = {k: v for k, v in r.ms.items() if k != DEFAULT.name and v == v}
     best = min(others, key=others.get) if others else "-"
     best_txt = f"{best} x{r.splits[best]} {others[best]:.3f}" if others else "-"
-    diff = max((r.max_diff.get(k, 0.0) for k in (BASELINE.name, ONE.name)), default=float("nan"))
-    print(f"{r.model:>5} {r.batch:>5} {r.ctx:>5} {r.splits[ONE.name]:>6} {two:>9.3f} {one:>9.3f} {two / one:>6.2f} "
-          f"{r.gbs:>8.0f} {100 * r.gbs / copy_gbs:>5.0f}% {diff:>9.2e} {'yes' if r.identical else 'NO':>5}  {best_txt}",
-          flush=True)
+    diff = r.max_diff.get(DEFAULT.name, float("nan"))
+    print(f"{r.model:>5} {r.batch:>5} {r.ctx:>5} {r.splits[DEFAULT.name]:>6} {r.ms[DEFAULT.name]:>9.3f} "
+          f"{r.gbs:>8.0f} {100 * r.gbs / copy_gbs:>5.0f}% {diff:>9.2e}  {best_txt}", flush=True)
     for name, err in r.errors.items():
         print(f"      {name}: {err}")
 
 
 def summary(results: list[Result], copy_gbs: float) -> None:
-    print("\nsummary: % of copy bandwidth, two-launch -> one-launch (-> best candidate, batch <= 64)")
+    print("\nsummary: % of copy bandwidth, default (-> best candidate, batch <= 64)")
     for model in dict.fromkeys(r.model for r in results):
         rows = [r for r in results if r.model == model]
         ctxs = sorted({r.ctx for r in rows})
-        print(f"{model:>5} batch | " + " | ".join(f"ctx {c:>5}{'':>14}" for c in ctxs))
+        print(f"{model:>5} batch | " + " | ".join(f"ctx {c:>5}{'':>4}" for c in ctxs))
         for batch in sorted({r.batch for r in rows}):
             cells = []
             for c in ctxs:
                 r = next((x for x in rows if x.batch == batch and x.ctx == c), None)
                 if r is None:
-                    cells.append(f"{'':>23}")
+                    cells.append(f"{'':>13}")
                     continue
-                pct = {k: 100 * r.gbs * r.ms[ONE.name] / v / copy_gbs for k, v in r.ms.items() if v == v}
-                others = {k: v for k, v in pct.items() if k not in (BASELINE.name, ONE.name)}
+                pct = {k: 100 * r.gbs * r.ms[DEFAULT.name] / v / copy_gbs for k, v in r.ms.items() if v == v}
+                others = {k: v for k, v in pct.items() if k != DEFAULT.name}
                 best = f"->{max(others.values()):3.0f}" if others else ""
-                cells.append(f"{pct[BASELINE.name]:3.0f} ->{pct[ONE.name]:3.0f}{best:>6}{'' if r.identical else ' !=':>3}"
-                             .ljust(23))
+                cells.append(f"{pct.get(DEFAULT.name, float('nan')):3.0f}{best:>6}".ljust(13))
             print(f"{'':>5} {batch:>5} | " + " | ".join(cells))
-    speedups = [r.ms[BASELINE.name] / r.ms[ONE.name] for r in results]
-    small = [s for r, s in zip(results, speedups) if r.batch <= 64]
     geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")  # noqa: E731
-    print(f"one-launch vs two-launch speed-up, geometric mean: all {geo(speedups):.3f}, batch <= 64 {geo(small):.3f}")
-    names = {k for r in results for k in r.ms if k not in (BASELINE.name, ONE.name)}
+    names = {k for r in results for k in r.ms if k != DEFAULT.name}
     for name in sorted(names):
-        rel = [r.ms[ONE.name] / r.ms[name] for r in results if name in r.ms and r.ms[name] == r.ms[name]]
+        rel = [r.ms[DEFAULT.name] / r.ms[name] for r in results if name in r.ms and r.ms[name] == r.ms[name]]
         if rel:
-            print(f"candidate {name:>7} vs one-launch default: geo-mean speed-up {geo(rel):.3f} over {len(rel)} cases, "
+            print(f"candidate {name:>7} vs default: geo-mean speed-up {geo(rel):.3f} over {len(rel)} cases, "
                   f"worst {min(rel):.3f}, best {max(rel):.3f}")
-    bad = [f"{r.model}/b{r.batch}/c{r.ctx}" for r in results if not r.identical]
-    print("bit-identical two-launch vs one-launch:", "all cases" if not bad else "NOT in " + ", ".join(bad))
 
 
 def main() -> None:
@@ -325,8 +306,8 @@ def main() -> None:
         ctxs = [int(x) for x in args.ctxs.split(",")]
     copy_gbs = copy_bandwidth(device)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); block size {args.block_size}; {dtype}")
-    print(f"\n{'model':>5} {'batch':>5} {'ctx':>5} {'splits':>6} {'2-launch':>9} {'1-launch':>9} {'x':>6} "
-          f"{'GB/s':>8} {'copy':>6} {'max|diff|':>9} {'ident':>5}  best candidate (splits, ms)")
+    print(f"\n{'model':>5} {'batch':>5} {'ctx':>5} {'splits':>6} {'ms':>9} "
+          f"{'GB/s':>8} {'copy':>6} {'max|diff|':>9}  best candidate (splits, ms)")
     print(f"{'':>24} (ms per step: all layers' attention, after an L2 flush)")
     results = []
     t0 = time.perf_counter()

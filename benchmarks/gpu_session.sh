@@ -17,9 +17,9 @@
 #   elementwise  issues #13/#12 (~4 min): start-up + 32x570 prefill profile with the Triton elementwise kernels
 #           (startup_profile_gpu.py), tests/test_triton_elementwise.py on the GPU (bf16, CUDA graph), then
 #           benchmarks/elementwise_gpu.py (torch.compile vs the kernels: µs, GB/s, max diff), args in ELEMENTWISE_ARGS
-#   decode-attn  issue #13 (<= 2 min): benchmarks/decode_attention_gpu.py: paged decode attention, two launches per
-#           layer vs one (split-KV partials combined by the last program), split-count and launch candidates at
-#           batch <= 64, Qwen3-0.6B/8B heads, batch 1-256 x context 256-4096, in CUDA graphs; args in DECODE_ATTN_ARGS
+#   decode-attn  issue #13 (<= 2 min): benchmarks/decode_attention_gpu.py: split-KV paged decode attention as the
+#           engine runs it, split-count and launch candidates at batch <= 64, Qwen3-0.6B/8B heads,
+#           batch 1-256 x context 256-4096, in CUDA graphs; args in DECODE_ATTN_ARGS
 #   job     benchmarks/job_gpu.py: `llmcli generate` wall vs the engine alone (issue 12), extra args in JOB_ARGS
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   host-diag  benchmarks/host_diag_gpu.py (issue #13, ~2 min): host phases' wall vs CPU time, busy threads, settings;

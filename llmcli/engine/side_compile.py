@@ -133,7 +133,7 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
         return run
 
     # one launch per compiled variant: split or not, and how Triton specializes the count itself (1, a
-    # multiple of 16, other); the splits are combined by a loop, so their count sets no block width
+    # multiple of 16, other); the reduce reads every split as one MAX_SPLITS-wide tile, so the count sets no block width
     variants: dict[tuple, int] = {}
     for b in graph_batch_sizes:
         n = backend._splits_for(b, max_blocks * bs, device)

@@ -5,10 +5,9 @@ layer hands over a ``QKNormRotary``: ``triton_elementwise.qk_norm_rotary_store``
 (paged, when some chunk has a cached prefix; plain varlen otherwise) or
 split-KV paged decode. The per-step work that does not depend on the layer
 (the decode split count and its scratch space) happens once in ``prepare``.
-Scratch buffers (split partials, and the one-launch decode's arrival counters,
-zeroed once and left zeroed by every launch) only ever grow, are preallocated
-for the largest graph batch in ``init_graph_buffers``, and outgrown ones are kept
-alive, so captured graphs keep pointing at live memory.
+The split partials' scratch buffers only ever grow, are preallocated for the
+largest graph batch in ``init_graph_buffers``, and outgrown ones are kept alive,
+so captured graphs keep pointing at live memory.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch
 from llmcli.kernels import triton_elementwise
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, QKNormRotary
 from llmcli.kernels.triton_decode import (
-    DEFAULT_TUNING, DecodeTuning, choose_num_splits, counters_numel, paged_decode, scratch_numel,
+    DEFAULT_TUNING, DecodeTuning, choose_num_splits, paged_decode, scratch_numel,
 )
 from llmcli.kernels.triton_prefill import LARGE_TILES_FROM, LONG_TILES_FROM, prefill_paged, prefill_varlen
 from llmcli.kernels.triton_store import store_kv
@@ -43,11 +42,10 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_splits = 1
         self.force_num_splits: int | None = None  # tests and benchmarks pin the split count with this
-        self.decode_tuning: DecodeTuning = DEFAULT_TUNING  # and the decode launch (one launch or two) with this
+        self.decode_tuning: DecodeTuning = DEFAULT_TUNING  # and the decode launch settings with this
         self._num_sms: int | None = None
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
-        self._counters: torch.Tensor | None = None
         self._outgrown: list[torch.Tensor] = []  # replaced scratch a captured graph may still point at
         self._rest_cu_q: torch.Tensor | None = None
         self._rest_lens: torch.Tensor | None = None
@@ -75,13 +73,6 @@ class TritonAttentionBackend(AttentionBackend):
         if self._part_lse is None or self._part_lse.numel() < n_lse or self._part_lse.device != device:
             self._retire(self._part_lse)
             self._part_lse = torch.empty(max(n_lse, 1), dtype=torch.float32, device=device)
-        self._ensure_counters(batch if num_splits > 1 else 0, device)
-
-    def _ensure_counters(self, batch: int, device: torch.device) -> None:
-        n_count = counters_numel(batch, self.num_kv_heads)
-        if self._counters is None or self._counters.numel() < n_count or self._counters.device != device:
-            self._retire(self._counters)
-            self._counters = torch.zeros(max(n_count, 1), dtype=torch.int32, device=device)
 
     def _retire(self, old: torch.Tensor | None) -> None:
         if old is not None and old.device.type == "cuda":
@@ -117,9 +108,6 @@ class TritonAttentionBackend(AttentionBackend):
         max_len = max_blocks_per_seq * self.block_size
         worst = max(range(1, max_batch_size + 1), key=lambda b: b * self._splits_for(b, max_len, device))
         self._ensure_scratch(worst, self._splits_for(worst, max_len, device), device)
-        splitting = [b for b in range(1, max_batch_size + 1) if self._splits_for(b, max_len, device) > 1]
-        if splitting:  # counters for the largest batch that splits (not always the scratch's worst)
-            self._ensure_counters(max(splitting), device)
 
     # -- per-layer ---------------------------------------------------------------
     writes_out = True  # forward(..., out=) writes a prefill or mixed step's attention where the caller says
@@ -151,7 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                             num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse,
-                            counters=self._counters, tuning=self.decode_tuning)
+                            tuning=self.decode_tuning)
 
     def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None,
                ) -> torch.Tensor:
@@ -161,7 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
         assert meta.block_tables is not None and k_cache is not None
         paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
                      num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd],
-                     counters=self._counters, tuning=self.decode_tuning)
+                     tuning=self.decode_tuning)
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
                 prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,

@@ -6,23 +6,12 @@ tensor cores), so each cached K/V byte is read once per step. A sequence's
 context is cut into ``num_splits`` partitions of whole ``BLOCK_N`` tiles; each
 program runs an online softmax over its partition. With one split it writes the
 output directly. With more, each writes a partial result (normalised output plus
-base-2 log-sum-exp) and the partials are combined in one of two ways:
-
-- two launches (the default): a small reduce kernel combines them afterwards.
-- one launch (``ONE_LAUNCH`` / ``DecodeTuning.one_launch``): after writing its
-  partial a program bumps a per-(sequence, KV head) int32 counter (acq_rel, GPU
-  scope); the one that arrives last combines the partials and writes the output,
-  then sets the counter back to 0 for the next step or graph replay. Nobody waits
-  on anybody, so programs need not be resident together. Measured on an H200
-  (benchmarks/RESULTS.md run 23) it is slower than two launches at batches <= 64
-  (0.82x geometric mean: the partition kernel's extra combine code costs more than
-  the launch it saves), so it stays off; ``decode_attention_gpu.py`` compares them.
-
-Both combine through ``_combine_head``: each split's partial sits at its split
-index in one fixed-width tile, reduced by the same tree whichever program
-finished last, so outputs are deterministic. The two paths are bit-identical in
-Triton's interpreter; compiled for the GPU they differ in the last bits in some
-shapes (the compiler schedules the combine differently inside the two kernels).
+base-2 log-sum-exp) and a second, small reduce kernel combines them
+(``_combine_head``): each split's partial sits at its split index in one
+fixed-width tile, reduced by the same tree whatever the split count, so outputs
+are deterministic. (Combining in the partition kernel instead, by the last split
+program to arrive, saves that launch but measured slower at batches <= 64:
+benchmarks/RESULTS.md run 23.)
 
 The partition size is computed inside the kernel from the row's own context
 length, so the launch depends only on the batch size and ``num_splits`` (host
@@ -47,7 +36,6 @@ PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 MAX_SPLITS = 64  # a power of two: the combine reads every split's partial as one tile this wide
 NUM_WARPS = 4
 NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
-ONE_LAUNCH = False  # combine split partials in the partition kernel (False: a second, reduce kernel)
 
 
 @dataclass(frozen=True)
@@ -57,7 +45,6 @@ class DecodeTuning:
     block_n: int = BLOCK_N
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
-    one_launch: bool = ONE_LAUNCH
 
 
 DEFAULT_TUNING = DecodeTuning()
@@ -68,8 +55,8 @@ def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.co
     """Combine one head's partials (rows ``rows`` where ``mask_s``) into ``dst``.
 
     One fixed-width tile of every split (MAX_SPLITS wide whatever the count, so the reduction
-    tree, and with it the rounding, is the same in every kernel that calls this), loaded in one
-    round trip. ``.cg`` loads read L2, never a stale L1 line left by an earlier step on this SM.
+    tree, and with it the rounding, never depends on the count), loaded in one round trip.
+    ``.cg`` loads read L2, never a stale L1 line left by an earlier step on this SM.
     """
     d = tl.arange(0, HEAD_DIM)
     lse = tl.load(part_lse_ptr + rows, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
@@ -88,15 +75,14 @@ def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.co
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     stride_bt, stride_ob, stride_oh,
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-    MAX_SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # llmcli.kernels.pdl: q comes from the previous kernel; the next may launch once we are past this
         tl.extra.cuda.gdc_wait()
@@ -158,19 +144,6 @@ def _decode_partition_kernel(
         rows = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits
         tl.store(part_lse_ptr + rows + split, lse, mask=mask_g)
         tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=mask_g[:, None])
-        if ONE_LAUNCH:
-            # every thread's partial stores come before the (one-thread) release of the counter
-            tl.debug_barrier()
-            counter = counters_ptr + b * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last of this (sequence, KV head): all partials are written
-                sp = tl.arange(0, MAX_SPLITS_PAD)
-                row0 = (b * (GROUP * tl.num_programs(1)) + kvh * GROUP).to(tl.int64) * num_splits
-                out_row = out_ptr + b.to(tl.int64) * stride_ob
-                for gi in tl.static_range(GROUP):
-                    _combine_head(part_out_ptr, part_lse_ptr, row0 + gi * num_splits + sp, sp < num_splits,
-                                  out_row + (kvh * GROUP + gi) * stride_oh, HEAD_DIM)
-                tl.store(counter, 0)  # nobody else touches it in this launch; the next launch sees 0
     else:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
 
@@ -180,7 +153,7 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The two-launch path's combine: grid (batch, num_heads), one head's partials per program."""
+    """Combines the split partials: grid (batch, num_heads), one head's partials per program."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -219,25 +192,17 @@ def scratch_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) ->
     return rows * head_dim, rows
 
 
-def counters_numel(batch: int, num_kv_heads: int) -> int:
-    """Elements of the int32 arrival counters a one-launch split needs (zeroed once, reset by the kernel)."""
-    return batch * num_kv_heads
-
-
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1,
     part_out: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-    tuning: DecodeTuning = DEFAULT_TUNING,
+    out: torch.Tensor | None = None, tuning: DecodeTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """Attention of ``q`` [batch, num_heads, head_dim] over each row's cached context.
 
     ``part_out``/``part_lse`` are flat float32 scratch buffers of at least
     ``scratch_numel(...)`` elements (needed when ``num_splits > 1``; pass
-    preallocated ones under CUDA graphs). ``counters`` is a flat int32 buffer of at
-    least ``counters_numel(...)`` zeros for the one-launch path; the kernel leaves it
-    zeroed again, so one buffer serves every later call (and graph replay) on its stream.
+    preallocated ones under CUDA graphs).
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -251,7 +216,6 @@ def paged_decode(
     group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
     split = num_splits > 1
     assert num_splits <= MAX_SPLITS, f"at most {MAX_SPLITS} splits (the combine's fixed tile width)"
-    one_launch = split and tuning.one_launch
     if split:
         n_out, n_lse = scratch_numel(batch, num_heads, head_dim, num_splits)
         if part_out is None or part_lse is None:
@@ -260,26 +224,19 @@ def paged_decode(
         assert part_out.numel() >= n_out and part_lse.numel() >= n_lse, "scratch too small"
     else:
         part_out = part_lse = out  # unused by the kernel
-    if one_launch:
-        if counters is None:
-            counters = torch.zeros(counters_numel(batch, num_kv_heads), dtype=torch.int32, device=q.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= counters_numel(batch, num_kv_heads), \
-            "counters too small"
-    else:
-        counters = context_lens  # unused by the kernel
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * math.log2(math.e), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=split, ONE_LAUNCH=one_launch, MAX_SPLITS_PAD=MAX_SPLITS, PDL=pdl.enabled(),
+        SPLIT=split, PDL=pdl.enabled(),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
         **pdl.options(),
     )
-    if split and not one_launch:
+    if split:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps, PDL=pdl.enabled(),
