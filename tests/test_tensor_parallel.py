@@ -397,6 +397,20 @@ SCRIPT_HEAD = """
 """
 
 
+def test_ctrl_c_between_calls_with_a_stuck_group_close_exits_130(tmp_path, tp_model):
+    """A Ctrl-C that lands in rank 0's own host code (scheduling, reading tokens back), not inside a call to the
+    ranks, still ends a process whose group close got stuck with the shell's status for Ctrl-C (CI saw 1)."""
+    proc = _run_script(tmp_path, SCRIPT_HEAD.format(model=str(tp_model)) + """
+        import llmcli.parallel.tp_group as tp_group
+        tp_group.close_process_group = lambda timeout_s: False  # as if the abort were still running
+        raise KeyboardInterrupt  # where a terminal's Ctrl-C lands between two calls
+    """)
+    ready = _read_ready(proc)
+    out, err = _finish(proc, 60, "KeyboardInterrupt")
+    assert proc.returncode == 130, (proc.returncode, out, err[-2000:])
+    _assert_released(ready, "KeyboardInterrupt")
+
+
 def test_ctrl_c_tears_every_rank_down(tmp_path, tp_model):
     """SIGINT to the whole process group (what a terminal's Ctrl-C does) during generate."""
     proc = _run_script(tmp_path, SCRIPT_HEAD.format(model=str(tp_model)) + """

@@ -299,4 +299,7 @@ class Group:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
-            os._exit(INTERRUPTED_EXIT_STATUS if self.interrupted else 1)
+            # a Ctrl-C that landed in rank 0's own code, between two calls to the ranks, is one too: the
+            # interpreter keeps the exception that is ending it in sys.last_value
+            interrupted = self.interrupted or isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+            os._exit(INTERRUPTED_EXIT_STATUS if interrupted else 1)
