@@ -10,6 +10,7 @@ too-big request blames).
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import signal
@@ -288,9 +289,15 @@ def test_a_stopped_tensor_parallel_rank_is_reported_within_the_heartbeat_limit(t
         proc.kill()
     err = proc.stderr.read().decode()
     assert proc.returncode == 1, err
-    assert f"tensor-parallel rank 1 (pid {worker}) stopped responding while running a" in err, err
+    # The stop lands wherever the worker is: inside a step or between two (its phase is written as it changes)
+    assert any(f"tensor-parallel rank 1 (pid {worker}) stopped responding while {phase}" in err
+               for phase in ("running a", "waiting for rank 0's next call")), err
     assert "LLMCLI_TP_HEARTBEAT_S=3" in err and "Traceback" not in err, err
-    assert limit - 1 <= took < limit + 15, took  # its last beat may have come up to a tick before the stop
+    # Judged on rank 0's clock from the last beat it saw (up to a tick before the stop), then the process ends:
+    # both bounded far below any collective timeout (minutes), with room for a loaded 2-core CI machine.
+    judged = float(re.search(r"no heartbeat for ([0-9.]+) s", err).group(1))
+    assert limit <= judged < limit + 5, err
+    assert limit - 1 <= took < limit + 25, took
     assert not wait_gone([worker]), "the stopped worker outlived the run"
     assert not list(Path("/dev/shm").glob(f"llmcli_tp_{proc.pid}_*"))
     lines = lines_of(out)  # what was answered stays, whole, for --resume

@@ -32,6 +32,7 @@ import torch
 from llmcli import LLM, SamplingParams
 from llmcli.config import ConfigError
 from llmcli.parallel.compact import pack_step, unpack_step
+from llmcli.parallel.heartbeat import Heartbeat, SilenceMonitor
 from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
 from llmcli.parallel.tp_runner import TensorParallelError
 from llmcli.engine.sequence import Sequence
@@ -193,6 +194,28 @@ def test_compact_form_rebuilds_the_same_step_inputs():
     assert b.pending_rows.tolist() == [1, -1, 0]
     for name in ("input_ids", "positions", "pending_rows"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_a_worker_phase_change_reaches_rank_0_at_once_and_silence_is_judged_on_rank_0s_clock():
+    channel = ControlChannel.create(multiprocessing.get_context("spawn"), 2, payload_bytes=4096)
+    try:
+        heartbeat = Heartbeat(channel, 1, limit_s=1000.0)  # its thread is not started: only `say` beats
+        monitor = SilenceMonitor(limit_s=0.2)
+        assert channel.read_beat(1) == (0, "")
+        assert monitor.silent(channel, [1]) is None  # no beat yet: the start-up timeout's business
+        heartbeat.say("running a decode step (control call 7)")
+        assert channel.read_beat(1) == (1, "running a decode step (control call 7)")
+        heartbeat.say("waiting")  # a shorter text must not keep the tail of the longer one
+        assert channel.read_beat(1) == (2, "waiting")
+        assert monitor.silent(channel, [1]) is None  # first look: the clock starts now
+        time.sleep(0.3)
+        silence = monitor.silent(channel, [1])
+        assert silence is not None and silence.rank == 1 and silence.doing == "waiting" and silence.seconds > 0.2
+        heartbeat.say("running a prefill step (control call 8)")
+        assert monitor.silent(channel, [1]) is None  # a beat resets the clock
+    finally:
+        channel.close()
+        channel.unlink()
 
 
 def test_channel_rejects_an_oversized_payload():

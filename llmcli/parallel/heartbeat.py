@@ -1,9 +1,10 @@
 """Telling a silent tensor-parallel rank from a busy one: worker heartbeats, and rank 0's check of them.
 
 A thread in each worker bumps a counter in the control segment several times
-per limit, with a few words on what the worker is doing. The thread runs
-whatever the worker computes (torch releases the GIL), so only a stopped
-(SIGSTOP) or frozen process goes silent. Rank 0's watchdog calls ``silent``
+per limit, with a few words on what the worker is doing; the worker's main
+thread also beats at once whenever that changes, so what rank 0 reads is
+never a phase behind. The thread runs whatever the worker computes (torch
+releases the GIL), so only a stopped (SIGSTOP) or frozen process goes silent. Rank 0's watchdog calls ``silent``
 every tick; time is measured on rank 0's clock from the last change it saw.
 A rank is judged only after its first beat: a worker that never starts is
 the start-up timeout's business (``LLMCLI_TP_TIMEOUT_S``).
@@ -24,22 +25,32 @@ def beat_interval(limit_s: float) -> float:
 
 
 class Heartbeat:
-    """The worker side: a daemon thread that beats until the process ends; set ``doing`` as work changes."""
+    """The worker side: a daemon thread that beats until the process ends; ``say`` what the worker now does."""
 
     def __init__(self, channel: Any, rank: int, limit_s: float) -> None:
         self.channel, self.rank, self.interval = channel, rank, beat_interval(limit_s)
         self.doing = "starting"
+        self._lock = threading.Lock()  # two writers of one slot (this thread and the worker's main thread)
 
     def start(self) -> "Heartbeat":
         threading.Thread(target=self._run, name="llmcli-tp-heartbeat", daemon=True).start()
         return self
 
-    def _run(self) -> None:
-        while True:
+    def say(self, doing: str) -> None:
+        """Record what the worker does from now on, and beat with it at once."""
+        self.doing = doing
+        self._beat()
+
+    def _beat(self) -> bool:
+        with self._lock:
             try:
                 self.channel.beat(self.rank, self.doing)
             except (ValueError, TypeError, OSError):  # the segment is closed: the worker is ending
-                return
+                return False
+        return True
+
+    def _run(self) -> None:
+        while self._beat():
             time.sleep(self.interval)
 
 

@@ -124,15 +124,15 @@ class WorkerLoop:
     def serve(self) -> None:
         rank = self.args.rank
         while True:
-            self.heartbeat.doing = "waiting for rank 0's next call"
+            self.heartbeat.say("waiting for rank 0's next call")
             while not self.channel.wait_command(rank, 1.0):
                 pass  # the parent watchdog thread handles an orphaned worker
             number, method, args = self.channel.take_command(rank)
             if method == "shutdown":
-                self.heartbeat.doing = "shutting down"
+                self.heartbeat.say("shutting down")
                 return
             kind = ("a prefill step" if args[0] else "a decode step") if method == "run" else f"'{method}'"
-            self.heartbeat.doing = f"running {kind} (control call {number})"
+            self.heartbeat.say(f"running {kind} (control call {number})")
             handler = getattr(self, f"do_{method}", None)
             if handler is None:
                 raise RuntimeError(f"rank {rank} got an unknown control-plane call {method!r}")
@@ -164,7 +164,7 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
             torch.cuda.set_device(args.rank)
         store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=args.timeout_s))
-        heartbeat.doing = "joining the process group"
+        heartbeat.say("joining the process group")
         store.set(f"{READY_KEY}/{args.rank}", "1")  # rank 0 joins the group only when every worker got here
         kwargs = {"device_id": torch.device("cuda", args.rank)} if args.backend == "nccl" else {}
         with gloo_on_loopback(args.backend):
@@ -172,7 +172,7 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
                                     timeout=datetime.timedelta(seconds=args.timeout_s), **kwargs)
         from llmcli.engine.model_runner import ModelRunner
 
-        heartbeat.doing = "loading its model shard"
+        heartbeat.say("loading its model shard")
         runner = ModelRunner(config)
         WorkerLoop(args, channel, runner, heartbeat).serve()
         runner.shutdown()  # CUDA graphs and memory go before the communicator they use
