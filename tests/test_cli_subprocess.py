@@ -11,7 +11,7 @@ import pytest
 
 from processes import env, wait_for_lines
 
-NUM_RECORDS = 16
+NUM_RECORDS = 96  # ~48 rounds: a loaded machine must not finish them all between the first line and the signal
 MAX_TOKENS = 24
 
 
@@ -21,7 +21,7 @@ def command(model: Path, *args: str) -> list[str]:
 
 
 def slow_input(tmp_path: Path) -> Path:
-    """Enough work (8 rounds of 2 sequences x 24 steps) that a kill after the first line is mid-way."""
+    """Enough work (rounds of 2 sequences x 24 steps) that a kill after the first line is mid-way."""
     lines = [orjson.dumps({"prompt_token_ids": [3 + i, 40 + i, 7, 99], "max_tokens": MAX_TOKENS, "ignore_eos": True,
                            "temperature": 0}) for i in range(NUM_RECORDS)]
     path = tmp_path / "in.jsonl"
