@@ -4,8 +4,9 @@ A thread in each worker bumps a counter in the control segment several times
 per limit, with a few words on what the worker is doing; the worker's main
 thread also beats at once whenever that changes, so what rank 0 reads is
 never a phase behind. The thread runs whatever the worker computes (torch
-releases the GIL), so only a stopped (SIGSTOP) or frozen process goes silent. Rank 0's watchdog calls ``silent``
-every tick; time is measured on rank 0's clock from the last change it saw.
+releases the GIL), so only a stopped (SIGSTOP) or frozen process goes
+silent. Rank 0's watchdog calls ``silent`` every tick; time is measured on
+rank 0's clock from the last change it saw.
 A rank is judged only after its first beat: a worker that never starts is
 the start-up timeout's business (``LLMCLI_TP_TIMEOUT_S``).
 """
