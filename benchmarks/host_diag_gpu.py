@@ -461,6 +461,36 @@ def preset_profile(llm: Any, facts: dict[str, Any], n: int, device: str) -> None
             say(f"| {name} | {count} | {ms / 1e3:.3f} | {100 * ms / total:.1f}% |")
 
 
+def default_profile(llm: Any, prompts: list[list[int]], outs: list[int], device: str) -> None:
+    """The default bench workload (greedy, every request to its full length) under the profiler, then the same
+    prompts with one output token each: the whole run's kernels by group, the prefill-only run's, and their
+    difference (the decode steps and the tail), against the run's wall time (one stream: the kernel sum is the
+    time the device was busy). Where a model's time over its physical bound goes, by kernel group."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tables = []
+    for name, lengths in (("whole run", outs), ("prefill only (1 output token)", [1] * len(outs))):
+        llm.engine.scheduler.block_manager.reset_prefix_cache()
+        sync()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts, [greedy(n) for n in lengths])
+            sync()
+        wall = time.perf_counter() - t
+        groups, _ = kernel_groups(prof)
+        tables.append((name, wall, {g: (int(c), ms / 1e3) for g, (c, ms) in groups.items()}))
+    (_, wall, whole), (_, pre_wall, pre) = tables
+    say(f"\ndefault workload, {len(prompts)} requests, {sum(outs):,} output tokens, under the profiler: wall "
+        f"{wall:.2f} s (prefill-only run {pre_wall:.2f} s)")
+    say("| group | whole run: kernels | s | prefill only: kernels | s | difference s |")
+    say("|---|---:|---:|---:|---:|---:|")
+    names = sorted(set(whole) | set(pre), key=lambda g: -whole.get(g, (0, 0.0))[1])
+    for g in names + ["all kernels"]:
+        (c, sec), (pc, psec) = ((sum(v[0] for v in d.values()), sum(v[1] for v in d.values())) if g == "all kernels"
+                                else d.get(g, (0, 0.0)) for d in (whole, pre))
+        say(f"| {g} | {c} | {sec:.3f} | {pc} | {psec:.3f} | {sec - psec:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="configs/Qwen3-0.6B")
@@ -474,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="NxLxSxW: N prompts of ~L tokens, W profiled steps after S (e.g. 3000x570x150x40)")
     p.add_argument("--preset", type=int, default=0,
                    help="N: a job of N prompts shaped like the prefill-heavy preset under the profiler (0 skips)")
+    p.add_argument("--default-profile", action="store_true",
+                   help="the default workload under the profiler, kernels by group, and its prefill alone")
     p.add_argument("--engine", nargs="*", default=[], help="engine settings as name=value (max_num_seqs=1024)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: a few small requests, no breakdown")
     args = p.parse_args(argv)
@@ -509,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         busy_window(llm, facts, args.busy, args.device)
     if args.preset:
         preset_profile(llm, facts, args.preset, args.device)
+    if args.default_profile:
+        default_profile(llm, prompts, outs, args.device)
     llm.shutdown()
     return 0
 

@@ -541,6 +541,41 @@ def test_graph_step_after_a_step_wider_than_the_graphs(tiny_model, hf_oracle, ru
 
 
 
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_carried_decode_arrays_are_the_ones_built_from_the_sequences(tiny_model, hf_oracle, run_factory, monkeypatch,
+                                                                     prefix_caching):
+    """A graph decode step of the same sequences as the one before takes its arrays from that step's
+    (``DecodeCarry``) instead of reading every sequence: at every step where it does, they must be exactly
+    what ``decode_arrays`` builds from the sequences, with every new block already synced, through blocks
+    filling up, preemption (a pool of 12 blocks of 16 for 8 requests) and re-admission; and HF's tokens."""
+    from llmcli.engine import step_inputs
+
+    follow = step_inputs.DecodeCarry.follow
+    carried: list[int] = []
+
+    def follow_and_compare(self, seqs, tables, uploader):
+        got = follow(self, seqs, tables, uploader)
+        if got is not None:
+            want, _ = step_inputs.decode_arrays(seqs, uploader, tables, defer_deltas=True)
+            for name in ("ids", "positions", "slots", "lens", "pending", "rows", "table_ids"):
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+            assert want.deltas is None, "a block table grew without the carry syncing it"
+            carried.append(len(seqs))
+        return got
+
+    monkeypatch.setattr(step_inputs.DecodeCarry, "follow", follow_and_compare)
+    run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=8,
+                      kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192, max_num_batched_tokens=192,
+                      enable_prefix_caching=prefix_caching)
+    runner = run.llm.engine.model_runner
+    runner.graphs = eager_decode_graphs(runner, sample_in_graph=True)
+    prompts = random_prompts([20, 33, 40, 47, 60, 70, 90, 110], seed=300)
+    check_against_hf(run, hf_oracle, prompts, max_new=40)
+    assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+    assert len(carried) >= 20 and len(set(carried)) > 1, carried  # carried at several batch sizes
+
+
 def eager_prefill_graphs(runner, buckets):
     """``PrefillGraphs`` with its CUDA part (capture, replay) replaced: each step runs the model eagerly at the
     bucket's padded size from the static buffers, every attention call through ``attend`` on the real rows,

@@ -83,6 +83,7 @@ class BlockManager:
         else:
             seq.table_row, self.num_rows = self.num_rows, self.num_rows + 1
         seq.table_id = next(self._table_ids)
+        seq.decode_until = 0
         bs = self.block_size
         # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt.
         prev, cached = 0, 0
@@ -141,6 +142,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
         seq.block_table = []
+        seq.decode_until = 0
         if seq.table_row >= 0:
             self.free_rows.append(seq.table_row)
             seq.table_row = -1

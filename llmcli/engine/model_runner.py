@@ -18,8 +18,8 @@ from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs,
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.warmup import compile_variants, measure_activation_peak
-from llmcli.engine.step_inputs import (RowSampling, StepInputs, Uploader, all_greedy, decode_arrays, prepare_decode,
-                                       prepare_prefill, prepare_sampling)
+from llmcli.engine.step_inputs import (DecodeCarry, RowSampling, StepInputs, Uploader, all_greedy, decode_arrays,
+                                       prepare_decode, prepare_prefill, prepare_sampling)
 from llmcli.kernels import make_backend, pdl
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.linear import use_thin_gemm
@@ -64,6 +64,11 @@ class LaunchedStep:
             device[0] = tokens.clone()  # it may be a view of a buffer the next step overwrites (decode graphs)
         self._host: list[int] | torch.Tensor = device.pop(0) if tokens is not None else []
         self._extra_host = device
+
+    @property
+    def read(self) -> bool:
+        """The tokens are on the host (``token_ids`` was called; always, where this rank samples nothing)."""
+        return isinstance(self._host, list)
 
     def token_ids(self) -> list[int]:
         if isinstance(self._host, list):
@@ -183,6 +188,7 @@ class ModelRunner:
         self.uploader = Uploader(device)
         self.readback = ReadbackRing() if device.type == "cuda" else None  # the sampled tokens' host buffers
         self.row_sampling = RowSampling(config.max_num_seqs + 1)
+        self.carry = DecodeCarry()  # the last graph decode step's arrays, for a next step of the same sequences
         self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, device))
         self.block_tables = BlockTables(-(-config.max_model_len // config.kvcache_block_size), device,
                                         rows=config.max_num_seqs + 1)
@@ -244,6 +250,7 @@ class ModelRunner:
                 and (self.rank != 0 or not any(s.wants_extras for s in seqs)):
             return self._launch_graph(seqs)  # the common decode step: nothing between the logits and the sampler
         self.prev_in_graph = False
+        self.carry.forget()
         with self.timer.phase("prepare"):
             prepare = prepare_prefill if is_prefill else prepare_decode
             inputs = prepare(seqs, self.uploader, self.block_tables)
@@ -290,7 +297,10 @@ class ModelRunner:
         the graph samples itself (``sample_in_graph``, for batches the one-pass sampler can serve)."""
         n = len(seqs)
         with self.timer.phase("prepare"):
-            arrays, tables = decode_arrays(seqs, self.uploader, self.block_tables, defer_deltas=True)
+            tables = self.block_tables
+            arrays = self.carry.follow(seqs, tables, self.uploader)
+            if arrays is None:
+                arrays, tables = decode_arrays(seqs, self.uploader, tables, defer_deltas=True)
             deltas = arrays.deltas
             if deltas is not None and len(deltas[0]) > self.graphs.max_deltas:  # many new tables at once
                 tables.upload(*deltas, self.uploader)
@@ -318,7 +328,9 @@ class ModelRunner:
             if self.world > 1:
                 token_ids = self._share_tokens(token_ids, n)
             self.prev_tokens, self.prev_in_graph = token_ids, in_graph is not None
-            return LaunchedStep(list(seqs), token_ids if self.rank == 0 else None, ring=self.readback)
+            launched = LaunchedStep(list(seqs), token_ids if self.rank == 0 else None, ring=self.readback)
+            self.carry.keep(launched.sampled_seqs, arrays, launched)
+            return launched
 
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight

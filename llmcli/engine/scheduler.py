@@ -90,21 +90,35 @@ class Scheduler:
         return batch, start - budget, batch
 
     def _schedule_decode(self) -> list[Sequence]:
-        batch: list[Sequence] = []
+        running = self.running
+        # Runs once per sequence per decode step. Most steps change nothing: every running sequence is short
+        # of its limits and its blocks hold its next token (``decode_until``), and the batch is the whole
+        # queue in order; only a step where some sequence reaches that length takes the loop below.
+        if len(running) <= self.max_num_seqs:
+            batch = list(running)
+            for seq in batch:
+                if len(seq.token_ids) >= seq.decode_until:
+                    break
+                seq.num_scheduled_tokens = 1
+            else:
+                return batch
+        batch = []
         done: list[Sequence] = []  # at a length limit, waiting only for their last token to be read back
-        running, manager, max_len = self.running, self.block_manager, self.max_model_len
+        manager, max_len = self.block_manager, self.max_model_len
         block_size = manager.block_size
-        # The body runs once per sequence per decode step: the common case (no new block, no limit) is
-        # spelled out inline rather than through the methods it stands for (length_limit_reached, can_append).
         max_num_seqs, append = self.max_num_seqs, batch.append
         while running and len(batch) < max_num_seqs:
             seq = running.popleft()
-            n, limit = len(seq.token_ids), seq.params.max_tokens
-            if n >= max_len or (limit is not None and n - seq.num_prompt_tokens >= limit):
-                done.append(seq)
-                continue
-            if n > len(seq.block_table) * block_size and not self._make_room(seq):
-                continue  # preempted itself
+            n = len(seq.token_ids)
+            if n >= seq.decode_until:  # the checks that decode_until stands for
+                limit = seq.params.max_tokens
+                end = max_len if limit is None else min(max_len, seq.num_prompt_tokens + limit)
+                if n >= end:  # length_limit_reached
+                    done.append(seq)
+                    continue
+                if n > len(seq.block_table) * block_size and not self._make_room(seq):
+                    continue  # preempted itself
+                seq.decode_until = min(end, len(seq.block_table) * block_size + 1)
             seq.num_scheduled_tokens = 1
             append(seq)
         running.extendleft(reversed(batch + done))
@@ -143,17 +157,19 @@ class Scheduler:
         manager = self.block_manager
         caching, block_size = manager.enable_prefix_caching, manager.block_size
         indices = []
-        if seqs is sampled:  # a decode step (the engine passes the same list): one pass does both
+        if seqs is sampled:  # every sequence samples (a decode step, or prompts that all finish): one pass
             for row, seq in enumerate(seqs):
-                seq.num_computed_tokens += seq.num_scheduled_tokens
+                # it samples, so its scheduled tokens reach the last known one: the new token's index is the
+                # computed count
+                computed = seq.num_computed_tokens + seq.num_scheduled_tokens
+                seq.num_computed_tokens = computed
                 seq.num_scheduled_tokens = 0
-                if caching and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+                if caching and computed // block_size > seq.num_hashed_blocks:
                     manager.register_computed(seq)
-                tokens = seq.token_ids
-                tokens.append(PENDING_TOKEN)
+                seq.token_ids.append(PENDING_TOKEN)
                 seq.num_pending += 1
                 seq.pending_row = row
-                indices.append(len(tokens) - 1)
+                indices.append(computed)
             return indices
         for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens

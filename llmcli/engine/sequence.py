@@ -47,6 +47,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.table_row = -1  # this sequence's row in the runner's block tables while it holds blocks
         self.table_id = 0  # which allocation that row was last filled for (fresh on every allocate)
+        # the scheduler's quick test: below this many tokens a decode step needs no new block and hits no
+        # length limit (0: not known; reset whenever the blocks change hands)
+        self.decode_until = 0
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.last_block_hash = 0  # chained hash of those blocks
         self.num_computed_tokens = 0

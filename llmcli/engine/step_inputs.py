@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -169,6 +170,49 @@ def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables 
     else:
         ids = np.fromiter((max(seq.last_token, 0) for seq in seqs), np.int64, n)
     return DecodeArrays(ids, positions, slots, lens, pending, rows, table_ids, deltas), tables
+
+
+class DecodeCarry:
+    """The last graph decode step's arrays, kept for the next step when it decodes the same sequences.
+
+    In the overlapped loop a decode step mostly runs the very sequences of the step before, in the same
+    order, each one token longer, with that token still in flight in row i of the last launch. Their arrays
+    then follow from the last ones by a few vector operations, where ``decode_arrays`` reads five
+    attributes of every sequence; only rows whose token opens a new block read their sequence's block table.
+    Any other launch in between (prefill, mixed, eager decode) or a read-back of the last step (its tokens
+    are no longer in flight) makes ``follow`` decline.
+    """
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        self.seqs: list[Sequence] | None = None
+        self.arrays: DecodeArrays | None = None
+        self.launched: Any = None
+
+    def keep(self, seqs: list[Sequence], arrays: DecodeArrays, launched: Any) -> None:
+        """``seqs`` (a list nobody mutates) were launched with ``arrays``; ``launched.read`` tells when the
+        engine has read their tokens back."""
+        self.seqs, self.arrays, self.launched = seqs, arrays, launched
+
+    def follow(self, seqs: list[Sequence], tables: BlockTables, uploader: Uploader) -> DecodeArrays | None:
+        """``decode_arrays(seqs, ..., defer_deltas=True)`` from the last step's, or None when they do not follow."""
+        last = self.arrays
+        if last is None or last.table_ids is None or self.launched.read or seqs != self.seqs:
+            return None
+        positions = last.positions + 1
+        block_size = seqs[0].block_size
+        # a token at the first slot of a block is the one the scheduler gave a new block for (_make_room)
+        grew = np.flatnonzero(positions % block_size == 0)
+        deltas = None
+        if grew.size:
+            deltas = tables.sync([seqs[i] for i in grew.tolist()], last.rows[grew], uploader, last.table_ids[grew],
+                                 defer=True)
+        slots = tables.slots(last.rows, positions, block_size)
+        n = len(seqs)
+        return DecodeArrays(np.zeros(n, dtype=np.int64), positions, slots, last.lens + 1,
+                            np.arange(n, dtype=np.int64), last.rows, last.table_ids, deltas)
 
 
 def prepare_decode(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None) -> StepInputs:
