@@ -261,6 +261,47 @@ def summary(results: list[Result], copy_gbs: float) -> None:
                   f"worst {min(rel):.3f}, best {max(rel):.3f}")
 
 
+def run_spread(model: str, shape: tuple, batch: int, lo: int, hi: int, args, device, dtype, copy_gbs: float,
+               flush: torch.Tensor | None, num_sms: int) -> None:
+    """Contexts spread uniformly over [lo, hi] (as a real decode batch's are), three row orders with the engine's
+    kernel and split count: as drawn, longest first (the grid runs rows in order, so the longest start first and
+    the tail is short ones), and every row at the mean length (the same KV bytes, no spread). Same bits as drawn
+    after the permutation is undone, or the row prints FAILED."""
+    heads, kv_heads, dim, layers = shape
+    gen = torch.Generator().manual_seed(batch * 7919 + lo)
+    lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
+    base = make_case(batch, hi, heads, kv_heads, dim, args.block_size, dtype, device, 1)
+    kv_bytes = int(lens.sum()) * kv_heads * dim * 2 * dtype.itemsize
+    copies = max(1, min(layers, CACHE_BUDGET // max(batch * hi * kv_heads * dim * 2 * dtype.itemsize, 1))) \
+        if device.type == "cuda" else 1
+    caches = base.caches + [(torch.randn_like(base.caches[0][0]), torch.randn_like(base.caches[0][1]))
+                            for _ in range(copies - 1)]
+    order = torch.argsort(lens, descending=True, stable=True)
+    mean = torch.full_like(lens, int(lens.float().mean().round()))
+    layouts = {"as drawn": (base.q, base.tables, lens), "longest first": (base.q[order], base.tables[order], lens[order]),
+               "uniform at mean": (base.q, base.tables, mean)}
+    n = choose_num_splits(batch, kv_heads, args.max_model_len, num_sms)
+    runs = [(name, n) for name in layouts] + [(name, k) for k in args.spread_splits for name in
+                                                ("as drawn", "uniform at mean") if k != n]
+    base_ms = time_ms(graphed(lambda: None, device, flush), device, args.reps) if flush is not None else 0.0
+    ms, outs = {}, {}
+    for name, splits in runs:
+        q, tables, row_lens = layouts[name]
+        case = Case(q.contiguous(), caches, tables.contiguous(), row_lens.to(torch.int32).to(device), kv_bytes)
+        runner = Runner(case, layers, splits, DEFAULT_TUNING)
+        ms[name, splits] = max(time_ms(graphed(runner.step, device, flush), device, args.reps) - base_ms, 1e-6)
+        outs[name, splits] = runner.first_output().clone()
+    same = torch.equal(outs["longest first", n][torch.argsort(order.to(device))], outs["as drawn", n])
+    pct = {k: kv_bytes * layers / v / 1e6 / copy_gbs * 100 for k, v in ms.items()}
+    cells = " ".join(f"{ms[k, n]:>8.3f} {pct[k, n]:>4.0f}%" for k in layouts)
+    print(f"{model:>5} {batch:>5} {lo:>5}-{hi:<5} {n:>6} {cells}  {'same bits' if same else 'FAILED: bits differ'}",
+          flush=True)
+    for k in args.spread_splits:
+        if k != n:
+            print(f"{'':>18} {k:>6} splits: as drawn {ms['as drawn', k]:.3f} ({pct['as drawn', k]:.0f}%), uniform at "
+                  f"mean {ms['uniform at mean', k]:.3f} ({pct['uniform at mean', k]:.0f}%)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -277,6 +318,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=135.0,
                     help="seconds: no new case starts after this, so the summary prints inside the stage's timeout")
     ap.add_argument("--no-check", action="store_true", help="skip the torch reference")
+    ap.add_argument("--spread", default=None,
+                    help="LO-HI: only contexts spread over LO..HI per row, as drawn vs longest first vs uniform")
+    ap.add_argument("--spread-splits", default="", help="comma list: split counts also timed with --spread")
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device(args.device)
@@ -306,6 +350,16 @@ def main() -> None:
         ctxs = [int(x) for x in args.ctxs.split(",")]
     copy_gbs = copy_bandwidth(device)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); block size {args.block_size}; {dtype}")
+    if args.spread:
+        lo, hi = (int(x) for x in args.spread.split("-"))
+        args.spread_splits = [int(x) for x in args.spread_splits.split(",") if x]
+        print(f"\n{'model':>5} {'batch':>5} {'contexts':>11} {'splits':>6} "
+              + " ".join(f"{k:>14}" for k in ("as drawn", "longest first", "uniform at mean"))
+              + "  (ms per step, all layers; % of copy bandwidth)")
+        for model, shape in models.items():
+            for batch in batches:
+                run_spread(model, shape, batch, lo, hi, args, device, dtype, copy_gbs, flush, num_sms)
+        return
     print(f"\n{'model':>5} {'batch':>5} {'ctx':>5} {'splits':>6} {'ms':>9} "
           f"{'GB/s':>8} {'copy':>6} {'max|diff|':>9}  best candidate (splits, ms)")
     print(f"{'':>24} (ms per step: all layers' attention, after an L2 flush)")
