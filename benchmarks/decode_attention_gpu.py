@@ -11,8 +11,13 @@ measured copy bandwidth (read + write bytes / time of a 1 GiB device copy), and 
 float32 torch reference. Candidates (at batch <= 64): other split counts (from the real context, programs per
 SM, tokens per split) and launch settings (BLOCK_N, warps, stages); a summary table ends the run.
 
+With ``--spread LO-HI`` it times only batches whose contexts are drawn from LO..HI (a real decode batch's are
+spread): as drawn, longest first, every row at the mean length, and (``--spread-splits``, ``--spread-min-tiles``)
+other split counts, with ``DecodeTuning.min_split_tiles`` (experimental) on each.
+
     python benchmarks/decode_attention_gpu.py               # on CUDA, under 2 minutes
     python benchmarks/decode_attention_gpu.py --quick       # fewer shapes and candidates
+    python benchmarks/decode_attention_gpu.py --spread 100-2048 --batches 64,128 --spread-splits 2,4 --spread-min-tiles 4,8
     python benchmarks/decode_attention_gpu.py --device cpu  # smoke test: Triton's interpreter, float32, tiny sizes
 """
 from __future__ import annotations
@@ -281,25 +286,30 @@ def run_spread(model: str, shape: tuple, batch: int, lo: int, hi: int, args, dev
     layouts = {"as drawn": (base.q, base.tables, lens), "longest first": (base.q[order], base.tables[order], lens[order]),
                "uniform at mean": (base.q, base.tables, mean)}
     n = choose_num_splits(batch, kv_heads, args.max_model_len, num_sms)
-    runs = [(name, n) for name in layouts] + [(name, k) for k in args.spread_splits for name in
-                                                ("as drawn", "uniform at mean") if k != n]
+    # (layout, splits, min_split_tiles): the engine's launch for every layout, then the extra split counts, each
+    # also with every --spread-min-tiles (which only acts with more than one split)
+    runs = [(name, n, 0) for name in layouts] + [
+        (name, k, m) for k in args.spread_splits for m in [0] + args.spread_min_tiles
+        for name in ("as drawn", "uniform at mean") if (k != n or m) and (k > 1 or not m)]
     base_ms = time_ms(graphed(lambda: None, device, flush), device, args.reps) if flush is not None else 0.0
     ms, outs = {}, {}
-    for name, splits in runs:
+    for name, splits, min_tiles in runs:
         q, tables, row_lens = layouts[name]
         case = Case(q.contiguous(), caches, tables.contiguous(), row_lens.to(torch.int32).to(device), kv_bytes)
-        runner = Runner(case, layers, splits, DEFAULT_TUNING)
-        ms[name, splits] = max(time_ms(graphed(runner.step, device, flush), device, args.reps) - base_ms, 1e-6)
-        outs[name, splits] = runner.first_output().clone()
-    same = torch.equal(outs["longest first", n][torch.argsort(order.to(device))], outs["as drawn", n])
+        runner = Runner(case, layers, splits, replace(DEFAULT_TUNING, min_split_tiles=min_tiles))
+        key = name, splits, min_tiles
+        ms[key] = max(time_ms(graphed(runner.step, device, flush), device, args.reps) - base_ms, 1e-6)
+        outs[key] = runner.first_output().clone()
+    same = torch.equal(outs["longest first", n, 0][torch.argsort(order.to(device))], outs["as drawn", n, 0])
     pct = {k: kv_bytes * layers / v / 1e6 / copy_gbs * 100 for k, v in ms.items()}
-    cells = " ".join(f"{ms[k, n]:>8.3f} {pct[k, n]:>4.0f}%" for k in layouts)
+    cells = " ".join(f"{ms[k, n, 0]:>8.3f} {pct[k, n, 0]:>4.0f}%" for k in layouts)
     print(f"{model:>5} {batch:>5} {lo:>5}-{hi:<5} {n:>6} {cells}  {'same bits' if same else 'FAILED: bits differ'}",
           flush=True)
-    for k in args.spread_splits:
-        if k != n:
-            print(f"{'':>18} {k:>6} splits: as drawn {ms['as drawn', k]:.3f} ({pct['as drawn', k]:.0f}%), uniform at "
-                  f"mean {ms['uniform at mean', k]:.3f} ({pct['uniform at mean', k]:.0f}%)", flush=True)
+    for _, k, m in [r for r in runs[len(layouts):] if r[0] == "as drawn"]:
+        err = (outs["as drawn", k, m].float() - outs["as drawn", n, 0].float()).abs().max().item()
+        print(f"{'':>18} {k:>6} splits{f', min {m} tiles' if m else '':<14}: as drawn {ms['as drawn', k, m]:.3f} "
+              f"({pct['as drawn', k, m]:.0f}%), uniform at mean {ms['uniform at mean', k, m]:.3f} "
+              f"({pct['uniform at mean', k, m]:.0f}%); max |diff| vs the engine's {err:.1e}", flush=True)
 
 
 def main() -> None:
@@ -321,6 +331,8 @@ def main() -> None:
     ap.add_argument("--spread", default=None,
                     help="LO-HI: only contexts spread over LO..HI per row, as drawn vs longest first vs uniform")
     ap.add_argument("--spread-splits", default="", help="comma list: split counts also timed with --spread")
+    ap.add_argument("--spread-min-tiles", default="",
+                    help="comma list: DecodeTuning.min_split_tiles values timed with each of --spread-splits")
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device(args.device)
@@ -353,6 +365,7 @@ def main() -> None:
     if args.spread:
         lo, hi = (int(x) for x in args.spread.split("-"))
         args.spread_splits = [int(x) for x in args.spread_splits.split(",") if x]
+        args.spread_min_tiles = [int(x) for x in args.spread_min_tiles.split(",") if x]
         print(f"\n{'model':>5} {'batch':>5} {'contexts':>11} {'splits':>6} "
               + " ".join(f"{k:>14}" for k in ("as drawn", "longest first", "uniform at mean"))
               + "  (ms per step, all layers; % of copy bandwidth)")

@@ -17,6 +17,13 @@ The partition size is computed inside the kernel from the row's own context
 length, so the launch depends only on the batch size and ``num_splits`` (host
 ints fixed for a captured CUDA graph), never on values read back from the GPU.
 Rows with context length 0 (graph padding) read nothing and write zeros.
+
+``DecodeTuning.min_split_tiles`` (experimental, 0 = off) gives every split at
+least that many tiles: a row too short for ``num_splits`` splits uses fewer, one
+split writes the output directly and the reduce skips the row, so short rows pay
+nothing for the splits long rows need (contexts of spread lengths at batch
+64-128 lose 14-26% against equal rows with one split, and plain splits cost as
+much as they win there: benchmarks/RESULTS.md runs 42-43).
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ class DecodeTuning:
     block_n: int = BLOCK_N
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    min_split_tiles: int = 0  # > 0: every split gets at least this many tiles (see the module docstring)
 
 
 DEFAULT_TUNING = DecodeTuning()
@@ -83,6 +91,7 @@ def _decode_partition_kernel(
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr = 0,
 ):
     if PDL:  # llmcli.kernels.pdl: q comes from the previous kernel; the next may launch once we are past this
         tl.extra.cuda.gdc_wait()
@@ -94,6 +103,10 @@ def _decode_partition_kernel(
     # Whole tiles per split, derived from this row's own length (balanced per row).
     num_tiles = tl.cdiv(ctx, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    used = num_splits
+    if MIN_SPLIT_TILES > 0:
+        tiles_per_split = tl.maximum(tiles_per_split, MIN_SPLIT_TILES)
+        used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)  # splits with keys (one for an empty row)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
 
@@ -139,7 +152,19 @@ def _decode_partition_kernel(
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if SPLIT:
+    if SPLIT and MIN_SPLIT_TILES > 0:
+        # a row in one split is finished here (the reduce skips it); splits past a row's last write nothing.
+        # (The scalar tests as per-head vectors: Triton's interpreter cannot mix scalar and block masks.)
+        used_g = tl.zeros([GROUP_PAD], tl.int32) + used
+        split_g = tl.zeros([GROUP_PAD], tl.int32) + split
+        direct = mask_g & (used_g == 1) & (split_g == 0)
+        cut = mask_g & (used_g > 1) & (split_g < used_g)
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        rows = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits
+        tl.store(part_lse_ptr + rows + split, lse, mask=cut)
+        tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=cut[:, None])
+    elif SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         rows = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits
         tl.store(part_lse_ptr + rows + split, lse, mask=mask_g)
@@ -150,8 +175,9 @@ def _decode_partition_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits, context_lens_ptr,
     HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr = BLOCK_N, MIN_SPLIT_TILES: tl.constexpr = 0,
 ):
     """Combines the split partials: grid (batch, num_heads), one head's partials per program."""
     if PDL:
@@ -161,8 +187,14 @@ def _decode_reduce_kernel(
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS_PAD)
     rows = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits + s
-    _combine_head(part_out_ptr, part_lse_ptr, rows, s < num_splits,
-                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, HEAD_DIM)
+    dst = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
+    if MIN_SPLIT_TILES > 0:  # the splits the partition kernel used for this row (the same arithmetic)
+        num_tiles = tl.cdiv(tl.load(context_lens_ptr + b), BLOCK_N)
+        used = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES))
+        if used > 1:  # one split (or none): the partition kernel wrote the output itself
+            _combine_head(part_out_ptr, part_lse_ptr, rows, s < used, dst, HEAD_DIM)
+    else:
+        _combine_head(part_out_ptr, part_lse_ptr, rows, s < num_splits, dst, HEAD_DIM)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132, *,
@@ -232,14 +264,14 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * math.log2(math.e), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=split, PDL=pdl.enabled(),
+        SPLIT=split, PDL=pdl.enabled(), MIN_SPLIT_TILES=tuning.min_split_tiles if split else 0,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
         **pdl.options(),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, context_lens,
             HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps, PDL=pdl.enabled(),
-            **pdl.options(),
+            BLOCK_N=tuning.block_n, MIN_SPLIT_TILES=tuning.min_split_tiles, **pdl.options(),
         )
     return out
