@@ -152,23 +152,20 @@ def _decode_partition_kernel(
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if SPLIT and MIN_SPLIT_TILES > 0:
-        # a row in one split is finished here (the reduce skips it); splits past a row's last write nothing.
-        # (The scalar tests as per-head vectors: Triton's interpreter cannot mix scalar and block masks.)
-        used_g = tl.zeros([GROUP_PAD], tl.int32) + used
-        split_g = tl.zeros([GROUP_PAD], tl.int32) + split
-        direct = mask_g & (used_g == 1) & (split_g == 0)
-        cut = mask_g & (used_g > 1) & (split_g < used_g)
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+    if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         rows = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits
-        tl.store(part_lse_ptr + rows + split, lse, mask=cut)
-        tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=cut[:, None])
-    elif SPLIT:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        rows = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits
-        tl.store(part_lse_ptr + rows + split, lse, mask=mask_g)
-        tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=mask_g[:, None])
+        keep = mask_g
+        if MIN_SPLIT_TILES > 0:
+            # a row in one split is finished here (the reduce skips it); splits past a row's last write nothing.
+            # (The scalar tests as per-head vectors: Triton's interpreter cannot mix scalar and block masks.)
+            used_g = tl.zeros([GROUP_PAD], tl.int32) + used
+            split_g = tl.zeros([GROUP_PAD], tl.int32) + split
+            direct = mask_g & (used_g == 1) & (split_g == 0)
+            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+            keep = mask_g & (used_g > 1) & (split_g < used_g)
+        tl.store(part_lse_ptr + rows + split, lse, mask=keep)
+        tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=keep[:, None])
     else:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
 
