@@ -78,6 +78,15 @@ def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.co
     tl.store(dst + d, o.to(dst.dtype.element_ty))
 
 
+@triton.jit
+def _tiles_per_split(num_tiles, num_splits, MIN_SPLIT_TILES: tl.constexpr):
+    """Whole tiles in each of a row's partitions (the partition kernel and the reduce must agree on it)."""
+    tiles = tl.cdiv(num_tiles, num_splits)
+    if MIN_SPLIT_TILES > 0:
+        tiles = tl.maximum(tiles, MIN_SPLIT_TILES)
+    return tiles
+
+
 # Table width and split count change from step to step: without do_not_specialize Triton would
 # compile a new kernel whenever one of them becomes 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -102,11 +111,7 @@ def _decode_partition_kernel(
     ctx = tl.load(context_lens_ptr + b)
     # Whole tiles per split, derived from this row's own length (balanced per row).
     num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    used = num_splits
-    if MIN_SPLIT_TILES > 0:
-        tiles_per_split = tl.maximum(tiles_per_split, MIN_SPLIT_TILES)
-        used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)  # splits with keys (one for an empty row)
+    tiles_per_split = _tiles_per_split(num_tiles, num_splits, MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
 
@@ -159,6 +164,7 @@ def _decode_partition_kernel(
         if MIN_SPLIT_TILES > 0:
             # a row in one split is finished here (the reduce skips it); splits past a row's last write nothing.
             # (The scalar tests as per-head vectors: Triton's interpreter cannot mix scalar and block masks.)
+            used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)  # splits with keys (one for an empty row)
             used_g = tl.zeros([GROUP_PAD], tl.int32) + used
             split_g = tl.zeros([GROUP_PAD], tl.int32) + split
             direct = mask_g & (used_g == 1) & (split_g == 0)
@@ -187,7 +193,7 @@ def _decode_reduce_kernel(
     dst = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
     if MIN_SPLIT_TILES > 0:  # the splits the partition kernel used for this row (the same arithmetic)
         num_tiles = tl.cdiv(tl.load(context_lens_ptr + b), BLOCK_N)
-        used = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES))
+        used = tl.cdiv(num_tiles, _tiles_per_split(num_tiles, num_splits, MIN_SPLIT_TILES))
         if used > 1:  # one split (or none): the partition kernel wrote the output itself
             _combine_head(part_out_ptr, part_lse_ptr, rows, s < used, dst, HEAD_DIM)
     else:
