@@ -13,7 +13,8 @@ SM, tokens per split) and launch settings (BLOCK_N, warps, stages); a summary ta
 
 With ``--spread LO-HI`` it times only batches whose contexts are drawn from LO..HI (a real decode batch's are
 spread): as drawn, longest first, every row at the mean length, and (``--spread-splits``, ``--spread-min-tiles``)
-other split counts, with ``DecodeTuning.min_split_tiles`` (experimental) on each.
+other split counts, with ``DecodeTuning.min_split_tiles`` (experimental) on each, and the grid with a row's KV
+heads side by side (``DecodeTuning.heads_fastest``), alone and with the rows launched longest first.
 
     python benchmarks/decode_attention_gpu.py               # on CUDA, under 2 minutes
     python benchmarks/decode_attention_gpu.py --quick       # fewer shapes and candidates
@@ -108,8 +109,10 @@ def reference(case: Case) -> torch.Tensor:
 class Runner:
     """One step's layer loop for a candidate: its own outputs and scratch, the split count fixed on the host."""
 
-    def __init__(self, case: Case, layers: int, num_splits: int, tuning: DecodeTuning) -> None:
+    def __init__(self, case: Case, layers: int, num_splits: int, tuning: DecodeTuning,
+                 sort_rows: bool = False) -> None:
         self.case, self.layers, self.num_splits, self.tuning = case, layers, num_splits, tuning
+        self.sort_rows = sort_rows  # once per step, longest context first (heads_fastest's row_order)
         batch, heads, dim = case.q.shape
         n_out, n_lse = scratch_numel(batch, heads, dim, num_splits)
         dev = case.q.device
@@ -119,11 +122,12 @@ class Runner:
 
     def step(self) -> None:
         c = self.case
+        order = torch.argsort(c.lens, descending=True) if self.sort_rows else None
         for layer in range(self.layers):
             k_cache, v_cache = c.caches[layer % len(c.caches)]
             paged_decode(c.q, k_cache, v_cache, c.tables, c.lens, c.q.shape[2] ** -0.5, self.num_splits,
                          self.part_out, self.part_lse, out=self.outs[min(layer, len(self.outs) - 1)],
-                         tuning=self.tuning)
+                         tuning=self.tuning, row_order=order)
 
     def first_output(self) -> torch.Tensor:
         """Layer 0's output (over the first cache; the other layers write elsewhere)."""
@@ -286,30 +290,38 @@ def run_spread(model: str, shape: tuple, batch: int, lo: int, hi: int, args, dev
     layouts = {"as drawn": (base.q, base.tables, lens), "longest first": (base.q[order], base.tables[order], lens[order]),
                "uniform at mean": (base.q, base.tables, mean)}
     n = choose_num_splits(batch, kv_heads, args.max_model_len, num_sms)
-    # (layout, splits, min_split_tiles): the engine's launch for every layout, then the extra split counts, each
-    # also with every --spread-min-tiles (which only acts with more than one split)
-    runs = [(name, n, 0) for name in layouts] + [
-        (name, k, m) for k in args.spread_splits for m in [0] + args.spread_min_tiles
+    # (layout, splits, min_split_tiles, mode): the engine's launch for every layout, then the extra split counts,
+    # each also with every --spread-min-tiles (which only acts with more than one split); mode "hf": the grid
+    # with a row's KV heads side by side (DecodeTuning.heads_fastest), "hf+order": that with the rows launched
+    # longest first (an argsort of the lengths once per step, inside the graph)
+    modes = ["", "hf", "hf+order"]
+    runs = [(name, n, 0, "") for name in layouts] + [
+        (name, n, 0, mode) for mode in modes[1:] for name in ("as drawn", "uniform at mean")] + [
+        (name, k, m, mode) for k in args.spread_splits for m in [0] + args.spread_min_tiles for mode in ("", "hf+order")
         for name in ("as drawn", "uniform at mean") if (k != n or m) and (k > 1 or not m)]
     base_ms = time_ms(graphed(lambda: None, device, flush), device, args.reps) if flush is not None else 0.0
     ms, outs = {}, {}
-    for name, splits, min_tiles in runs:
+    for name, splits, min_tiles, mode in runs:
         q, tables, row_lens = layouts[name]
         case = Case(q.contiguous(), caches, tables.contiguous(), row_lens.to(torch.int32).to(device), kv_bytes)
-        runner = Runner(case, layers, splits, replace(DEFAULT_TUNING, min_split_tiles=min_tiles))
-        key = name, splits, min_tiles
+        runner = Runner(case, layers, splits, replace(DEFAULT_TUNING, min_split_tiles=min_tiles,
+                                                      heads_fastest=mode != ""), sort_rows=mode == "hf+order")
+        key = name, splits, min_tiles, mode
         ms[key] = max(time_ms(graphed(runner.step, device, flush), device, args.reps) - base_ms, 1e-6)
         outs[key] = runner.first_output().clone()
-    same = torch.equal(outs["longest first", n, 0][torch.argsort(order.to(device))], outs["as drawn", n, 0])
+    engine = outs["as drawn", n, 0, ""]
+    same = torch.equal(outs["longest first", n, 0, ""][torch.argsort(order.to(device))], engine) and all(
+        torch.equal(outs["as drawn", n, 0, mode], engine) for mode in modes[1:])
     pct = {k: kv_bytes * layers / v / 1e6 / copy_gbs * 100 for k, v in ms.items()}
-    cells = " ".join(f"{ms[k, n, 0]:>8.3f} {pct[k, n, 0]:>4.0f}%" for k in layouts)
+    cells = " ".join(f"{ms[k, n, 0, '']:>8.3f} {pct[k, n, 0, '']:>4.0f}%" for k in layouts)
     print(f"{model:>5} {batch:>5} {lo:>5}-{hi:<5} {n:>6} {cells}  {'same bits' if same else 'FAILED: bits differ'}",
           flush=True)
-    for _, k, m in [r for r in runs[len(layouts):] if r[0] == "as drawn"]:
-        err = (outs["as drawn", k, m].float() - outs["as drawn", n, 0].float()).abs().max().item()
-        print(f"{'':>18} {k:>6} splits{f', min {m} tiles' if m else '':<14}: as drawn {ms['as drawn', k, m]:.3f} "
-              f"({pct['as drawn', k, m]:.0f}%), uniform at mean {ms['uniform at mean', k, m]:.3f} "
-              f"({pct['uniform at mean', k, m]:.0f}%); max |diff| vs the engine's {err:.1e}", flush=True)
+    for _, k, m, mode in [r for r in runs[len(layouts):] if r[0] == "as drawn"]:
+        err = (outs["as drawn", k, m, mode].float() - engine.float()).abs().max().item()
+        label = f"{k} splits{f', min {m} tiles' if m else ''}{f', {mode}' if mode else ''}"
+        print(f"{'':>18} {label:<30}: as drawn {ms['as drawn', k, m, mode]:.3f} ({pct['as drawn', k, m, mode]:.0f}%), "
+              f"uniform at mean {ms['uniform at mean', k, m, mode]:.3f} ({pct['uniform at mean', k, m, mode]:.0f}%); "
+              f"max |diff| vs the engine's {err:.1e}", flush=True)
 
 
 def main() -> None:

@@ -35,6 +35,8 @@
 #   decode-gemm  benchmarks/decode_gemm_gpu.py: the split-K Triton thin GEMM vs cuBLAS, PDL on/off (correctness,
 #           then ms per decode GEMM chain in a CUDA graph; ~2 min), then the GPU thin-GEMM/PDL kernel tests;
 #           args in DECODE_GEMM_ARGS
+#   gemm-templates  benchmarks/gemm_templates_gpu.py: cuBLAS vs Inductor's max-autotune per decode GEMM shape (8B,
+#           batch 128/256 by default; ~2-4 min of tuning), args in GEMM_TEMPLATES_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -106,6 +108,8 @@ for stage in "$@"; do
       | tee "$OUT/prefill_graphs.log" ;;
     decode-gemm) timeout 300 python3 benchmarks/decode_gemm_gpu.py ${DECODE_GEMM_ARGS:-} 2>&1 | tee "$OUT/decode_gemm.log"
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "gemm or pdl" 2>&1 | tail -4 ;;
+    gemm-templates) timeout 400 python3 benchmarks/gemm_templates_gpu.py ${GEMM_TEMPLATES_ARGS:-} 2>&1 \
+      > "$OUT/gemm_templates.log"; grep -v -i "autotune\|triton_mm\|^ *mm " "$OUT/gemm_templates.log" | tail -40 ;;
     prefill-attn) timeout 330 python3 benchmarks/prefill_attention_gpu.py ${PREFILL_ATTN_ARGS:-} 2>&1 \
       | tee "$OUT/prefill_attn.log" ;;
   esac

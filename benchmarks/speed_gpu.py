@@ -90,10 +90,10 @@ def jobs_for(model: str, args: argparse.Namespace) -> list[Job]:
 
 def variant_kwargs(variant: str) -> dict[str, Any]:
     """``base``, ``name`` (a switch on) or ``name=value``, joined with ``+``, as LLM keyword arguments
-    (``blas=...`` is not one: see ``blas_library``)."""
+    (``blas=...`` and ``decode_tuning.<field>=...`` are not: see ``blas_library`` and ``decode_tuning``)."""
     out: dict[str, Any] = {}
     for part in variant.split("+"):
-        if part == "base" or part.startswith("blas="):
+        if part == "base" or part.startswith(("blas=", "decode_tuning.")):
             continue
         name, eq, value = part.partition("=")
         out[name] = _value(value) if eq else True
@@ -119,6 +119,18 @@ def blas_library(variant: str) -> str:
         if part.startswith("blas="):
             return part.partition("=")[2]
     return "default"
+
+
+def decode_tuning(variant: str) -> Any:
+    """The Triton decode attention's launch settings with a variant's ``decode_tuning.<field>=value`` parts
+    (e.g. ``decode_tuning.heads_fastest=false``: the grid of before run 45, rows as they come)."""
+    from dataclasses import replace
+
+    from llmcli.kernels.triton_decode import DEFAULT_TUNING
+
+    fields = {part.partition("=")[0].split(".", 1)[1]: _value(part.partition("=")[2])
+              for part in variant.split("+") if part.startswith("decode_tuning.")}
+    return replace(DEFAULT_TUNING, **fields)
 
 
 def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, float]]]:
@@ -255,6 +267,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
     blas = blas_library(variant)
     if args.device == "cuda":
         torch.backends.cuda.preferred_blas_library(blas)  # before the graphs are captured
+    from llmcli.kernels import triton_backend
+    triton_backend.DEFAULT_TUNING = decode_tuning(variant)  # each backend takes it when built (graphs included)
     start = time.perf_counter()
     llm = LLM(str(case.path), **kwargs)
     engine = llm.engine

@@ -188,6 +188,40 @@ def test_decode_min_split_tiles(dtype, num_splits, min_tiles):
             assert torch.equal(out[i], plain[i]), f"row {i} ({lens[i]} keys) fits one split: same bits as no split"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_row_order_changes_no_bit(dtype, num_splits):
+    """The launch order (``row_order``, the engine's rows longest first, padding rows last) and the grid's
+    layout (``heads_fastest``) decide only when each program runs: every row, padding included, written with
+    the bits of the plain launch, whatever the permutation (a program that wrote to its launch slot instead
+    of its row, or read the wrong row's length, breaks it)."""
+    from dataclasses import replace
+
+    from llmcli.engine.step_inputs import longest_first
+    from llmcli.kernels.triton_decode import DEFAULT_TUNING
+
+    lens = [40, 0, 300, 1, 130, 65, 0, 700]
+    q, k_cache, v_cache, tables, ctx, ref = decode_case(lens, (8, 2, 64, 16), dtype)
+    batch, num_heads, head_dim = q.shape
+
+    def run(tuning, order=None):
+        out = nan_like(q.shape, dtype)
+        n_out, n_lse = scratch_numel(batch, num_heads, head_dim, num_splits)
+        part_out, part_lse = nan_like((max(n_out, 1),), torch.float32), nan_like((max(n_lse, 1),), torch.float32)
+        return paged_decode(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, num_splits, part_out, part_lse,
+                            out=out, tuning=tuning, row_order=order)
+
+    plain = run(replace(DEFAULT_TUNING, heads_fastest=False))
+    assert torch.isfinite(plain).all() and rel_err(plain, ref) <= TOL[dtype]
+    order = longest_first(np.array(lens))
+    assert [lens[i] for i in order] == sorted(lens, reverse=True) and sorted(order.tolist()) == list(range(batch))
+    orders = [order, order[::-1].copy(), np.random.default_rng(0).permutation(batch)]
+    for perm in orders:
+        got = run(DEFAULT_TUNING, torch.tensor(perm, dtype=torch.int64, device=DEVICE))
+        assert torch.equal(got, plain), f"launch order {perm.tolist()} changed the output"
+    assert torch.equal(run(DEFAULT_TUNING), plain)  # heads side by side, rows as they come
+
+
 @gpu_only
 @pytest.mark.parametrize("batch", [1, 3, 64, 256])
 @pytest.mark.parametrize("max_ctx", [1024, 8192])
@@ -209,7 +243,7 @@ from llmcli.kernels import triton_decode as td
 
 PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
         "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-        "scale_log2": "fp32"}
+        "scale_log2": "fp32", "row_order_ptr": "*i64"}
 
 def build(kernel, constexprs, **options):
     sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in kernel.arg_names}
@@ -217,11 +251,12 @@ def build(kernel, constexprs, **options):
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 for group in (1, 2, 4):
-    for split, min_tiles in ((True, 0), (True, 8), (False, 0)):
+    for split, min_tiles, ordered in ((True, 0, True), (True, 8, True), (False, 0, True), (False, 0, False)):
+        order = {} if ordered else {"row_order_ptr": None}  # the engine's launch has an order; a bare call not
         build(td._decode_partition_kernel, dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256,
-              BLOCK_N=td.BLOCK_N, SPLIT=split, MIN_SPLIT_TILES=min_tiles), num_warps=td.NUM_WARPS,
-              num_stages=td.NUM_STAGES)
-        print("partition compiled: group", group, "split", split, "min tiles", min_tiles)
+              BLOCK_N=td.BLOCK_N, SPLIT=split, MIN_SPLIT_TILES=min_tiles, HEADS_FASTEST=ordered, **order),
+              num_warps=td.NUM_WARPS, num_stages=td.NUM_STAGES)
+        print("partition compiled: group", group, "split", split, "min tiles", min_tiles, "ordered", ordered)
 for min_tiles in (0, 8):
     build(td._decode_reduce_kernel, dict(HEAD_DIM=128, MAX_SPLITS_PAD=td.MAX_SPLITS, BLOCK_N=td.BLOCK_N,
           MIN_SPLIT_TILES=min_tiles), num_warps=td.NUM_WARPS)
@@ -239,7 +274,7 @@ def test_decode_kernels_compile_for_sm90():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    assert out.count("partition compiled") == 9 and out.count("reduce compiled") == 2, out
+    assert out.count("partition compiled") == 12 and out.count("reduce compiled") == 2, out
 
 
 def test_backend_split_decode_layer_after_layer():
@@ -540,11 +575,26 @@ def eager_decode_graphs(runner, sample_in_graph):
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
 @pytest.mark.parametrize("sample_in_graph,table_copy", [(False, False), (True, False), (True, True)])
-def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample_in_graph, table_copy):
+def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, monkeypatch, sample_in_graph, table_copy):
     """Staged inputs, in-flight tokens taken inside the graph, padding rows, block tables gathered on the
     device, and (sample_in_graph) the lm_head and one-pass sampler in the graph: HF's greedy tokens.
-    ``table_copy``: the block tables' separate device copy, as on CUDA, whose deltas ride in the staged copy."""
+    ``table_copy``: the block tables' separate device copy, as on CUDA, whose deltas ride in the staged copy.
+    Every decode launch gets a launch order that is a permutation of the graph's rows, longest context first."""
     from llmcli.engine.block_tables import BlockTables
+    from llmcli.kernels import triton_backend
+
+    launch = triton_backend.paged_decode
+    orders: list[list[int]] = []
+
+    def check_order(q, k_cache, v_cache, tables, lens, *args, row_order=None, **kw):
+        if row_order is not None and k_cache.numel():  # (capture's warm-up runs before any row is real)
+            order, lengths = row_order.tolist(), lens.tolist()
+            assert sorted(order) == list(range(len(lengths))), order
+            assert [lengths[i] for i in order] == sorted(lengths, reverse=True), (order, lengths)
+            orders.append(order)
+        return launch(q, k_cache, v_cache, tables, lens, *args, row_order=row_order, **kw)
+
+    monkeypatch.setattr(triton_backend, "paged_decode", check_order)
 
     run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
                       max_num_batched_tokens=64)
@@ -557,6 +607,8 @@ def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, sample
     prompts = random_prompts([45, 9, 30], seed=405)  # 3 rows in the graph of 4; blocks of 16 fill up on the way
     check_against_hf(run, hf_oracle, prompts, max_new=8)
     assert run.llm.engine.step_timer.steps["decode"] >= 7
+    assert any(o[:3] != [0, 1, 2] for o in orders), "the rows' lengths differ: some launch must reorder them"
+    assert any(len(o) == 4 and o[3] == 3 for o in orders), "the graph's padding row (length 0) launches last"
 
 
 
@@ -597,7 +649,7 @@ def test_carried_decode_arrays_are_the_ones_built_from_the_sequences(tiny_model,
         got = follow(self, seqs, tables, uploader)
         if got is not None:
             want, _ = step_inputs.decode_arrays(seqs, uploader, tables, defer_deltas=True)
-            for name in ("ids", "positions", "slots", "lens", "pending", "rows", "table_ids"):
+            for name in ("ids", "positions", "slots", "lens", "pending", "rows", "table_ids", "order"):
                 np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
             assert want.deltas is None, "a block table grew without the carry syncing it"
             carried.append(len(seqs))

@@ -20,9 +20,9 @@ from llmcli.kernels.backend import AttentionBackend
 
 MAX_GRAPH_BATCH = 512
 # staged_replay's inputs, one row each, in this order
-I64_ROWS = ("ids", "positions", "slots", "pending", "seeds", "steps", "table_rows")
+I64_ROWS = ("ids", "positions", "slots", "pending", "seeds", "steps", "table_rows", "order")
 F32_ROWS = ("temperatures", "min_ps")
-_SLOTS, _PENDING, _TABLE_ROWS = (I64_ROWS.index(name) for name in ("slots", "pending", "table_rows"))
+_SLOTS, _PENDING, _TABLE_ROWS, _ORDER = (I64_ROWS.index(name) for name in ("slots", "pending", "table_rows", "order"))
 
 
 GRAPH_SPACINGS = ("spaced", "pow2", "every16")
@@ -110,7 +110,8 @@ class DecodeGraphs:
         # sample up to max_num_seqs rows (a mixed step, or an eager decode step wider than the largest graph)
         self.tokens = torch.zeros(max(top, config.max_num_seqs), dtype=torch.int64, device=device)
         backend.init_graph_buffers(top, max_blocks, device)
-        backend._graph_slots, backend._graph_lens = self.i64[_SLOTS], lens
+        backend._graph_slots, backend._graph_lens, backend._graph_order = self.i64[_SLOTS], lens, self.i64[_ORDER]
+        self.i64[_ORDER].copy_(torch.arange(top))  # a permutation from the start (capture launches every row)
         self.ring = StagingRing() if device.type == "cuda" else None
         self._host_views: dict[int, tuple[np.ndarray, ...]] = {}  # numpy views of each staging buffer
         self._cpu_host: torch.Tensor | None = None
@@ -213,6 +214,7 @@ class DecodeGraphs:
         host_i64[:, n:bs] = 0
         host_i64[_SLOTS, n:bs] = -1
         host_i64[_PENDING, n:bs] = -1
+        host_i64[_ORDER, n:bs] = np.arange(n, bs)  # after the real rows (longest first), as the shortest
         host_lens[:n] = lens
         host_lens[n:bs] = 0
         if f32 is not None:

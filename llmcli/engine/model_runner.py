@@ -308,7 +308,8 @@ class ModelRunner:
             in_graph = self.row_sampling.gather(seqs, arrays) if self.graphs.sample_in_graph and self.rank == 0 \
                 else None
             f32, seeds, steps = in_graph if in_graph is not None else (None, np.zeros(n, np.int64), np.zeros(n, np.int64))
-            i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows])
+            i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows,
+                            arrays.order])
             greedy = in_graph is not None or self.rank != 0 or all_greedy(seqs)
             sampling = None if greedy else prepare_sampling(seqs, self.uploader)
         with self.timer.phase("forward"):

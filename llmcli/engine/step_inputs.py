@@ -114,8 +114,9 @@ def prepare_prefill(seqs: list[Sequence], uploader: Uploader, tables: BlockTable
     has_prefix = bool(starts.any())
     one_token = (counts == 1) & (starts > 0)
     num_decode = n if bool(one_token.all()) else int(np.argmin(one_token))  # the leading run of decode rows
-    ids_t, pos_t, slots_t, rows_t, pend_t, table_rows_t = uploader.upload(
-        torch.int64, input_ids, positions, slots, sample_rows, pending_rows, rows if has_prefix else [])
+    order = longest_first(ends[:num_decode]) if num_decode else []
+    ids_t, pos_t, slots_t, rows_t, pend_t, table_rows_t, order_t = uploader.upload(
+        torch.int64, input_ids, positions, slots, sample_rows, pending_rows, rows if has_prefix else [], order)
     lens_t, cu_q_t, cu_k_t = uploader.upload(torch.int32, ends, cu_q, cu_k)
     metadata = AttentionMetadata(
         is_prefill=True,
@@ -130,6 +131,7 @@ def prepare_prefill(seqs: list[Sequence], uploader: Uploader, tables: BlockTable
         num_decode=num_decode,
         rest_max_seqlen_q=int(counts[num_decode:].max()) if num_decode < n else 0,
         rest_has_prefix=bool(starts[num_decode:].any()),
+        row_order=order_t if num_decode else None,
     )
     return StepInputs(ids_t, pos_t, metadata, rows_t, sampled, pend_t if len(pending_rows) else None)
 
@@ -146,6 +148,7 @@ class DecodeArrays:
     rows: np.ndarray  # rows of the block tables
     table_ids: np.ndarray | None = None  # which allocation holds each row (None: scratch tables)
     deltas: tuple[np.ndarray, np.ndarray] | None = None  # block-table deltas left to send (defer_deltas)
+    order: np.ndarray | None = None  # the rows longest context first (AttentionMetadata.row_order)
 
 
 def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None,
@@ -169,7 +172,12 @@ def decode_arrays(seqs: list[Sequence], uploader: Uploader, tables: BlockTables 
         ids = np.zeros(n, dtype=np.int64)  # every input token is filled in on the device
     else:
         ids = np.fromiter((max(seq.last_token, 0) for seq in seqs), np.int64, n)
-    return DecodeArrays(ids, positions, slots, lens, pending, rows, table_ids, deltas), tables
+    return DecodeArrays(ids, positions, slots, lens, pending, rows, table_ids, deltas, longest_first(lens)), tables
+
+
+def longest_first(lens: np.ndarray) -> np.ndarray:
+    """Row indices by context length, longest first (ties in row order): the decode attention's launch order."""
+    return np.argsort(-lens, kind="stable")
 
 
 class DecodeCarry:
@@ -211,16 +219,17 @@ class DecodeCarry:
                                  defer=True)
         slots = tables.slots(last.rows, positions, block_size)
         n = len(seqs)
+        # every row one longer: the order by length stands
         return DecodeArrays(np.zeros(n, dtype=np.int64), positions, slots, last.lens + 1,
-                            np.arange(n, dtype=np.int64), last.rows, last.table_ids, deltas)
+                            np.arange(n, dtype=np.int64), last.rows, last.table_ids, deltas, last.order)
 
 
 def prepare_decode(seqs: list[Sequence], uploader: Uploader, tables: BlockTables | None = None) -> StepInputs:
     arrays, tables = decode_arrays(seqs, uploader, tables)
     lens, pending = arrays.lens, arrays.pending
     any_pending = bool((pending >= 0).any())
-    ids_t, pos_t, slots_t, rows_t, pend_t = uploader.upload(torch.int64, arrays.ids, arrays.positions, arrays.slots,
-                                                            arrays.rows, pending if any_pending else [])
+    ids_t, pos_t, slots_t, rows_t, order_t, pend_t = uploader.upload(
+        torch.int64, arrays.ids, arrays.positions, arrays.slots, arrays.rows, arrays.order, pending if any_pending else [])
     lens_t, = uploader.upload(torch.int32, lens)
     metadata = AttentionMetadata(
         is_prefill=False,
@@ -228,6 +237,7 @@ def prepare_decode(seqs: list[Sequence], uploader: Uploader, tables: BlockTables
         context_lens=lens_t,
         block_tables=tables.gather(rows_t),
         max_seqlen_k=int(lens.max()),
+        row_order=order_t,
     )
     return StepInputs(ids_t, pos_t, metadata, None, list(seqs), pend_t if any_pending else None)
 

@@ -50,6 +50,9 @@ class AttentionMetadata:
     num_decode: int = 0
     rest_max_seqlen_q: int = 0
     rest_has_prefix: bool = False
+    # decode rows (a decode step's, a mixed step's first num_decode): int64, the rows longest context first, in
+    # which order a backend may launch their work (None: as they come). Padding rows of a graph come last.
+    row_order: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -111,6 +114,7 @@ class AttentionBackend(ABC):
         self._graph_slots = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self._graph_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self._graph_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._graph_order = torch.arange(max_batch_size, dtype=torch.int64, device=device)
 
     def prepare_for_capture(self, batch_size: int) -> None:
         """Point the metadata at the static buffers for a graph of ``batch_size`` sequences."""
@@ -120,6 +124,7 @@ class AttentionBackend(ABC):
             context_lens=self._graph_lens[:batch_size],
             block_tables=self._graph_tables[:batch_size],
             max_seqlen_k=self._graph_tables.shape[1] * self.block_size,
+            row_order=self._graph_order[:batch_size],
         ))
 
     def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
@@ -132,4 +137,6 @@ class AttentionBackend(ABC):
         assert metadata.block_tables is not None
         width = metadata.block_tables.shape[1]
         self._graph_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
+        # longest first over all rows (the padding rows, of length 0, sort last)
+        self._graph_order[:batch_size].copy_(torch.argsort(self._graph_lens[:batch_size], descending=True, stable=True))
         self.prepare_for_capture(batch_size)

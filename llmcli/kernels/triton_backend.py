@@ -139,7 +139,11 @@ class TritonAttentionBackend(AttentionBackend):
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                             num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse,
-                            tuning=self.decode_tuning)
+                            tuning=self.decode_tuning, row_order=self._order(meta))
+
+    def _order(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The decode rows' launch order (longest first), where the launch settings take one."""
+        return meta.row_order if self.decode_tuning.heads_fastest else None
 
     def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None,
                ) -> torch.Tensor:
@@ -149,7 +153,7 @@ class TritonAttentionBackend(AttentionBackend):
         assert meta.block_tables is not None and k_cache is not None
         paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
                      num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd],
-                     tuning=self.decode_tuning)
+                     tuning=self.decode_tuning, row_order=self._order(meta))
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
                 prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,
