@@ -90,10 +90,11 @@ def jobs_for(model: str, args: argparse.Namespace) -> list[Job]:
 
 def variant_kwargs(variant: str) -> dict[str, Any]:
     """``base``, ``name`` (a switch on) or ``name=value``, joined with ``+``, as LLM keyword arguments
-    (``blas=...`` and ``decode_tuning.<field>=...`` are not: see ``blas_library`` and ``decode_tuning``)."""
+    (``blas=...``, ``decode_tuning.<field>=...`` and ``graph_sizes=...`` are not: see ``blas_library``,
+    ``decode_tuning`` and ``graph_sizes``)."""
     out: dict[str, Any] = {}
     for part in variant.split("+"):
-        if part == "base" or part.startswith(("blas=", "decode_tuning.")):
+        if part == "base" or part.startswith(("blas=", "decode_tuning.", "graph_sizes=")):
             continue
         name, eq, value = part.partition("=")
         out[name] = _value(value) if eq else True
@@ -119,6 +120,16 @@ def blas_library(variant: str) -> str:
         if part.startswith("blas="):
             return part.partition("=")[2]
     return "default"
+
+
+def graph_sizes(variant: str) -> str:
+    """The decode graphs' batch sizes a variant asks for with ``graph_sizes=spaced|pow2|every16|<list>`` (the
+    ``LLMCLI_GRAPH_SIZES`` setting; "" for the default): padding a step to its graph costs GEMM time where
+    the decode GEMMs are compute-bound (8B above batch ~128)."""
+    for part in variant.split("+"):
+        if part.startswith("graph_sizes="):
+            return part.partition("=")[2]
+    return ""
 
 
 def decode_tuning(variant: str) -> Any:
@@ -269,6 +280,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
         torch.backends.cuda.preferred_blas_library(blas)  # before the graphs are captured
     from llmcli.kernels import triton_backend
     triton_backend.DEFAULT_TUNING = decode_tuning(variant)  # each backend takes it when built (graphs included)
+    os.environ["LLMCLI_GRAPH_SIZES"] = graph_sizes(variant)  # read when the graphs are built
     start = time.perf_counter()
     llm = LLM(str(case.path), **kwargs)
     engine = llm.engine
