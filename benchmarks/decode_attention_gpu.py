@@ -12,13 +12,13 @@ float32 torch reference. Candidates (at batch <= 64): other split counts (from t
 SM, tokens per split) and launch settings (BLOCK_N, warps, stages); a summary table ends the run.
 
 With ``--spread LO-HI`` it times only batches whose contexts are drawn from LO..HI (a real decode batch's are
-spread): as drawn, longest first, every row at the mean length, and (``--spread-splits``, ``--spread-min-tiles``)
-other split counts, with ``DecodeTuning.min_split_tiles`` (experimental) on each, and the grid with a row's KV
-heads side by side (``DecodeTuning.heads_fastest``), alone and with the rows launched longest first.
+spread): as drawn, longest first, every row at the mean length, with the grid of before run 45 (rows, KV heads)
+and the engine's (``DecodeTuning.heads_fastest``: a row's KV heads side by side), alone and with the rows
+launched longest first (the engine's launch), and (``--spread-splits``) other split counts.
 
     python benchmarks/decode_attention_gpu.py               # on CUDA, under 2 minutes
     python benchmarks/decode_attention_gpu.py --quick       # fewer shapes and candidates
-    python benchmarks/decode_attention_gpu.py --spread 100-2048 --batches 64,128 --spread-splits 2,4 --spread-min-tiles 4,8
+    python benchmarks/decode_attention_gpu.py --spread 100-2048 --batches 64,128 --spread-splits 2,4
     python benchmarks/decode_attention_gpu.py --device cpu  # smoke test: Triton's interpreter, float32, tiny sizes
 """
 from __future__ import annotations
@@ -110,9 +110,11 @@ class Runner:
     """One step's layer loop for a candidate: its own outputs and scratch, the split count fixed on the host."""
 
     def __init__(self, case: Case, layers: int, num_splits: int, tuning: DecodeTuning,
-                 sort_rows: bool = False) -> None:
+                 sort_rows: bool = True) -> None:
         self.case, self.layers, self.num_splits, self.tuning = case, layers, num_splits, tuning
-        self.sort_rows = sort_rows  # once per step, longest context first (heads_fastest's row_order)
+        # the engine's launch: rows longest context first (its host computes the order with the step's inputs)
+        self.order = torch.argsort(case.lens, descending=True, stable=True) \
+            if sort_rows and tuning.heads_fastest else None
         batch, heads, dim = case.q.shape
         n_out, n_lse = scratch_numel(batch, heads, dim, num_splits)
         dev = case.q.device
@@ -122,12 +124,11 @@ class Runner:
 
     def step(self) -> None:
         c = self.case
-        order = torch.argsort(c.lens, descending=True) if self.sort_rows else None
         for layer in range(self.layers):
             k_cache, v_cache = c.caches[layer % len(c.caches)]
             paged_decode(c.q, k_cache, v_cache, c.tables, c.lens, c.q.shape[2] ** -0.5, self.num_splits,
                          self.part_out, self.part_lse, out=self.outs[min(layer, len(self.outs) - 1)],
-                         tuning=self.tuning, row_order=order)
+                         tuning=self.tuning, row_order=self.order)
 
     def first_output(self) -> torch.Tensor:
         """Layer 0's output (over the first cache; the other layers write elsewhere)."""
@@ -272,10 +273,12 @@ def summary(results: list[Result], copy_gbs: float) -> None:
 
 def run_spread(model: str, shape: tuple, batch: int, lo: int, hi: int, args, device, dtype, copy_gbs: float,
                flush: torch.Tensor | None, num_sms: int) -> None:
-    """Contexts spread uniformly over [lo, hi] (as a real decode batch's are), three row orders with the engine's
-    kernel and split count: as drawn, longest first (the grid runs rows in order, so the longest start first and
-    the tail is short ones), and every row at the mean length (the same KV bytes, no spread). Same bits as drawn
-    after the permutation is undone, or the row prints FAILED."""
+    """Contexts spread uniformly over [lo, hi] (as a real decode batch's are) with the engine's split count, in
+    three launches: the grid of before run 45 (rows, KV heads) on the rows as drawn and sorted longest first, a
+    row's KV heads side by side (``heads_fastest``) on the rows as drawn, and the engine's (that, rows launched
+    longest first through ``row_order``); and every row at the mean length (the same KV bytes, no spread) with the
+    engine's launch. Same bits in every launch (the sorted rows' after the permutation is undone), or the row
+    prints FAILED. ``--spread-splits``: other split counts, old grid and engine's launch."""
     heads, kv_heads, dim, layers = shape
     gen = torch.Generator().manual_seed(batch * 7919 + lo)
     lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
@@ -290,38 +293,35 @@ def run_spread(model: str, shape: tuple, batch: int, lo: int, hi: int, args, dev
     layouts = {"as drawn": (base.q, base.tables, lens), "longest first": (base.q[order], base.tables[order], lens[order]),
                "uniform at mean": (base.q, base.tables, mean)}
     n = choose_num_splits(batch, kv_heads, args.max_model_len, num_sms)
-    # (layout, splits, min_split_tiles, mode): the engine's launch for every layout, then the extra split counts,
-    # each also with every --spread-min-tiles (which only acts with more than one split); mode "hf": the grid
-    # with a row's KV heads side by side (DecodeTuning.heads_fastest), "hf+order": that with the rows launched
-    # longest first (an argsort of the lengths once per step, inside the graph)
-    modes = ["", "hf", "hf+order"]
-    runs = [(name, n, 0, "") for name in layouts] + [
-        (name, n, 0, mode) for mode in modes[1:] for name in ("as drawn", "uniform at mean")] + [
-        (name, k, m, mode) for k in args.spread_splits for m in [0] + args.spread_min_tiles for mode in ("", "hf+order")
-        for name in ("as drawn", "uniform at mean") if (k != n or m) and (k > 1 or not m)]
+    launches = {"old grid": (replace(DEFAULT_TUNING, heads_fastest=False), False),
+                "heads side by side": (DEFAULT_TUNING, False), "engine": (DEFAULT_TUNING, True)}
+    # (layout, splits, launch)
+    columns = [("as drawn", n, "old grid"), ("longest first", n, "old grid"), ("as drawn", n, "heads side by side"),
+               ("as drawn", n, "engine"), ("uniform at mean", n, "engine")]
+    extra = [(name, k, launch) for k in args.spread_splits if k != n for launch in ("old grid", "engine")
+             for name in ("as drawn", "uniform at mean")]
     base_ms = time_ms(graphed(lambda: None, device, flush), device, args.reps) if flush is not None else 0.0
     ms, outs = {}, {}
-    for name, splits, min_tiles, mode in runs:
+    for key in columns + extra:
+        name, splits, launch = key
         q, tables, row_lens = layouts[name]
         case = Case(q.contiguous(), caches, tables.contiguous(), row_lens.to(torch.int32).to(device), kv_bytes)
-        runner = Runner(case, layers, splits, replace(DEFAULT_TUNING, min_split_tiles=min_tiles,
-                                                      heads_fastest=mode != ""), sort_rows=mode == "hf+order")
-        key = name, splits, min_tiles, mode
+        tuning, sort_rows = launches[launch]
+        runner = Runner(case, layers, splits, tuning, sort_rows=sort_rows)
         ms[key] = max(time_ms(graphed(runner.step, device, flush), device, args.reps) - base_ms, 1e-6)
         outs[key] = runner.first_output().clone()
-    engine = outs["as drawn", n, 0, ""]
-    same = torch.equal(outs["longest first", n, 0, ""][torch.argsort(order.to(device))], engine) and all(
-        torch.equal(outs["as drawn", n, 0, mode], engine) for mode in modes[1:])
+    engine = outs["as drawn", n, "engine"]
+    same = torch.equal(outs["longest first", n, "old grid"][torch.argsort(order.to(device))], engine) and all(
+        torch.equal(outs["as drawn", n, launch], engine) for launch in ("old grid", "heads side by side"))
     pct = {k: kv_bytes * layers / v / 1e6 / copy_gbs * 100 for k, v in ms.items()}
-    cells = " ".join(f"{ms[k, n, 0, '']:>8.3f} {pct[k, n, 0, '']:>4.0f}%" for k in layouts)
+    cells = " ".join(f"{ms[k]:>8.3f} {pct[k]:>4.0f}%" for k in columns)
     print(f"{model:>5} {batch:>5} {lo:>5}-{hi:<5} {n:>6} {cells}  {'same bits' if same else 'FAILED: bits differ'}",
           flush=True)
-    for _, k, m, mode in [r for r in runs[len(layouts):] if r[0] == "as drawn"]:
-        err = (outs["as drawn", k, m, mode].float() - engine.float()).abs().max().item()
-        label = f"{k} splits{f', min {m} tiles' if m else ''}{f', {mode}' if mode else ''}"
-        print(f"{'':>18} {label:<30}: as drawn {ms['as drawn', k, m, mode]:.3f} ({pct['as drawn', k, m, mode]:.0f}%), "
-              f"uniform at mean {ms['uniform at mean', k, m, mode]:.3f} ({pct['uniform at mean', k, m, mode]:.0f}%); "
-              f"max |diff| vs the engine's {err:.1e}", flush=True)
+    for _, k, launch in [key for key in extra if key[0] == "as drawn"]:
+        err = (outs["as drawn", k, launch].float() - engine.float()).abs().max().item()
+        print(f"{'':>18} {f'{k} splits, {launch}':<20}: as drawn {ms['as drawn', k, launch]:.3f} "
+              f"({pct['as drawn', k, launch]:.0f}%), uniform at mean {ms['uniform at mean', k, launch]:.3f} "
+              f"({pct['uniform at mean', k, launch]:.0f}%); max |diff| vs the engine's {err:.1e}", flush=True)
 
 
 def main() -> None:
@@ -341,10 +341,8 @@ def main() -> None:
                     help="seconds: no new case starts after this, so the summary prints inside the stage's timeout")
     ap.add_argument("--no-check", action="store_true", help="skip the torch reference")
     ap.add_argument("--spread", default=None,
-                    help="LO-HI: only contexts spread over LO..HI per row, as drawn vs longest first vs uniform")
+                    help="LO-HI: only contexts spread over LO..HI per row: launch orders, and uniform rows")
     ap.add_argument("--spread-splits", default="", help="comma list: split counts also timed with --spread")
-    ap.add_argument("--spread-min-tiles", default="",
-                    help="comma list: DecodeTuning.min_split_tiles values timed with each of --spread-splits")
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device(args.device)
@@ -377,9 +375,8 @@ def main() -> None:
     if args.spread:
         lo, hi = (int(x) for x in args.spread.split("-"))
         args.spread_splits = [int(x) for x in args.spread_splits.split(",") if x]
-        args.spread_min_tiles = [int(x) for x in args.spread_min_tiles.split(",") if x]
         print(f"\n{'model':>5} {'batch':>5} {'contexts':>11} {'splits':>6} "
-              + " ".join(f"{k:>14}" for k in ("as drawn", "longest first", "uniform at mean"))
+              + " ".join(f"{k:>14}" for k in ("old grid", "old, sorted", "heads together", "engine", "engine, uniform"))
               + "  (ms per step, all layers; % of copy bandwidth)")
         for model, shape in models.items():
             for batch in batches:

@@ -23,13 +23,8 @@ order of ``row_order`` when given. The engine passes its rows longest context fi
 scheduler starts the longest programs first and fills in with short ones (longest-processing-time-first
 packing): on contexts of spread lengths 9-12% faster at batch 96-256 than rows as they come, and faster than
 the same bytes in equal rows (benchmarks/RESULTS.md run 45). The outputs do not depend on the order.
-
-``DecodeTuning.min_split_tiles`` (experimental, 0 = off) gives every split at
-least that many tiles: a row too short for ``num_splits`` splits uses fewer, one
-split writes the output directly and the reduce skips the row, so short rows pay
-nothing for the splits long rows need (contexts of spread lengths at batch
-64-128 lose 14-26% against equal rows with one split, and plain splits cost as
-much as they win there: benchmarks/RESULTS.md runs 42-43).
+(A minimum of tiles per split, so that short rows of a spread batch skip the splits long rows need, gained
+4-8% on batches of 64-128 rows and less than the launch order: measured in run 44 and removed.)
 """
 from __future__ import annotations
 
@@ -58,7 +53,6 @@ class DecodeTuning:
     block_n: int = BLOCK_N
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
-    min_split_tiles: int = 0  # > 0: every split gets at least this many tiles (see the module docstring)
     heads_fastest: bool = True  # grid (kv heads, rows, splits): a row's heads side by side, rows in row_order
 
 
@@ -85,15 +79,6 @@ def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.co
     tl.store(dst + d, o.to(dst.dtype.element_ty))
 
 
-@triton.jit
-def _tiles_per_split(num_tiles, num_splits, MIN_SPLIT_TILES: tl.constexpr):
-    """Whole tiles in each of a row's partitions (the partition kernel and the reduce must agree on it)."""
-    tiles = tl.cdiv(num_tiles, num_splits)
-    if MIN_SPLIT_TILES > 0:
-        tiles = tl.maximum(tiles, MIN_SPLIT_TILES)
-    return tiles
-
-
 # Table width and split count change from step to step: without do_not_specialize Triton would
 # compile a new kernel whenever one of them becomes 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -107,7 +92,7 @@ def _decode_partition_kernel(
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr = 0, HEADS_FASTEST: tl.constexpr = False, row_order_ptr=None,
+    HEADS_FASTEST: tl.constexpr = False, row_order_ptr=None,
 ):
     if PDL:  # llmcli.kernels.pdl: q comes from the previous kernel; the next may launch once we are past this
         tl.extra.cuda.gdc_wait()
@@ -126,7 +111,7 @@ def _decode_partition_kernel(
     ctx = tl.load(context_lens_ptr + b)
     # Whole tiles per split, derived from this row's own length (balanced per row).
     num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = _tiles_per_split(num_tiles, num_splits, MIN_SPLIT_TILES)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
 
@@ -175,27 +160,16 @@ def _decode_partition_kernel(
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         rows = (b * (GROUP * num_kv_heads) + heads).to(tl.int64) * num_splits
-        keep = mask_g
-        if MIN_SPLIT_TILES > 0:
-            # a row in one split is finished here (the reduce skips it); splits past a row's last write nothing.
-            # (The scalar tests as per-head vectors: Triton's interpreter cannot mix scalar and block masks.)
-            used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)  # splits with keys (one for an empty row)
-            used_g = tl.zeros([GROUP_PAD], tl.int32) + used
-            split_g = tl.zeros([GROUP_PAD], tl.int32) + split
-            direct = mask_g & (used_g == 1) & (split_g == 0)
-            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
-            keep = mask_g & (used_g > 1) & (split_g < used_g)
-        tl.store(part_lse_ptr + rows + split, lse, mask=keep)
-        tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=keep[:, None])
+        tl.store(part_lse_ptr + rows + split, lse, mask=mask_g)
+        tl.store(part_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], o, mask=mask_g[:, None])
     else:
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits, context_lens_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr = BLOCK_N, MIN_SPLIT_TILES: tl.constexpr = 0,
 ):
     """Combines the split partials: grid (batch, num_heads), one head's partials per program."""
     if PDL:
@@ -205,14 +179,8 @@ def _decode_reduce_kernel(
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS_PAD)
     rows = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits + s
-    dst = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
-    if MIN_SPLIT_TILES > 0:  # the splits the partition kernel used for this row (the same arithmetic)
-        num_tiles = tl.cdiv(tl.load(context_lens_ptr + b), BLOCK_N)
-        used = tl.cdiv(num_tiles, _tiles_per_split(num_tiles, num_splits, MIN_SPLIT_TILES))
-        if used > 1:  # one split (or none): the partition kernel wrote the output itself
-            _combine_head(part_out_ptr, part_lse_ptr, rows, s < used, dst, HEAD_DIM)
-    else:
-        _combine_head(part_out_ptr, part_lse_ptr, rows, s < num_splits, dst, HEAD_DIM)
+    _combine_head(part_out_ptr, part_lse_ptr, rows, s < num_splits,
+                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, HEAD_DIM)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132, *,
@@ -253,7 +221,7 @@ def paged_decode(
 
     ``part_out``/``part_lse`` are flat float32 scratch buffers of at least
     ``scratch_numel(...)`` elements (needed when ``num_splits > 1``; pass
-    preallocated ones under CUDA graphs). ``row_order`` (int32 [batch], a permutation of the
+    preallocated ones under CUDA graphs). ``row_order`` (integer [batch], a permutation of the
     rows, with ``tuning.heads_fastest``) is the order the rows' programs are launched in: longest
     first lets the GPU's block scheduler pack spread contexts (the outputs do not depend on it).
     """
@@ -287,15 +255,15 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * math.log2(math.e), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=split, PDL=pdl.enabled(), MIN_SPLIT_TILES=tuning.min_split_tiles if split else 0,
+        SPLIT=split, PDL=pdl.enabled(),
         HEADS_FASTEST=tuning.heads_fastest, row_order_ptr=row_order,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
         **pdl.options(),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, context_lens,
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps, PDL=pdl.enabled(),
-            BLOCK_N=tuning.block_n, MIN_SPLIT_TILES=tuning.min_split_tiles, **pdl.options(),
+            **pdl.options(),
         )
     return out
