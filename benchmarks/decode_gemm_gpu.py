@@ -47,6 +47,14 @@ VARIANTS: dict[str, tuple[bool, GemmTuning | None]] = {  # name -> (pdl, tuning;
     "triton+pdl, block_n 32": (True, replace(DEFAULT_TUNING, block_n=32)),
     "triton+pdl, block_n 32, no split": (True, replace(DEFAULT_TUNING, block_n=32, programs_per_sm=0)),
     "triton+pdl, block_n 32, block_k 256": (True, replace(DEFAULT_TUNING, block_n=32, block_k=256)),
+    # batch 128-256 in one or two row tiles, so each weight tile is read once or twice (8B, run 48)
+    "triton, block_m 128": (False, replace(DEFAULT_TUNING, max_block_m=128)),
+    "triton, block_m 128, 8 warps": (False, replace(DEFAULT_TUNING, max_block_m=128, num_warps=8)),
+    "triton, block_m 128, block_n 128, 8 warps": (False, replace(DEFAULT_TUNING, max_block_m=128, block_n=128,
+                                                                 num_warps=8)),
+    "triton, block_m 256, 8 warps": (False, replace(DEFAULT_TUNING, max_block_m=256, num_warps=8)),
+    "triton, block_m 256, 8 warps, block_k 64": (False, replace(DEFAULT_TUNING, max_block_m=256, num_warps=8,
+                                                                block_k=64)),
 }
 
 
@@ -120,6 +128,19 @@ def check(layers: list[dict[str, torch.Tensor]], s: dict[str, int], batches: lis
     return failures
 
 
+def variant_error(layer: dict[str, torch.Tensor], s: dict[str, int], m: int, dev: torch.device,
+                  tuning: GemmTuning) -> float:
+    """Worst relative error of a variant's qkv, o, gate/up + SiLU-and-mul and down against cuBLAS at batch m."""
+    worst = 0.0
+    for name, width in (("qkv", "hidden"), ("o", "q"), ("gate_up", "hidden"), ("down", "inter")):
+        x = torch.randn(m, s[width], device=dev).to(torch.bfloat16)
+        ref = F.linear(x, layer[name])
+        got = silu_mul_linear(x, layer[name], tuning) if name == "gate_up" else linear(x, layer[name], tuning)
+        ref = silu_and_mul(ref) if name == "gate_up" else ref
+        worst = max(worst, ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9)).item())
+    return worst
+
+
 def time_chain(layers: list[dict[str, torch.Tensor]], s: dict[str, int], m: int, dev: torch.device,
                tuning: GemmTuning | None, use_pdl: bool, reps: int) -> float:
     pdl.enable(use_pdl, dev)
@@ -170,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for m in args.batches:
                 try:
+                    err = 0.0 if tuning is None else variant_error(layers[0], s, m, dev, tuning)
+                    if err > 2e-2:
+                        failures.append(f"{model} {name} batch {m}: relative error {err:.2e} against cuBLAS")
+                        cells.append(f"WRONG ({err:.1e})")
+                        continue
                     with preferring("cublaslt" if name == "cublaslt" else "cublas"):
                         ms = time_chain(layers, s, m, dev, tuning, use_pdl, args.reps)
                     cells.append(f"{ms:.3f} ({weight_bytes / ms / 1e6:,.0f})")

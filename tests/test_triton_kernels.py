@@ -793,6 +793,30 @@ def test_thin_gemm_and_fused_silu_mul_match_torch(m, k, n, dtype):
     assert not triton_gemm._device_state(x.device)[1].any()
 
 
+@pytest.mark.parametrize("max_block_m,num_warps", [(128, 4), (256, 8)])
+@pytest.mark.parametrize("m,k", [(70, 256), (200, 1024), (130, 4352)])
+def test_thin_gemm_with_wide_row_tiles_matches_torch(m, k, max_block_m, num_warps):
+    """``GemmTuning.max_block_m`` above 64 (experimental: batch 128-256 in one or two row tiles): the same
+    products, split or not (k 4352 at batch 130 cuts K in two), and the counters left at zero."""
+    from dataclasses import replace
+
+    from llmcli.kernels import triton_gemm
+    from llmcli.kernels.triton_gemm import DEFAULT_TUNING, linear, silu_mul_linear
+    from llmcli.layers.activation import silu_and_mul
+
+    dtype = torch.float16 if not ON_GPU else torch.bfloat16
+    tuning = replace(DEFAULT_TUNING, max_block_m=max_block_m, num_warps=num_warps)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    w = (torch.randn(192, k, device=DEVICE) / k ** 0.5).to(dtype)
+    ref = (x.float() @ w.float().T).to(dtype)
+    assert rel_err(linear(x, w, tuning), ref) <= TOL[dtype]
+    assert rel_err(silu_mul_linear(x, w, tuning), silu_and_mul(ref)) <= 2 * TOL[dtype]
+    assert not triton_gemm._device_state(x.device)[1].any()
+    if k == 4352 and not ON_GPU:  # (on the CPU the state says 8 SMs)
+        block_m = triton_gemm._block_m(m, max_block_m)
+        assert triton_gemm.choose_splits(m, 96, k, block_m, 64, 128, 8, 2)[0] > 1
+
+
 def test_thin_gemm_splits_k_for_few_output_tiles_and_caps_partial_traffic():
     from llmcli.kernels.triton_gemm import choose_splits
 

@@ -49,6 +49,10 @@ class GemmTuning:
     block_k: int = 128
     programs_per_sm: int = PROGRAMS_PER_SM
     prefetch: bool = True  # with PDL: the weight slice to L2 before the wait
+    # rows per tile at most (16, 32, ... as the batch needs): above 64 each weight tile is read by fewer row
+    # tiles (8B's decode GEMMs at batch 128-256 read their weights 2-4 times at 64); experimental
+    max_block_m: int = 64
+    num_warps: int = 4
 
 
 DEFAULT_TUNING = GemmTuning()
@@ -146,8 +150,19 @@ def _thin_gemm_kernel(
         _store_tile(out_ptr, acc, acc_up, rm, rn, mask, stride_om, SILU_MUL)
 
 
-def _block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+def _block_m(m: int, cap: int = 64) -> int:
+    return min(cap, max(16, triton.next_power_of_2(m)))
+
+
+SMEM_BUDGET = 200 << 10  # bytes of pipelined tiles per program (an H200 SM has 227 KiB)
+
+
+def _num_stages(block_m: int, block_n: int, block_k: int, parts: int, itemsize: int) -> int:
+    """Pipeline depth: four stages of the default bf16 tiles, two of float32 (four need 256 KiB at BLOCK_M 64:
+    Triton's OutOfResources in run 23's kernels stage), and bigger tiles as many as the budget holds (run 48:
+    BLOCK_N 128 at BLOCK_M 64 asked for 320 KiB)."""
+    per_stage = (block_m + parts * block_n) * block_k * itemsize
+    return max(2, min(4 if itemsize <= 2 else 2, SMEM_BUDGET // per_stage))
 
 
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -190,7 +205,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool, tuning: GemmT
     if m == 0:
         return out
     part, counters, num_sms = _device_state(x.device)
-    block_m, block_n, block_k = _block_m(m), tuning.block_n, tuning.block_k
+    block_m, block_n, block_k = _block_m(m, tuning.max_block_m), tuning.block_n, tuning.block_k
     splits, tiles_per_split = choose_splits(m, n, k, block_m, block_n, block_k, num_sms, 2 if silu_mul else 1,
                                         tuning.programs_per_sm)
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))
@@ -199,10 +214,10 @@ def _run(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool, tuning: GemmT
                             x.stride(0), w.stride(0), out.stride(0),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, SPLIT=splits > 1,
                             EVEN_K=k % block_k == 0,
-                            PDL=use_pdl, PREFETCH=tuning.prefetch, LINE=128 // w.element_size(), num_warps=4,
-                            # four stages of float32 tiles need 256 KiB of shared memory at BLOCK_M 64 (an H200 SM
-                            # has 227 KiB: Triton's OutOfResources in run 23's kernels stage); two fit
-                            num_stages=4 if x.element_size() <= 2 else 2, **pdl.options())
+                            PDL=use_pdl, PREFETCH=tuning.prefetch, LINE=128 // w.element_size(),
+                            num_warps=tuning.num_warps,
+                            num_stages=_num_stages(block_m, block_n, block_k, 2 if silu_mul else 1, x.element_size()),
+                            **pdl.options())
     return out
 
 
