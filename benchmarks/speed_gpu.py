@@ -82,9 +82,10 @@ def jobs_for(model: str, args: argparse.Namespace) -> list[Job]:
     if args.tiny:
         default = Workload(num_prompts=12, input_len=(16, 64), output_len=(8, 24), temperature=0.6)
         heavy = Workload(num_prompts=48, input_len=(40, 60), output_len=(4, 4), temperature=0.0)
-    jobs = [Job("default", default, [False, True], [False])]
+    later = {"false": [False], "true": [True], "both": [False, True]}[args.later_mixed]
+    jobs = [Job("default", default, [False, True], later)]
     if args.prefill_heavy and ("0.6B" in model or args.tiny):
-        jobs.append(Job("prefill-heavy", heavy, [False, True], [False]))
+        jobs.append(Job("prefill-heavy", heavy, [False, True], later))
     return jobs
 
 
@@ -346,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--later-variants", nargs="+", default=["base", "decode_gemm=triton-silu"],
                    help="engines to build for the other models")
     p.add_argument("--no-prefill-heavy", dest="prefill_heavy", action="store_false")
+    p.add_argument("--later-mixed", choices=["false", "true", "both"], default="false",
+                   help="mixed_steps of the engines after the first (the first runs both); true: the defaults' setting")
     p.add_argument("--prefill-heavy-all", action="store_true",
                    help="the prefill-heavy preset on every engine of the first model, mixed steps off and on")
     p.add_argument("--time-budget", type=float, default=280, help="seconds; later runs are skipped past it")
