@@ -21,7 +21,7 @@ Rows with context length 0 (graph padding) read nothing and write zeros.
 Launch order: the grid runs a row's KV heads side by side (``DecodeTuning.heads_fastest``), rows in the
 order of ``row_order`` when given. The engine passes its rows longest context first, so the GPU's block
 scheduler starts the longest programs first and fills in with short ones (longest-processing-time-first
-packing): on contexts of spread lengths 9-12% faster at batch 96-256 than rows as they come, and faster than
+packing): on contexts of spread lengths 7-12% faster at batch 96-256 than rows as they come, and faster than
 the same bytes in equal rows (benchmarks/RESULTS.md run 45). The outputs do not depend on the order.
 (A minimum of tiles per split, so that short rows of a spread batch skip the splits long rows need, gained
 4-8% on batches of 64-128 rows and less than the launch order: measured in run 44 and removed.)
