@@ -32,6 +32,7 @@ import torch
 from llmcli import LLM, SamplingParams
 from llmcli.config import ConfigError
 from llmcli.parallel.compact import pack_step, unpack_step
+from llmcli.parallel.exits import describe_ended
 from llmcli.parallel.heartbeat import Heartbeat, SilenceMonitor
 from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
 from llmcli.parallel.tp_runner import TensorParallelError
@@ -229,6 +230,25 @@ def test_channel_rejects_an_oversized_payload():
     finally:
         channel.close()
         channel.unlink()
+
+
+class _SlowToReap:
+    """A process whose sentinel has fired but whose exit status the kernel hands out only after ``reap_s``."""
+
+    def __init__(self, reap_s: float) -> None:
+        self.reap_s, self.exitcode, self.waited = reap_s, None, 0.0
+
+    def join(self, timeout: float) -> None:
+        self.waited = min(timeout, self.reap_s)
+        if timeout >= self.reap_s:
+            self.exitcode = 1
+
+
+def test_an_ended_process_is_described_by_its_exit_status_even_when_slow_to_reap():
+    """A CI run reported a worker that raised as "not responding": its status came later than the 0.5 s waited."""
+    slow = _SlowToReap(reap_s=3.0)
+    assert describe_ended(slow) == "exited with status 1" and slow.waited == 3.0
+    assert describe_ended(_SlowToReap(reap_s=3.0), settle_s=0.1) == "is exiting (no exit status yet)"
 
 
 def test_head_counts_not_divisible_fail_at_start_up(tmp_path, tp_model):

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import signal
+from typing import Any
+
+# A process's sentinel fires when its files close, which comes before the kernel makes it reapable; on a loaded
+# 2-core CI machine that gap passed 0.5 s (a worker that exited with status 1 was reported "not responding").
+EXIT_SETTLE_S = 10.0
 
 
 def describe_exit(code: int | None) -> str:
@@ -16,3 +21,11 @@ def describe_exit(code: int | None) -> str:
     if code == 0:
         return "exited unexpectedly (status 0)"
     return f"exited with status {code}"
+
+
+def describe_ended(proc: Any, settle_s: float = EXIT_SETTLE_S) -> str:
+    """How a process whose sentinel fired ended, waiting up to ``settle_s`` for its exit status."""
+    proc.join(settle_s)
+    if proc.exitcode is None:
+        return "is exiting (no exit status yet)"
+    return describe_exit(proc.exitcode)

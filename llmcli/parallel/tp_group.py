@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from llmcli.parallel.exits import describe_exit
+from llmcli.parallel.exits import describe_ended
 from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, HEARTBEAT_ENV, SilenceMonitor
 from llmcli.parallel.shm_channel import ControlChannel, PayloadTooLarge
 from llmcli.parallel.worker import PG_CLOSE_TIMEOUT_S, close_process_group
@@ -84,8 +84,7 @@ class Group:
             if self.failure is not None:
                 return
             proc = self.procs[rank]
-            proc.join(0.5)  # let the exit status settle
-            message = f"tensor-parallel rank {rank} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
+            message = f"tensor-parallel rank {rank} (pid {proc.pid}) {describe_ended(proc)}"
             try:
                 error = self.channel.read_error(rank).strip() if self.channel is not None else ""
             except (ValueError, OSError):  # the segment is already closed

@@ -37,7 +37,7 @@ from typing import Any
 from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
 from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
                                      failure_text, startup_failure)
-from llmcli.parallel.exits import describe_exit
+from llmcli.parallel.exits import describe_ended
 
 log = logging.getLogger("llmcli")
 
@@ -260,9 +260,8 @@ class LocalReplicaPool:
                     continue
                 if message is not None and message[0] == "failed":
                     raise_startup_failure(r.index, "this machine", *message[1])
-                r.proc.join(1.0)
                 raise DataParallelError(f"data-parallel replica {r.index} (pid {r.proc.pid}) "
-                                        f"{describe_exit(r.proc.exitcode)} while starting")
+                                        f"{describe_ended(r.proc)} while starting")
         infos = [r.info for r in self.replicas]
         log.info("data parallelism: %d local replicas, pids %s", self.size, [i.pid for i in infos])
         return infos
@@ -291,8 +290,7 @@ class LocalReplicaPool:
             self._drain(r, events, gone)
         for r in live:
             if r.index in gone and not any(e[0] == "lost" and e[1] == r.index for e in events):
-                r.proc.join(1.0)
-                why = f"(pid {r.proc.pid}) {describe_exit(r.proc.exitcode)}"
+                why = f"(pid {r.proc.pid}) {describe_ended(r.proc)}"
                 text = r.error_text.rstrip()
                 if text:
                     why += f"; its error:{chr(10) if chr(10) in text else ' '}{text}"
