@@ -9,10 +9,8 @@ from typing import Any
 EXIT_SETTLE_S = 10.0
 
 
-def describe_exit(code: int | None) -> str:
+def describe_exit(code: int) -> str:
     """``multiprocessing`` exit code -> 'was killed by signal SIGKILL', 'exited with status 1', ..."""
-    if code is None:
-        return "is not responding"
     if code < 0:
         try:
             return f"was killed by signal {signal.Signals(-code).name}"
