@@ -37,6 +37,8 @@
 #           args in DECODE_GEMM_ARGS
 #   gemm-templates  benchmarks/gemm_templates_gpu.py: cuBLAS vs Inductor's max-autotune per decode GEMM shape (8B,
 #           batch 128/256 by default; ~2-4 min of tuning), args in GEMM_TEMPLATES_ARGS
+#   decode-chain  benchmarks/decode_chain_compile_gpu.py: the decode forward without attention, llmcli's kernels vs
+#           Inductor's fusion (default and max-autotune; 0.6B, batch 64/128/256 by default), args in DECODE_CHAIN_ARGS
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -110,6 +112,8 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "gemm or pdl" 2>&1 | tail -4 ;;
     gemm-templates) timeout 400 python3 benchmarks/gemm_templates_gpu.py ${GEMM_TEMPLATES_ARGS:-} 2>&1 \
       > "$OUT/gemm_templates.log"; grep -v -i "autotune\|triton_mm\|^ *mm " "$OUT/gemm_templates.log" | tail -40 ;;
+    decode-chain) timeout 500 python3 benchmarks/decode_chain_compile_gpu.py ${DECODE_CHAIN_ARGS:-} 2>&1 \
+      > "$OUT/decode_chain.log"; grep -v -i "autotune\|triton_mm\|^ *mm \|recompil" "$OUT/decode_chain.log" | tail -40 ;;
     prefill-attn) timeout 330 python3 benchmarks/prefill_attention_gpu.py ${PREFILL_ATTN_ARGS:-} 2>&1 \
       | tee "$OUT/prefill_attn.log" ;;
   esac
