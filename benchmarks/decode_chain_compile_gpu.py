@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import llmcli.layers.compile as layer_compile  # noqa: E402
+from benchmarks.harness.graph_capture import capture  # noqa: E402
 from llmcli.kernels.backend import AttentionBackend  # noqa: E402
 from llmcli.models import build_model  # noqa: E402
 from llmcli.models.loader import load_dummy  # noqa: E402
@@ -111,15 +112,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
             fn()
             times.append(1000 * (time.perf_counter() - start))
         return statistics.median(times)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(fn, warmups=3)
     for _ in range(3):
         graph.replay()
     times = []

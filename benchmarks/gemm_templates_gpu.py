@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,11 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness.graph_capture import capture  # noqa: E402
+
 FLUSH_BYTES = 256 << 20
 
 
@@ -35,14 +41,7 @@ def projections(model_dir: Path) -> dict[str, tuple[int, int]]:
 def graph_ms(fn, flush: torch.Tensor, reps: int) -> float:
     """ms of one call of fn, replayed in a CUDA graph after an L2 flush (the flush's own time subtracted)."""
     def timed(body) -> float:
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            body()
+        g = capture(body)
         best = float("inf")
         for _ in range(3):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
