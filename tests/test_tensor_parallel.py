@@ -35,6 +35,7 @@ from llmcli.parallel.compact import pack_step, unpack_step
 from llmcli.parallel.exits import describe_ended
 from llmcli.parallel.heartbeat import Heartbeat, SilenceMonitor
 from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
+from llmcli.parallel.tp_group import Group
 from llmcli.parallel.tp_runner import TensorParallelError
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
@@ -249,6 +250,23 @@ def test_an_ended_process_is_described_by_its_exit_status_even_when_slow_to_reap
     slow = _SlowToReap(reap_s=3.0)
     assert describe_ended(slow) == "exited with status 1" and slow.waited == 3.0
     assert describe_ended(_SlowToReap(reap_s=3.0), settle_s=0.1) == "is exiting (no exit status yet)"
+
+
+def test_rank0_counts_a_fired_sentinel_as_an_exit_before_the_status_comes():
+    """After a communication error rank 0 waits FAILURE_SETTLE_S for the dead worker to show up; a worker whose
+    status lags its sentinel past that must still be found, and named with its status."""
+    group = Group(world=2, grace_s=5.0)
+    sentinel, worker_end = os.pipe()
+    os.close(worker_end)  # the worker's end is closed: its sentinel has fired
+    proc = _SlowToReap(reap_s=1.0)
+    proc.sentinel, proc.pid = sentinel, 4242
+    group.procs[1] = proc
+    try:
+        failure = group.wait_for_failure(0.3)
+        assert failure is not None and failure.startswith("tensor-parallel rank 1 (pid 4242) exited with status 1")
+    finally:
+        for fd in (sentinel, group._wake_r, group._wake_w):
+            os.close(fd)
 
 
 def test_head_counts_not_divisible_fail_at_start_up(tmp_path, tp_model):
