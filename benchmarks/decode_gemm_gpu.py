@@ -97,6 +97,22 @@ def chain(layers: list[dict[str, torch.Tensor]], xs: dict[str, torch.Tensor], tu
             linear(xs["mlp"], lw["down"], tuning)
 
 
+def cublas_projection(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One projection as the engine's default runs it (gate/up with its SiLU-and-mul)."""
+    y = F.linear(x, w)
+    return silu_and_mul(y) if name == "gate_up" else y
+
+
+def triton_projection(name: str, x: torch.Tensor, w: torch.Tensor, tuning: GemmTuning = DEFAULT_TUNING,
+                      ) -> torch.Tensor:
+    """The same projection through llmcli's thin GEMM (gate/up with SiLU-and-mul as its epilogue)."""
+    return silu_mul_linear(x, w, tuning) if name == "gate_up" else linear(x, w, tuning)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9)).item()
+
+
 def check(layers: list[dict[str, torch.Tensor]], s: dict[str, int], batches: list[int], dev: torch.device) -> list[str]:
     """Worst relative error against cuBLAS and determinism, per shape and batch; returns failures."""
     failures = []
@@ -109,16 +125,13 @@ def check(layers: list[dict[str, torch.Tensor]], s: dict[str, int], batches: lis
               "mlp": torch.randn(m, s["inter"], device=dev).to(torch.bfloat16)}
         for name, x_key in (("qkv", "h"), ("o", "attn"), ("gate_up", "h"), ("down", "mlp")):
             x, w = xs[x_key], lw[name]
-            silu = name == "gate_up"
-            ref = F.linear(x, w)
-            ref = silu_and_mul(ref) if silu else ref
+            ref = cublas_projection(name, x, w)
             errs, same = [], True
             for on in (False, True):
                 pdl.enable(on, dev)
-                run = (lambda: silu_mul_linear(x, w)) if silu else (lambda: linear(x, w))
-                a, b = run(), run()
+                a, b = triton_projection(name, x, w), triton_projection(name, x, w)
                 torch.cuda.synchronize()
-                errs.append(((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9)).item())
+                errs.append(rel_err(a, ref))
                 same = same and torch.equal(a, b)
             pdl.enable(False, dev)
             ok = max(errs) < 2e-2 and same
@@ -134,10 +147,8 @@ def variant_error(layer: dict[str, torch.Tensor], s: dict[str, int], m: int, dev
     worst = 0.0
     for name, width in (("qkv", "hidden"), ("o", "q"), ("gate_up", "hidden"), ("down", "inter")):
         x = torch.randn(m, s[width], device=dev).to(torch.bfloat16)
-        ref = F.linear(x, layer[name])
-        got = silu_mul_linear(x, layer[name], tuning) if name == "gate_up" else linear(x, layer[name], tuning)
-        ref = silu_and_mul(ref) if name == "gate_up" else ref
-        worst = max(worst, ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9)).item())
+        got = triton_projection(name, x, layer[name], tuning)
+        worst = max(worst, rel_err(got, cublas_projection(name, x, layer[name])))
     return worst
 
 
