@@ -2,6 +2,7 @@
 resumed OUT answers, repeated ids, unknown fields, records invalid or too big for the KV pool."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ def check_out(output: str, input: str, resume: bool, overwrite: bool) -> ResumeS
     out = Path(output)
     if out.is_dir():
         raise UsageError(f"OUT {out} is a folder")
-    if not out.parent.is_dir():
+    if not Path(os.path.realpath(out)).parent.is_dir():
         raise UsageError(f"the folder of OUT {out} does not exist")
     if resume:
         try:

@@ -84,6 +84,7 @@ class RunPlan:
     source: str  # IN's name in messages
     reasoning: str | None
     stdout: Any
+    lock: OutputLock | None = None  # OUT's lock, which also takes OUT's inode once OUT is created
 
 
 def _scale_out(opts: GenerateOptions) -> Any:
@@ -137,16 +138,24 @@ def _open_input(path: str) -> InputFile:
         raise UsageError(f"cannot read IN {path}: {exc.strerror or exc}") from None
 
 
-def _start_output(opts: GenerateOptions, fp: Fingerprint) -> None:
+def _start_output(opts: GenerateOptions, run: RunPlan) -> None:
     """OUT is about to be (re)started or continued: empty it for --overwrite and record which input it answers."""
     if opts.output == "-":
         return
-    if opts.overwrite:
-        Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
-    else:
-        Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
-    if os.path.isfile(opts.output):  # not for /dev/null or a pipe
-        write_sidecar(opts.output, fp)
+    try:
+        if opts.overwrite:
+            Path(opts.output).write_bytes(b"")  # only now: a run refused for bad input leaves the old OUT alone
+        else:
+            Path(opts.output).touch()  # an empty input still leaves the OUT a script expects
+        if run.lock is not None:
+            run.lock.lock_output()
+        if os.path.isfile(opts.output):  # not for /dev/null or a pipe
+            write_sidecar(opts.output, run.fp)
+    except OutputLocked as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot start OUT {opts.output}: {exc.strerror or exc}"
+                         + (f" ({exc.filename})" if exc.filename else "")) from None
 
 
 def run_generate(opts: GenerateOptions, console: Console) -> int:
@@ -163,12 +172,12 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
     try:
         if lock.warning:
             say(console, lock.warning)
-        return _generate(opts, console)
+        return _generate(opts, console, lock)
     finally:
         lock.release()
 
 
-def _generate(opts: GenerateOptions, console: Console) -> int:
+def _generate(opts: GenerateOptions, console: Console, lock: OutputLock | None = None) -> int:
     started = time.perf_counter()
     scale = _scale_out(opts)
     resumed = check_out(opts.output, opts.input, opts.resume, opts.overwrite)
@@ -204,7 +213,7 @@ def _generate(opts: GenerateOptions, console: Console) -> int:
         if not opts.quiet:
             fields.warn(console, name)
         run = RunPlan(resumed, match.seen.result(), len(index), index.total - len(index), name,
-                   choose_parser(opts.reasoning_parser, chat_template or template_of(tokenizer)), stdout)
+                   choose_parser(opts.reasoning_parser, chat_template or template_of(tokenizer)), stdout, lock)
         code = _report_input(opts, console, config, index, run)
         if code is not None:
             return code
@@ -290,7 +299,7 @@ def _report_input(opts: GenerateOptions, console: Console, config: Any, index: I
             say(console, "the model's generation_config.json sets " + ", ".join(f"{k}={v}" for k, v in applied.items())
                 + " for records that leave them unset (--generation-config ignore: llmcli's neutral defaults)")
     if not len(index):
-        _start_output(opts, run.fp)
+        _start_output(opts, run)
         return EXIT_FAILED if run.resumed.errors else EXIT_OK
     return None
 
@@ -318,7 +327,7 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
          guess: BudgetGuess, run: RunPlan, started: float) -> int:
     gen_started = time.perf_counter()
     show = not opts.quiet and (opts.progress if opts.progress is not None else console.is_terminal)
-    _start_output(opts, run.fp)
+    _start_output(opts, run)
     # The step loop shares the GIL with the writer and the preparing thread: let it have it back sooner
     # when it returns from the device or a torch op (Python's default is 5 ms).
     sys.setswitchinterval(0.001)

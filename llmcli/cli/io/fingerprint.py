@@ -10,6 +10,7 @@ else is refused unless ``--force-resume``.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -80,11 +81,22 @@ def read_sidecar(output: str) -> Fingerprint | None:
 
 
 def write_sidecar(output: str, fp: Fingerprint) -> None:
-    """Replace the sidecar in one rename, so a crash leaves the old one or the new one."""
+    """Replace the sidecar in one rename, so a crash leaves the old one or the new one.
+
+    The temporary file is made new (``mkstemp``: exclusive, links not followed), so a link planted at its
+    name is never written through; the rename replaces a link at the sidecar's name, not its target."""
     path = sidecar_path(output)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_bytes(orjson.dumps({"records": fp.records, "xxh3_128": fp.digest}) + b"\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps({"records": fp.records, "xxh3_128": fp.digest}) + b"\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def check_same_input(output: str, stored: Fingerprint | None, seen: FingerprintBuilder) -> str | None:

@@ -1,10 +1,16 @@
-"""One writer per OUT: an advisory lock, held for the whole run, on a sidecar file that names its holder.
+"""One writer per OUT: advisory locks, held for the whole run, on a sidecar file that names its holder and on OUT.
 
-The lock lives on ``OUT.llmcli-lock`` rather than on OUT itself so that a run
-refused for bad input never creates OUT, and so that the holder's pid can be
-read by the run that is turned away. The file is removed when the run ends; a
-killed run leaves it behind, but the kernel drops its lock, so the next run
-takes it over.
+The first lock lives on ``OUT.llmcli-lock`` so that a run refused for bad
+input never creates OUT, and so that the holder's pid can be read by the run
+that is turned away. The file is removed when the run ends; a killed run
+leaves it behind, but the kernel drops its lock, so the next run takes it over.
+The lock file is opened without following links (another user may plant one
+there to aim the pid at a file of yours): a link there is refused.
+
+The second lock is on OUT's own inode, taken as soon as OUT exists: hard links
+and bind mounts give one file many names, and each name has its own lock file,
+but all of them reach the one inode. Nothing of it stays on disk, so a resume
+takes it afresh.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class OutputLock:
         self.output = output
         self.path = lock_path(output)
         self.fd: int | None = None
+        self.out_fd: int | None = None  # OUT itself, flocked (see lock_output)
         self.warning: str | None = None
 
     def acquire(self) -> "OutputLock":
@@ -86,24 +93,69 @@ class OutputLock:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self.fd = fd
+            if mode is not None:
+                try:
+                    self.lock_output()
+                except OutputLocked:
+                    self.release()
+                    raise
             return self
+
+    def lock_output(self) -> None:
+        """Lock OUT's inode (once it exists), so another name of the same file (a hard link, a bind mount)
+        cannot be a second run's OUT; called again once the run has created OUT."""
+        if self.fd is None or self.out_fd is not None:
+            return  # no lock taken (a device, no locks on this filesystem), or OUT's is held already
+        try:
+            # Write access: NFS emulates flock with POSIX locks, and an exclusive one needs it.
+            fd = os.open(self.output, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError:
+            try:
+                fd = os.open(self.output, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return  # the output checks say what is wrong with OUT
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputLocked(f"OUT {self.output} is being written by another llmcli process under another name "
+                               "of the same file (a hard link or a bind mount); wait for it to finish, or stop it"
+                               ) from None
+        except OSError:
+            os.close(fd)
+            return  # the lock file's lock is what this filesystem offers
+        self.out_fd = fd
 
     def _open(self) -> tuple[int, bool]:
         """The lock file, created if need be; read-only when another user's run left it (flock needs no write)."""
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), True
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | flags, 0o644), True
         except PermissionError:
             try:
-                return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), False
-            except OSError:
-                pass
+                return os.open(self.path, os.O_RDONLY | flags), False
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._link() from None
             error = "Permission denied"
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._link() from None
             error = exc.strerror or str(exc)
         raise OutputLocked(f"cannot create the lock file {self.path} next to OUT ({error}); "
                            "llmcli needs to write in OUT's folder")
 
+    def _link(self) -> OutputLocked:
+        return OutputLocked(f"the lock file {self.path} is a symbolic link, which llmcli does not write through "
+                            "(someone may have aimed it at another file); remove it and run again")
+
     def release(self) -> None:
+        if self.out_fd is not None:
+            os.close(self.out_fd)
+            self.out_fd = None
         if self.fd is None:
             return
         try:

@@ -5,6 +5,8 @@ import os
 import stat
 import sys
 
+from llmcli.cli.io.fingerprint import sidecar_path
+
 
 class OutputError(Exception):
     """OUT cannot be used as asked; one line saying what to change."""
@@ -37,6 +39,21 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _check_sidecar(output: str) -> None:
+    """The fingerprint file is replaced by a rename at the end of the checks: something other than a file
+    there (a folder, a link someone planted) would fail it after the model loaded, or mislead --resume."""
+    path = sidecar_path(output)
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISLNK(mode):
+        raise OutputError(f"{path} (OUT's input fingerprint) is a symbolic link, which llmcli does not follow "
+                          "(someone may have aimed it at another file); remove it and run again")
+    if not stat.S_ISREG(mode):
+        raise OutputError(f"{path} (OUT's input fingerprint) is {_kind(mode)}, not a file; remove it and run again")
+
+
 def check_output(output: str, input: str, resume: bool, overwrite: bool) -> None:
     """Raise OutputError unless OUT can take this run's records (before the model loads)."""
     if resume and overwrite:
@@ -48,9 +65,13 @@ def check_output(output: str, input: str, resume: bool, overwrite: bool) -> None
         return
     if _same_file(output, input):
         raise OutputError(f"IN and OUT are the same file ({output}); write the answers to another file")
+    _check_sidecar(output)
     try:
         mode = os.stat(output).st_mode
     except FileNotFoundError:
+        if os.path.islink(output) and not os.path.isdir(os.path.dirname(os.path.realpath(output))):
+            raise OutputError(f"OUT {output} is a symbolic link to {os.path.realpath(output)}, whose folder "
+                              "does not exist") from None
         return  # creating it needs the folder, which the lock file (made first) already proved writable
     except OSError as exc:
         raise OutputError(f"cannot use OUT {output}: {exc.strerror or exc}") from None
