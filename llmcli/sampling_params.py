@@ -15,6 +15,17 @@ class SamplingParamsError(ValueError):
 # value each takes when neither sets it.
 MODEL_DEFAULTABLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 MAX_LOGPROBS = 20
+# Limits (README, reliability): integers travel to the device as int64 (seeds) or are counted in int32 tensors,
+# and a request's completions are all held at once.
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+MAX_N = 16384
+# The sampler works in float32: a temperature below MIN_TEMPERATURE is greedy (dividing logits by it would
+# overflow to inf), one above MAX_TEMPERATURE would flatten them to zero; a top_p below MIN_TOP_P keeps only the
+# top token (as any top_p under the top token's probability does: no vocabulary holds 10^6 tokens), while in
+# float32 a smaller one would round to 0 and keep none.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e4
+MIN_TOP_P = 1e-6
+MIN_PENALTY, MAX_PENALTY = 1e-4, 1e4  # repetition_penalty divides or multiplies logits in float32
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,11 @@ class SamplingParams:
         for name in self.unset:
             setattr(self, name, MODEL_DEFAULTABLE[name])
         self._check()
+        # Values past what float32 can tell apart from the limit behave as the limit (see MIN_TEMPERATURE).
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        if self.top_p < MIN_TOP_P:
+            self.top_p = MIN_TOP_P
 
     def replace(self, **changes: Any) -> "SamplingParams":
         """A copy with ``changes``; fields still unset here stay unset (``dataclasses.replace`` would set them)."""
@@ -155,28 +171,37 @@ class SamplingParams:
                 raise bad(f.name, "must be a finite number")
         if not is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if self.temperature > MAX_TEMPERATURE:
+            raise bad("temperature", f"must be from 0 to {MAX_TEMPERATURE:g} (0 and anything below "
+                                     f"{MIN_TEMPERATURE:g} mean greedy)")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", "must be -1 (off) or an integer >= 1")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k > INT32_MAX:
+            raise bad("top_k", f"must be -1 (off) or an integer from 1 to {INT32_MAX}")
         if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1, or None for 'until the context is full'")
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            raise bad("seed", "must be a non-negative integer")
+        if self.max_tokens is not None and self.max_tokens > INT32_MAX:
+            raise bad("max_tokens", f"must be an integer from 1 to {INT32_MAX}, or None for 'until the context "
+                                    "is full'")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer from 1 to {MAX_N}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= INT64_MAX):
+            raise bad("seed", f"must be an integer from 0 to {INT64_MAX} (2^63 - 1)")
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise bad("seed", f"with n={self.n} must be at most {INT64_MAX - self.n + 1}: completion i uses "
+                              f"seed + i, and seeds end at 2^63 - 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"must be an integer from 0 to {MAX_LOGPROBS}, or None for none")
-        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be a number > 0 (1 is off)")
+        if not is_number(self.repetition_penalty) or not MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY:
+            raise bad("repetition_penalty", f"must be a number from {MIN_PENALTY:g} to {MAX_PENALTY:g} (1 is off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_number(value) or not -2.0 <= value <= 2.0:

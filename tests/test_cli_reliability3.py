@@ -98,3 +98,131 @@ def test_out_paths_that_cannot_work_are_refused_before_loading(tmp_path):
     (tmp_path / "out.jsonl.llmcli-input").mkdir()
     one_line_error(run(str(inp), "-o", str(out), "-q", timeout=60), 2, "out.jsonl.llmcli-input", "a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.jsonl", "in.jsonl", "out.jsonl.llmcli-input"]
+
+
+# -- 3: n is linear in time, and bounded ------------------------------------------------------------
+class _AllAtOnce:
+    """An engine that finishes every queued completion in its next step (the Runner is what is timed)."""
+
+    def __init__(self) -> None:
+        self.queued: list = []
+        self.stats = None
+
+    def check_fits(self, ids, params) -> None:
+        pass
+
+    def add_request(self, ids, params, request_id) -> None:
+        self.queued.append((ids, request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queued)
+
+    def step(self) -> list:
+        from llmcli.engine.outputs import CompletionOutput, RequestOutput
+
+        done, self.queued = self.queued, []
+        return [RequestOutput(rid, None, ids, [CompletionOutput(0, "x", [1], "length")]) for ids, rid in done]
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.lines: list = []
+
+    def put(self, position, make, outputs=None) -> None:
+        self.lines.append(make())
+
+    def drain(self) -> None:
+        pass
+
+    def __getattr__(self, name):  # progress: advance, update, finish, revise_budget
+        return lambda *args, **kwargs: None
+
+
+def test_a_record_of_many_completions_is_collected_in_linear_time():
+    import time
+
+    from llmcli.cli.io.prepare import PreparedRequest
+    from llmcli.cli.io.records import parse_line
+    from llmcli.cli.io.source import RawLine
+    from llmcli.cli.runner import Runner, StopFlag
+    from llmcli.sampling_params import SamplingParams
+
+    n = 20000  # the quadratic collection took minutes here (n=20,000: ~110 s in the adversarial run)
+    rec = parse_line(RawLine(1, b'{"prompt_token_ids": [5, 6], "n": 2}'))
+    item = PreparedRequest(rec, [5, 6], [SamplingParams(max_tokens=4)] * n)
+    sink = _Sink()
+    runner = Runner(_AllAtOnce(), sink, sink, model="m", include_token_ids=False, window=n, stop=StopFlag(),
+                    max_model_len=64)
+    started = time.perf_counter()
+    counts = runner.run(iter([(0, item)]))
+    assert time.perf_counter() - started < 10
+    assert counts.answered == 1 and len(sink.lines[0]["choices"]) == n
+
+
+def test_n_past_its_limit_and_integers_past_64_bits_are_that_records_errors(tmp_path):
+    from llmcli.sampling_params import INT64_MAX, MAX_N
+
+    good = {"prompt_token_ids": [5, 17, 42], "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+    bad = [{"n": MAX_N + 1}, {"n": 10_000_000}, {"seed": INT64_MAX + 1}, {"seed": INT64_MAX, "n": 2},
+           {"top_k": 2**63}, {"max_tokens": 2**63}, {"seed": 2**70}]
+    inp = tmp_path / "in.jsonl"
+    lines = [json_line({**good, **b}) for b in bad] + [json_line(good)]
+    lines.append(b'{"custom_id": "o", "url": "/v1/completions", "body": {"prompt": [5, 6], "max_tokens": 2, '
+                 b'"seed": 123456789012345678901234567890}}')
+    inp.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "out.jsonl"
+    refused = run(str(inp), "-o", str(out), timeout=60)
+    err = one_line_error(refused, 2, "in.jsonl:1: n: must be an integer from 1 to", "in.jsonl:3: seed:",
+                         "in.jsonl:5: top_k:", "in.jsonl:6: max_tokens:", "in.jsonl:9: body.seed:")
+    assert "an integer too large for 64 bits" in err and "1.2345678901234568e+29" not in err.split("too large")[0]
+    assert not out.exists()
+    result = run(str(inp), "-o", str(out), "-q", "--on-error", "skip", timeout=120)
+    assert result.returncode == 1, result.stderr.decode()
+    got = lines_of(out)
+    assert [("error" in line) or line.get("response", {}).get("status_code", 200) >= 400 for line in got] == \
+        [True] * len(bad) + [False, True]
+    again = run(str(inp), "-o", str(out), "-q", "--on-error", "skip", "--resume", timeout=120)
+    assert again.returncode == 1 and "Traceback" not in again.stderr.decode() and len(lines_of(out)) == len(got)
+
+
+@pytest.mark.parametrize("flag", [["--seed", str(2**63)], ["--top-k", str(2**63)], ["--n", "99999"]])
+def test_integer_flags_out_of_range_are_one_line(tmp_path, flag):
+    result = cli(["generate", str(quick_input(tmp_path / "in.jsonl")), "-o", str(tmp_path / "out.jsonl"),
+                  *command("")[5:], *flag])
+    assert result.exit_code == 2 and f"error: {flag[0]} must be" in result.stderr and "from" in result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def cli(args: list[str], **kwargs):
+    """The command in this process (start-up and the flag checks need no subprocess)."""
+    from typer.testing import CliRunner
+
+    from llmcli.cli.app import app
+
+    return CliRunner().invoke(app, args, **kwargs)
+
+
+def json_line(obj: dict) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()  # orjson refuses to write integers past 64 bits
+
+
+# -- 14: extreme but valid sampling values behave as their limits, or are refused with the range -----
+def test_a_tiny_temperature_or_top_p_gives_the_greedy_tokens(tmp_path):
+    import orjson
+
+    base = {"prompt_token_ids": [5, 17, 42], "max_tokens": 6, "ignore_eos": True}
+    cases = [{"temperature": 0}, {"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300, "seed": 3},
+             {"temperature": 1e-300}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"".join(orjson.dumps({**base, **c}) + b"\n" for c in cases))
+    out = tmp_path / "out.jsonl"
+    result = run(str(inp), "-o", str(out), "-q", "--include-token-ids", timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    greedy, *others = [line["token_ids"] for line in lines_of(out)]
+    assert len(greedy) == 6 and others == [greedy] * len(others)
+    huge = tmp_path / "huge.jsonl"
+    huge.write_bytes(orjson.dumps({**base, "temperature": 1e39}) + b"\n")
+    one_line_error(run(str(huge), "-o", str(tmp_path / "huge.out"), timeout=60), 2,
+                   "huge.jsonl:1: temperature: must be from 0 to 10000")

@@ -107,6 +107,10 @@ class Runner:
         self.counts = RunCounts()
         self._groups: dict[int, list[RequestOutput | None]] = {}
         self._requests: dict[int, PreparedRequest] = {}
+        # Per record: completions still running, and each one's token budget (computed once: a record of
+        # n completions must cost O(n), not O(n) per completion).
+        self._missing: dict[int, int] = {}
+        self._budgets: dict[int, list[int]] = {}
         self._inflight = 0
         self._exhausted = False
         self.rejected: list[InputRecord] = []  # records the engine refused when their turn came
@@ -168,6 +172,8 @@ class Runner:
                 continue  # siblings added before the rejection finish unseen: _collect ignores them
             self._groups[position] = [None] * len(item.params)
             self._requests[position] = item
+            self._missing[position] = len(item.params)
+            self._budgets[position] = self._budget(item)
             self._inflight += len(item.params)
 
     def _revise_guess(self, position: int, item: PreparedRequest | InputRecord) -> None:
@@ -182,15 +188,15 @@ class Runner:
         position, _, index = str(out.request_id).partition(".")
         position, index = int(position), int(index)
         group = self._groups.get(position)
-        if group is None:
+        if group is None or group[index] is not None:
             return
         group[index] = out
         self._inflight -= 1
         item = self._requests[position]
-        self.progress.advance(0, unused_tokens=max(0, self._budget(item)[index] - len(out.token_ids)))
-        if all(o is not None for o in group):
-            del self._requests[position]
-            del self._groups[position]
+        self.progress.advance(0, unused_tokens=max(0, self._budgets[position][index] - len(out.token_ids)))
+        self._missing[position] -= 1
+        if not self._missing[position]:
+            del self._requests[position], self._groups[position], self._missing[position], self._budgets[position]
             # Built in the writer's thread, after it has decoded the texts of a batch of outputs.
             make = lambda rec=item.record, outs=group: result_record(  # noqa: E731
                 rec, outs, model=self.model, include_token_ids=self.include_token_ids,

@@ -36,6 +36,7 @@ class Preparer:
         self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs; a record's own keys win
         self._longest_token: int | None = None
         self._params_cache: dict[tuple, list[SamplingParams] | FieldProblem] = {}
+        self._cached_params = 0
 
     def prepare(self, rec: InputRecord) -> PreparedRequest | None:
         """The request for ``rec``, or None after recording the problem in ``rec.error``."""
@@ -113,10 +114,13 @@ class Preparer:
             return self._build_params(rec)
         found = self._params_cache.get(key)
         if found is None:
-            if len(self._params_cache) >= 4096:
+            # Bounded by settings held, not records: a record of n=16384 holds that many.
+            if len(self._params_cache) >= 4096 or self._cached_params > 65536:
                 self._params_cache.clear()
+                self._cached_params = 0
             try:
                 found = self._build_params(rec)
+                self._cached_params += len(found)
             except FieldProblem as problem:
                 found = problem
             self._params_cache[key] = found

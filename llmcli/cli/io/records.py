@@ -139,9 +139,16 @@ def _take_sampling(src: dict[str, Any], prefix: str) -> dict[str, Any]:
         if name in src:
             value = src[name]
             if not check(value):
-                raise FieldProblem(prefix + name, f"must be {wanted}, got {_type_name(value)} {_short(value)}")
+                raise FieldProblem(prefix + name, f"must be {wanted}, got {_describe(value)}")
             found[name] = value
     return found
+
+
+def _describe(value: Any) -> str:
+    # JSON integers past 64 bits are read as floats: say so rather than blame a number the user never wrote.
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+        return f"an integer too large for 64 bits ({_short(value)})"
+    return f"{_type_name(value)} {_short(value)}"
 
 
 def _short(value: Any) -> str:
