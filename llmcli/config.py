@@ -17,6 +17,11 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GENERATION_CONFIGS = ("auto", "ignore")
+# Upper ends of the size knobs (README, reliability): past them host arrays, block ids (int32) or the
+# pool's size in bytes overflow, or the warm-up allocates more than any machine has.
+MAX_SIZES = {"max_num_batched_tokens": 1 << 24, "max_num_seqs": 1 << 16, "tensor_parallel_size": 1 << 10,
+             "kvcache_block_size": 1 << 16, "max_model_len": 1 << 24, "num_kvcache_blocks": (1 << 31) - 1}
+MAX_KV_CACHE_GIB = float(1 << 20)
 DECODE_GEMMS = ("cublas", "triton-silu", "triton")  # layers.linear.DECODE_GEMMS (config sits above the layers)
 
 
@@ -69,6 +74,7 @@ class Config:
 
         self._check_simple_fields()
         self.device = self._resolve_device()
+        self._check_host_memory()
         self.attention_backend = self._resolve_backend()
         self._check_block_size()
         if self.decode_gemm != "cublas" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -96,11 +102,15 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise self._fail(name, "must be a positive integer or None (derived automatically)")
+        for name, most in MAX_SIZES.items():
+            value = getattr(self, name)
+            if value is not None and value > most:
+                raise self._fail(name, f"must be an integer from 1 to {most}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise self._fail("gpu_memory_utilization", "must be in (0, 1], the share of device memory llmcli may use")
         if self.kv_cache_memory_gib is not None and not (math.isfinite(self.kv_cache_memory_gib)
-                                                         and self.kv_cache_memory_gib > 0):
-            raise self._fail("kv_cache_memory_gib", "must be a positive number of GiB")
+                                                         and 0 < self.kv_cache_memory_gib <= MAX_KV_CACHE_GIB):
+            raise self._fail("kv_cache_memory_gib", f"must be a positive number of GiB, at most {MAX_KV_CACHE_GIB:.0f}")
         if self.device not in DEVICES:
             raise self._fail("device", f"must be one of {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:
@@ -119,6 +129,18 @@ class Config:
                 raise self._fail(name, "must be true or false")
         if not isinstance(self.seed, int):
             raise self._fail("seed", "must be an integer")
+
+    def _check_host_memory(self) -> None:
+        """On CPU the pool is host memory: more than the machine has is known before anything loads."""
+        if self.device != "cpu" or self.kv_cache_memory_gib is None:
+            return
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return
+        if self.kv_cache_memory_gib * (1 << 30) > total:
+            raise self._fail("kv_cache_memory_gib", f"this machine has {total / (1 << 30):.2f} GiB of memory; "
+                                                    "ask for less")
 
     def _resolve_device(self) -> str:
         if self.device == "auto":

@@ -67,6 +67,9 @@ class LLM:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 done[out.request_id] = out
+        failed = next((rid for rid in sorted(done) if done[rid].error is not None), None)
+        if failed is not None:
+            raise GrammarError(f"prompt {failed[0]}: structured_outputs: {done[failed].error}")
         return [self._gather(i, texts[i], [done[(i, j)] for j in range(p.n)]) for i, p in enumerate(params)]
 
     def chat(

@@ -26,6 +26,10 @@ MAX_N = 16384
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e4
 MIN_TOP_P = 1e-6
 MIN_PENALTY, MAX_PENALTY = 1e-4, 1e4  # repetition_penalty divides or multiplies logits in float32
+# llguidance numbers a grammar's symbols in 16 bits: a choice of 70,000 strings panics at compile time, and
+# compile time grows with the size; these keep a constraint well inside both (README, structured outputs).
+MAX_CHOICES = 16384
+MAX_CONSTRAINT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,17 @@ class StructuredOutputsParams:
                 raise SamplingParamsError("SamplingParams.structured_outputs: choice must be a non-empty list of "
                                           "non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+            if len(self.choice) > MAX_CHOICES:
+                raise SamplingParamsError(f"SamplingParams.structured_outputs: choice holds {len(self.choice)} "
+                                          f"strings; at most {MAX_CHOICES} are supported")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise SamplingParamsError(f"SamplingParams.structured_outputs: {name} must be a non-empty string")
+        size = len(self.key.encode())
+        if size > MAX_CONSTRAINT_BYTES:
+            raise SamplingParamsError(f"SamplingParams.structured_outputs: the {self.kind.replace('_', ' ')} is "
+                                      f"{size} bytes; at most {MAX_CONSTRAINT_BYTES} (1 MiB) are supported")
 
     @property
     def kind(self) -> str:

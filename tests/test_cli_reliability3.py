@@ -226,3 +226,81 @@ def test_a_tiny_temperature_or_top_p_gives_the_greedy_tokens(tmp_path):
     huge.write_bytes(orjson.dumps({**base, "temperature": 1e39}) + b"\n")
     one_line_error(run(str(huge), "-o", str(tmp_path / "huge.out"), timeout=60), 2,
                    "huge.jsonl:1: temperature: must be from 0 to 10000")
+
+
+# -- 6: a constraint that fails at compile time is that record's error -------------------------------
+def test_a_constraint_failing_to_compile_is_that_records_error(tmp_path):
+    import orjson
+
+    base = {"max_tokens": 3, "temperature": 0}
+    records = [{"prompt": "a", **base, "guided_grammar": "start: <[99999999]>"},  # passes the tokenizer-free check
+               {"prompt": "b", **base},
+               {"prompt": "c", **base, "guided_choice": [f"c{i}" for i in range(70_000)]}]  # llguidance panicked
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    out = tmp_path / "out.jsonl"
+    result = run(str(inp), "-o", str(out), "--on-error", "skip", timeout=120)
+    err = one_line_error(result, 1, "in.jsonl:3: guided_choice: ", "at most 16384", "in.jsonl:1: guided_grammar: ")
+    assert "failed to compile" in err
+    got = lines_of(out)
+    assert [line["id"] for line in got] == [0, 1, 2] and "error" in got[0] and "error" in got[2]
+    assert got[0]["error"]["field"] == "guided_grammar" and got[1]["finish_reason"] == "length"
+    again = run(str(inp), "-o", str(out), "-q", "--on-error", "skip", "--resume", timeout=120)
+    assert again.returncode == 1 and "Traceback" not in again.stderr.decode() and len(lines_of(out)) == 3
+
+
+# -- 8: IN that is a pipe but not -, and - with stdin closed -----------------------------------------
+def test_a_fifo_as_in_is_read_like_stdin_and_a_closed_stdin_is_one_line(tmp_path):
+    import threading
+
+    fifo, out = tmp_path / "in.fifo", tmp_path / "out.jsonl"
+    os.mkfifo(fifo)
+    data = quick_input(tmp_path / "in.jsonl").read_bytes()
+    feeder = threading.Thread(target=lambda: fifo.write_bytes(data), daemon=True)
+    feeder.start()
+    result = run(str(fifo), "-o", str(out), "-q", timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    assert [line["id"] for line in lines_of(out)] == [0, 1, 2, 3]
+    closed = [sys.executable, "-c", "import os, sys; os.close(0); os.execv(sys.executable, sys.argv[1:])",
+              *command("-", "-o", str(tmp_path / "closed.jsonl"))]
+    result = subprocess.run(closed, env=env(), capture_output=True, timeout=60)
+    one_line_error(result, 2, "stdin is closed")
+
+
+# -- 9, 15: --config and --chat-template read as text, TOML values typed as the flags are -------------
+def test_config_files_in_utf16_or_with_wrong_types_or_bad_bytes(tmp_path):
+    inp, out = quick_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    args = ["generate", str(inp), "-o", str(out), *command("")[5:]]
+    typed = tmp_path / "typed.toml"
+    typed.write_text("max-tokens = true\n")
+    result = cli([*args, "--config", str(typed)])
+    assert result.exit_code == 2 and "max-tokens must be an integer, got true" in " ".join(result.stderr.split())
+    utf16 = tmp_path / "utf16.toml"
+    utf16.write_bytes("quiet = true\nmax-tokens = 1\n".encode("utf-16"))  # with its byte-order mark
+    result = cli([*args, "--config", str(utf16)])
+    assert result.exit_code == 0, result.stderr
+    assert [line["usage"]["completion_tokens"] for line in lines_of(out)] == [2, 2, 2, 2]  # records set 2
+    template = tmp_path / "template.jinja"
+    template.write_bytes(b"{{ messages[0]['content'] }}\xff")
+    result = cli([*args, "--chat-template", str(template), "--overwrite"])
+    assert result.exit_code == 2 and "not UTF-8 text" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- 11: engine sizes out of range are one line, before or (KV pool) right after loading --------------
+@pytest.mark.parametrize("flag, words", [
+    (["--max-num-seqs", "99999999999999999999999"], "--max-num-seqs must be an integer from 1 to"),
+    (["--num-kvcache-blocks", "99999999999999999999"], "--num-kvcache-blocks must be an integer from 1 to"),
+    (["--kvcache-block-size", "99999999999"], "--kvcache-block-size must be an integer from 1 to"),
+    (["--kv-cache-memory-gib", "1e30"], "--kv-cache-memory-gib must be a positive number of GiB, at most"),
+    (["--kv-cache-memory-gib", "100000"], "of memory; ask for less"),
+    (["--kv-cache-memory-gib", "0.000000001"], "the KV cache does not fit: no KV block fits"),
+])
+def test_engine_sizes_out_of_range_are_one_line(tmp_path, flag, words):
+    base = [a for a in command("")[5:]]
+    cut = base.index("--num-kvcache-blocks")
+    base = base[:cut] + base[cut + 2:]  # the flag under test sizes the pool
+    result = cli(["generate", str(quick_input(tmp_path / "in.jsonl")), "-o", str(tmp_path / "out.jsonl"),
+                  *base, *flag])
+    assert result.exit_code == 2 and words in " ".join(result.stderr.split()), result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert not (tmp_path / "out.jsonl").exists()

@@ -121,6 +121,7 @@ def _console() -> Console:
 def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
     from llmcli.config import ConfigError
+    from llmcli.engine.kv_cache import KVCacheAllocationError, KVCacheTooSmall
     from llmcli.scaleout.errors import DataParallelError
     from llmcli.parallel.tp_runner import TensorParallelError
     from llmcli.cli.flag_errors import flag_message
@@ -137,6 +138,9 @@ def _guarded(run: Callable[[], int]) -> None:
         raise typer.Exit(2) from None
     except (UsageError, ModelNotFoundError) as exc:
         say(console, f"error: {exc}")
+        raise typer.Exit(2) from None
+    except (KVCacheTooSmall, KVCacheAllocationError) as exc:  # the engine's sizes do not fit this machine
+        say(console, f"error: the KV cache does not fit: {exc}")
         raise typer.Exit(2) from None
     except (TensorParallelError, DataParallelError) as exc:
         say(console, f"error: {exc}")

@@ -30,7 +30,7 @@ from llmcli.cli.io.prepare import Preparer, PreparedRequest
 from llmcli.cli.io.reasoning import choose_parser
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.resume import ResumeState
-from llmcli.cli.io.source import InputFile, source_name
+from llmcli.cli.io.source import InputFile, is_stream, source_name, stdin_open
 from llmcli.cli.io.stream import Item, PreparedStream
 from llmcli.cli.io.writer import OutputWriteError, RecordWriter, open_sink, reserve_stdout
 from llmcli.cli.progress import GenerateProgress, GenerateSummary, say, summary_table
@@ -131,10 +131,24 @@ def _start_engine(opts: GenerateOptions, scale: Any, config: Any, tokenizer: Any
     return EngineStarter(build, in_thread=not (scale.enabled and scale.backend == "ray"))
 
 
+def _read_template(path: Path) -> str:
+    from llmcli.cli.text_files import TextFileError, read_text
+
+    try:
+        return read_text(path, f"--chat-template {path}")
+    except TextFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _open_input(path: str) -> InputFile:
     try:
         return InputFile(path)
+    except IsADirectoryError:
+        raise UsageError(f"IN {path} is a folder; give a JSONL file") from None
     except OSError as exc:
+        if path == "-":
+            raise UsageError(f"IN is - but stdin cannot be read ({exc.strerror or exc}); give IN as a file, "
+                             "or pipe the input in") from None
         raise UsageError(f"cannot read IN {path}: {exc.strerror or exc}") from None
 
 
@@ -181,9 +195,11 @@ def _generate(opts: GenerateOptions, console: Console, lock: OutputLock | None =
     started = time.perf_counter()
     scale = _scale_out(opts)
     resumed = check_out(opts.output, opts.input, opts.resume, opts.overwrite)
+    if opts.input == "-" and not stdin_open():
+        raise UsageError("IN is - but stdin is closed; give IN as a file, or pipe the input in")
     stdout = reserve_stdout() if opts.output == "-" else None
     config = _config(opts, scale)
-    chat_template = opts.chat_template.read_text() if opts.chat_template else None
+    chat_template = _read_template(opts.chat_template) if opts.chat_template else None
     # Batch encoding runs on the tokenizer's own threads; llmcli's worker processes are spawned, not forked.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     tokenizer_started = time.perf_counter()
@@ -192,7 +208,8 @@ def _generate(opts: GenerateOptions, console: Console, lock: OutputLock | None =
     except Exception as exc:  # only an explicit --tokenizer raises
         raise UsageError(f"--tokenizer {config.tokenizer} could not be loaded: {exc}") from None
     tokenizer_s = time.perf_counter() - tokenizer_started
-    source = _open_input(opts.input) if opts.input != "-" else None  # a missing IN: no engine started
+    # A missing IN: no engine started. stdin or a pipe is copied while the engine starts.
+    source = _open_input(opts.input) if not is_stream(opts.input) else None
     starter = _start_engine(opts, scale, config, tokenizer)
     stream: PreparedStream | None = None
     try:

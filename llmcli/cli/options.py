@@ -112,9 +112,37 @@ def _flag_to_param(command: Any) -> dict[str, str]:
     return table
 
 
+def _typed(path: Path, key: str, value: Any, param: Any) -> Any:
+    """``value`` if it has the type the flag takes: the option parser would turn ``true`` into 1 for an
+    integer flag, or a number into a string."""
+    import enum
+    import typing
+
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    many = typing.get_origin(annotation) in (list, tuple)
+    if many:
+        annotation = (typing.get_args(annotation) or (None,))[0]
+    if annotation is bool:
+        ok, wanted = (lambda v: isinstance(v, bool)), "true or false"
+    elif annotation is int:
+        ok, wanted = (lambda v: isinstance(v, int) and not isinstance(v, bool)), "an integer"
+    elif annotation is float:
+        ok, wanted = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+    elif annotation in (str, Path) or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
+        ok, wanted = (lambda v: isinstance(v, str)), "a string"
+    else:
+        return value  # a type of its own, which checks what it converts
+    if not (all(map(ok, value)) if many and isinstance(value, list) else ok(value)):
+        wanted = f"{wanted} (or a list of them)" if many else wanted
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise typer.BadParameter(f"{path}: {key} must be {wanted}, got {shown}")
+    return value
+
+
 def _toml_defaults(path: Path, data: dict[str, Any], command: str, own: Any, commands: dict[str, Any]) -> dict:
     """The defaults ``data`` gives ``command``; a key or table no command knows is an error for every command."""
     known = _flag_to_param(own)
+    params = {param.name: param for param in own.params}
     defaults, unknown = {}, []
     for key, item in data.items():
         if isinstance(item, dict):
@@ -133,14 +161,14 @@ def _toml_defaults(path: Path, data: dict[str, Any], command: str, own: Any, com
         if name is None or name == "config":
             unknown.append(key)
         else:
-            defaults[name] = item
+            defaults[name] = _typed(path, key, item, params[name])
     section = data.get(command, {})
     for key, item in (section.items() if isinstance(section, dict) else ()):
         name = known.get(key.replace("-", "_"))
         if name is None or name == "config":
             unknown.append(f"[{command}] {key}")
         else:
-            defaults[name] = item
+            defaults[name] = _typed(path, f"[{command}] {key}", item, params[name])
     if unknown:
         raise typer.BadParameter(f"{path}: unknown key(s) for `llmcli {command}`: {', '.join(sorted(unknown))}")
     return defaults
@@ -150,9 +178,13 @@ def load_toml_defaults(ctx: typer.Context, value: Optional[Path]) -> Optional[Pa
     """Eager callback: top-level keys and the command's own [table] become defaults that flags override."""
     if value is None or ctx.resilient_parsing:
         return value
+    from llmcli.cli.text_files import TextFileError, read_text
+
     try:
-        data = tomllib.loads(Path(value).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(read_text(value, str(value)))
+    except TextFileError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except tomllib.TOMLDecodeError as exc:
         raise typer.BadParameter(f"cannot read {value}: {exc}") from None
     group = ctx.parent.command if ctx.parent is not None else None
     commands = dict(getattr(group, "commands", {}) or {})

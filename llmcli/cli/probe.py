@@ -95,7 +95,7 @@ def render(r: MemoryReport, hint: str | None, console: Console) -> None:
 def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_json: bool) -> int:
     """Exit code 0 when the KV pool has blocks, 1 when it would be empty (the engine could not start)."""
     from llmcli.config import Config
-    from llmcli.engine.kv_cache import KVCacheTooSmall
+    from llmcli.engine.kv_cache import KVCacheAllocationError, KVCacheTooSmall
     from llmcli.engine.llm_engine import LLMEngine
 
     stdout = reserve_stdout() if as_json else None  # the JSON object must be all that stdout carries
@@ -103,7 +103,7 @@ def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_jso
     startup: dict[str, float] = {}  # seconds per start-up phase (none when start-up failed)
     try:
         engine = LLMEngine(config)
-    except KVCacheTooSmall as exc:
+    except (KVCacheTooSmall, KVCacheAllocationError) as exc:
         # The plan is what the user came for, even (especially) when it does not fit.
         report = getattr(exc, "report", None)
         if report is None:

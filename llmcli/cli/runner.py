@@ -110,6 +110,7 @@ class Runner:
         # Per record: completions still running, and each one's token budget (computed once: a record of
         # n completions must cost O(n), not O(n) per completion).
         self._missing: dict[int, int] = {}
+        self._ids: dict[str, tuple[int, int]] = {}  # engine request id -> (position, completion index)
         self._budgets: dict[int, list[int]] = {}
         self._inflight = 0
         self._exhausted = False
@@ -163,7 +164,10 @@ class Runner:
                     for params in item.params:
                         self.engine.check_fits(item.prompt_token_ids, params)
                 for i, params in enumerate(item.params):
-                    self.engine.add_request(item.prompt_token_ids, params, request_id=f"{position}.{i}")
+                    # The id names the record as the user knows it (the engine's warnings quote it).
+                    rid = f"line {item.record.line}" + (f" completion {i}" if len(item.params) > 1 else "")
+                    self._ids[rid] = (position, i)
+                    self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
             except RequestRejected as exc:  # can never run with this model or KV pool
                 item.record.fail(too_big_field(self.engine, item), str(exc))
                 budget = self._budget(item)
@@ -185,14 +189,25 @@ class Runner:
         self._pending_seqs += (len(item.params) if isinstance(item, PreparedRequest) else 0) - 1
 
     def _collect(self, out: RequestOutput) -> None:
-        position, _, index = str(out.request_id).partition(".")
-        position, index = int(position), int(index)
+        found = self._ids.pop(out.request_id, None)
+        if found is None:
+            return
+        position, index = found
         group = self._groups.get(position)
         if group is None or group[index] is not None:
             return
         group[index] = out
         self._inflight -= 1
         item = self._requests[position]
+        if out.error is not None:  # the record's error (its siblings, still running, finish unseen)
+            self._inflight -= self._missing[position] - 1
+            del self._requests[position], self._groups[position], self._missing[position], self._budgets[position]
+            kind = item.params[0].structured_outputs.kind.replace("_", " ")
+            item.record.fail(item.record.structured_field or item.record.field_name("structured_outputs"),
+                             f"invalid {kind}: {out.error}")
+            self.rejected.append(item.record)
+            self._write_error(position, item.record, unused=sum(self._budget(item)))
+            return
         self.progress.advance(0, unused_tokens=max(0, self._budgets[position][index] - len(out.token_ids)))
         self._missing[position] -= 1
         if not self._missing[position]:

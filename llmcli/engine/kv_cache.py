@@ -23,6 +23,10 @@ class KVCacheTooSmall(RuntimeError):
         self.report = report
 
 
+class KVCacheAllocationError(RuntimeError):
+    """The planned KV pool could not be allocated (the device or host has less memory than asked for)."""
+
+
 def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
 
@@ -55,7 +59,13 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
     num_blocks = config.num_kvcache_blocks or max(0, available // per_block)
     if config.num_kvcache_blocks:
         notes.append("num_kvcache_blocks was set explicitly; the probe's figure was not used")
-    if num_blocks == 0:
+    if device.type == "cpu" and total and num_blocks * per_block > total:
+        # Host memory is overcommitted: the allocation could succeed and the run be killed when it fills.
+        knob = "num_kvcache_blocks" if config.num_kvcache_blocks else "kv_cache_memory_gib"
+        notes.append(f"a KV pool of {num_blocks} blocks is {num_blocks * per_block / GIB:.2f} GiB, more than this "
+                     f"machine's {total / GIB:.2f} GiB of memory; lower {knob}")
+        num_blocks = 0
+    elif num_blocks == 0:
         short = per_block - available
         knob = ("gpu_memory_utilization (raise it), max_num_batched_tokens or max_num_seqs (lower them)"
                 if device.type == "cuda" else "kv_cache_memory_gib or num_kvcache_blocks")
@@ -76,7 +86,14 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    cache = torch.empty(2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    try:
+        cache = torch.empty(2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                            device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        size = 2 * len(layers) * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KVCacheAllocationError(f"cannot allocate the KV cache ({num_blocks} blocks, {size / GIB:.2f} GiB on "
+                                     f"{device}): {why}; lower num_kvcache_blocks or kv_cache_memory_gib") from None
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
     return cache

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one scheduler step at a time, finished outputs out."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -135,8 +136,12 @@ class LLMEngine:
         start = time.perf_counter()
         if self.structured is not None and self.structured.num_compiling:
             idle = not self.scheduler.has_unfinished() and self.inflight is None
-            for seq in self.structured.ready(block=idle):
+            ready, failed = self.structured.ready(block=idle)
+            for seq in ready:
                 self.scheduler.add(seq)
+            for seq, error in failed:  # never scheduled: it holds no blocks
+                seq.finish_reason = "error"
+                self._finished_early.append(dataclasses.replace(self._output(seq), error=error))
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:

@@ -58,6 +58,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None (no context), as vLLM
     finished: bool = True
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None  # the request could not run (its constraint failed to compile); no completion
 
     @classmethod
     def single(cls, request_id: Any, prompt_token_ids: list[int], token_ids: list[int], text: str,

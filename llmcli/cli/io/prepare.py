@@ -171,19 +171,32 @@ class Preparer:
     @staticmethod
     def _text_bytes(rec: InputRecord) -> int:
         if rec.kind == "messages":
-            return sum(len(m["content"].encode()) for m in rec.prompt)
+            # Every string of a conversation may be rendered (roles, extra keys, template variables), not
+            # only the contents.
+            return _string_bytes(rec.prompt) + _string_bytes(rec.chat_template_kwargs)
         return len(rec.prompt.encode())
 
+    def _too_big(self, rec: InputRecord) -> str | None:
+        """Why ``rec``'s text can never fit, known without rendering or tokenizing it; None if it may."""
+        if rec.kind == "messages" and len(rec.prompt) > self.max_model_len:
+            # No template worth using renders a message as less than one token.
+            return (f"holds {len(rec.prompt)} messages, more than max_model_len={self.max_model_len} tokens "
+                    "can hold")
+        size = self._text_bytes(rec)
+        if size > self._byte_limit():
+            what = "the conversation's strings are" if rec.kind == "messages" else "prompt is"
+            return (f"{what} {size} bytes, too long for max_model_len={self.max_model_len} "
+                    f"at any tokenization (no token is longer than {self._longest_token} bytes)")
+        return None
+
     def _fits_in_bytes(self, rec: InputRecord) -> bool:
-        return self._text_bytes(rec) <= self._byte_limit()
+        return self._too_big(rec) is None
 
     def _check_bytes(self, rec: InputRecord) -> None:
         """Refuse text that can never fit before tokenizing it (a 10 MB prompt takes seconds and GBs to encode)."""
-        size = self._text_bytes(rec)
-        if size > self._byte_limit():
-            raise FieldProblem(rec.prompt_field(),
-                               f"prompt is {size} bytes, too long for max_model_len={self.max_model_len} "
-                               f"at any tokenization (no token is longer than {self._longest_token} bytes)")
+        why = self._too_big(rec)
+        if why is not None:
+            raise FieldProblem(rec.prompt_field(), why)
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
         """Token ids of whole prompts (no special tokens added: a chat template already wrote any it wants).
@@ -233,3 +246,18 @@ class Preparer:
                 except Exception as exc:  # noqa: BLE001
                     found[i] = FieldProblem(recs[i].prompt_field(), f"the chat template failed: {exc}")
         return found  # type: ignore[return-value]
+
+
+def _string_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string (keys too) in nested dicts and lists (walked without recursion)."""
+    total, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node.encode(errors="surrogatepass"))
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return total

@@ -10,6 +10,9 @@ from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_alias
 from llmcli.cli.io.source import RawLine
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+# Deepest nesting a record may hold (README, reliability): the input fingerprint and the constraint
+# compiler recurse, and orjson writes no more than 254 levels.
+MAX_DEPTH = 128
 OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -319,6 +322,29 @@ def _openai_prompt(prompt: Any) -> tuple[str, Any]:
     return "prompt", _check_text(prompt, name)
 
 
+def _json_problem(data: bytes, exc: orjson.JSONDecodeError) -> str:
+    if "not valid UTF-8" in str(exc):  # orjson says "surrogates not allowed" for any bad byte
+        try:
+            data.decode()
+        except UnicodeDecodeError as bad:
+            return (f"not valid UTF-8 (byte {bad.start + 1} of the line, {data[bad.start:bad.start + 1]!r}); "
+                    "save the file as UTF-8")
+    return f"not valid JSON ({exc})"
+
+
+def _too_deep(obj: dict[str, Any]) -> str | None:
+    """The top-level field holding values nested past MAX_DEPTH, if any (walked without recursion)."""
+    for name, value in obj.items():
+        stack = [(value, 2)]  # the record itself is level 1
+        while stack:
+            node, depth = stack.pop()
+            if depth > MAX_DEPTH:
+                return name
+            values = node.values() if isinstance(node, dict) else node
+            stack.extend((v, depth + 1) for v in values if isinstance(v, (dict, list)))
+    return None
+
+
 def parse_line(raw: RawLine) -> InputRecord:
     """Parse one input line. Problems are recorded in ``.error``, never raised."""
     index = raw.number - 1
@@ -326,10 +352,15 @@ def parse_line(raw: RawLine) -> InputRecord:
     try:
         obj = orjson.loads(raw.data)
     except orjson.JSONDecodeError as exc:
-        rec.fail(None, f"not valid JSON ({exc})")
+        rec.fail(None, _json_problem(raw.data, exc))
         return rec
     if not isinstance(obj, dict):
         rec.fail(None, f"must be a JSON object, got {_type_name(obj)}")
+        return rec
+    # Nesting deeper than MAX_DEPTH needs more brackets than that: most lines are not walked at all.
+    deep = _too_deep(obj) if raw.data.count(b"{") + raw.data.count(b"[") > MAX_DEPTH else None
+    if deep is not None:
+        rec.fail(deep, f"is nested more than {MAX_DEPTH} levels deep, which llmcli does not accept")
         return rec
     try:
         if "custom_id" in obj or "body" in obj:

@@ -1,12 +1,15 @@
 """Reading the input: a file or stdin, as numbered raw lines."""
 from __future__ import annotations
 
+import errno
+import os
 import shutil
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 
 @dataclass
@@ -20,6 +23,26 @@ class RawLine:
 def source_name(path: str) -> str:
     """How error messages name the input."""
     return "<stdin>" if path == "-" else path
+
+
+def is_stream(path: str) -> bool:
+    """IN is read once as it comes (stdin, a pipe, a device), not a file that can be read twice."""
+    if path == "-":
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode) and not stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError:
+        return False  # opening it says what is wrong
+
+
+def stdin_open() -> bool:
+    if sys.stdin is None:  # Python saw fd 0 closed at start-up (`<&-`)
+        return False
+    try:
+        os.fstat(sys.stdin.fileno())
+    except (AttributeError, OSError, ValueError):
+        return hasattr(sys.stdin, "buffer")  # a test runner's stand-in has no descriptor but can be read
+    return True
 
 
 def read_lines(path: str) -> list[RawLine]:
@@ -42,17 +65,30 @@ def read_lines(path: str) -> list[RawLine]:
 class InputFile:
     """The input as a seekable file, read twice: once to check every line, once to run them in chunks.
 
-    stdin cannot be read twice, so it is first copied to a temporary file
-    (deleted on close). Neither pass holds the whole input in memory.
+    stdin, and an IN that is a pipe (a FIFO, ``<(zcat in.jsonl.gz)``, /dev/stdin), cannot be read twice,
+    so it is first copied to a temporary file (deleted on close). Neither pass holds the whole input in
+    memory.
     """
 
     def __init__(self, path: str) -> None:
         if path == "-":
-            self._file = tempfile.TemporaryFile(prefix="llmcli-stdin-")
-            shutil.copyfileobj(sys.stdin.buffer, self._file, 1 << 20)
-            self._file.seek(0)
-        else:
-            self._file = open(Path(path), "rb")
+            if sys.stdin is None:
+                raise OSError(errno.EBADF, "stdin is closed")
+            self._file = self._spool(sys.stdin.buffer)
+            return
+        file = open(Path(path), "rb")
+        if file.seekable():
+            self._file = file
+            return
+        with file:
+            self._file = self._spool(file)
+
+    @staticmethod
+    def _spool(stream: BinaryIO) -> BinaryIO:
+        copy = tempfile.TemporaryFile(prefix="llmcli-stdin-")
+        shutil.copyfileobj(stream, copy, 1 << 20)
+        copy.seek(0)
+        return copy
 
     def lines(self) -> Iterator[tuple[RawLine, int]]:
         """Every non-blank line with the byte offset where it starts, in order."""

@@ -74,7 +74,12 @@ class GrammarCompiler:
         start = time.perf_counter()
         if entry.text is None:
             entry.text = grammar_text(spec)
-        matcher = load_llguidance().LLMatcher(tokenizer, entry.text, log_level=0, limits=parser_limits())
+        try:
+            matcher = load_llguidance().LLMatcher(tokenizer, entry.text, log_level=0, limits=parser_limits())
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - llguidance's Rust panics (a grammar past its symbol limit)
+            raise GrammarError(" ".join(str(exc).split())[:300] or type(exc).__name__) from None
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         self.compile_seconds.setdefault(spec.key, time.perf_counter() - start)

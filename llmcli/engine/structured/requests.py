@@ -10,7 +10,6 @@ import torch
 
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.structured.compiler import GrammarCompiler
-from llmcli.engine.structured.grammar import GrammarError
 from llmcli.engine.structured.masks import ConstrainedBatch
 
 log = logging.getLogger("llmcli")
@@ -31,19 +30,23 @@ class StructuredRequests:
     def add(self, seq: Sequence) -> None:
         self.compiling.append((seq, self.compiler.submit(seq.params.structured_outputs)))
 
-    def ready(self, block: bool) -> list[Sequence]:
-        """The requests whose grammar is compiled, each with its own matcher; ``block``: wait for one first
-        (when nothing else could run, so that the step loop does not spin)."""
+    def ready(self, block: bool) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+        """The requests whose grammar is compiled, each with its own matcher, and those whose grammar failed
+        to compile with why (that request's error, not the run's); ``block``: wait for one first (when
+        nothing else could run, so that the step loop does not spin)."""
         if block and self.compiling:
             wait([f for _, f in self.compiling], timeout=5.0, return_when=FIRST_COMPLETED)
         done, self.compiling = ([(s, f) for s, f in self.compiling if f.done()],
                                 [(s, f) for s, f in self.compiling if not f.done()])
+        ready, failed = [], []
         for seq, future in done:
             error = future.exception()
             if error is not None:
-                raise GrammarError(f"request {seq.request_id!r}: its constraint failed to compile: {error}")
-            seq.matcher = future.result().deep_copy()
-        return [seq for seq, _ in done]
+                failed.append((seq, f"its constraint failed to compile: {error}"))
+            else:
+                seq.matcher = future.result().deep_copy()
+                ready.append(seq)
+        return ready, failed
 
     def fill(self, seqs: list[Sequence], pinned: bool) -> torch.Tensor | None:
         return self.masks.fill(seqs, pinned)
