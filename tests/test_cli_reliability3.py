@@ -304,3 +304,31 @@ def test_engine_sizes_out_of_range_are_one_line(tmp_path, flag, words):
     assert result.exit_code == 2 and words in " ".join(result.stderr.split()), result.stderr
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# -- 4, 7: what a conversation renders is measured first; deep nesting is an input error ---------------
+def test_huge_roles_many_messages_and_deep_nesting_are_refused_before_rendering(tmp_path):
+    import time
+
+    import orjson
+
+    deep: dict = {}
+    node = deep
+    for _ in range(300):  # past orjson's 254 levels: the fingerprint crashed
+        node["a"] = {}
+        node = node["a"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"\n".join([
+        orjson.dumps({"messages": [{"role": "r" * 20_000_000, "content": "hi"}]}),
+        orjson.dumps({"messages": [{"role": "user", "content": ""}] * 300_000}),
+        b'{"messages": [{"role": "user", "content": "x", "extra": ' + b'{"a": ' * 300 + b'1' + b'}' * 300 + b'}]}',
+        b'{"prompt": "x", "guided_json": ' + b'{"items": ' * 200 + b'{}' + b'}' * 200 + b'}',
+        b'{"prompt": "caf\xe9"}',
+    ]) + b"\n")
+    started = time.monotonic()
+    result = run(str(inp), "-o", str(tmp_path / "out.jsonl"), timeout=120)
+    err = one_line_error(result, 2, "in.jsonl:1: messages: the conversation's strings are",
+                         "in.jsonl:2: messages: holds 300000 messages", "in.jsonl:3: messages: is nested more than",
+                         "in.jsonl:4: guided_json: is nested more than", "in.jsonl:5: not valid UTF-8 (byte 16")
+    assert "surrogates" not in err
+    assert time.monotonic() - started < 60  # rendering and tokenizing them took 31-40 s each
