@@ -22,6 +22,47 @@ GENERATION_CONFIGS = ("auto", "ignore")
 MAX_SIZES = {"max_num_batched_tokens": 1 << 24, "max_num_seqs": 1 << 16, "tensor_parallel_size": 1 << 10,
              "kvcache_block_size": 1 << 16, "max_model_len": 1 << 24, "num_kvcache_blocks": (1 << 31) - 1}
 MAX_KV_CACHE_GIB = float(1 << 20)
+
+# Every numeric LLMCLI_* environment variable, parsed here (``env_number``) and checked at once by the CLI's
+# start-up (``check_environment``): a bad value is one line naming it, not a traceback mid-run.
+# name -> (type, least value, what it is)
+ENV_NUMBERS: dict[str, tuple[type, float, str]] = {
+    "LLMCLI_CHECK_AHEAD": (int, 1, "records prepared before the first token"),
+    "LLMCLI_MASK_THREADS": (int, 1, "threads filling structured-output masks"),
+    "LLMCLI_TP_SHM_MIB": (int, 1, "MiB of the tensor-parallel shared-memory payload"),
+    "LLMCLI_TP_HEARTBEAT_S": (float, 0, "seconds a silent tensor-parallel rank is waited for"),
+    "LLMCLI_TP_TIMEOUT_S": (float, 0, "seconds a tensor-parallel collective may take"),
+    "LLMCLI_TP_EXIT_GRACE_S": (float, 0, "seconds tensor-parallel workers get to exit"),
+    "LLMCLI_DP_START_TIMEOUT_S": (float, 0, "seconds a data-parallel replica may take to start"),
+}
+
+
+class EnvError(ValueError):
+    """An LLMCLI_* environment variable has a value llmcli cannot use; the message names it."""
+
+
+def env_number(name: str, default: float) -> Any:
+    """The value of the numeric variable ``name`` (one of ENV_NUMBERS), or ``default`` when it is unset."""
+    kind, least, what = ENV_NUMBERS[name]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    strict = kind is float  # seconds must be above 0; counts at least their least value
+    if value is None or (kind is float and not math.isfinite(value)) or value < least or (strict and value == least):
+        wanted = "a whole number" if kind is int else "a number"
+        bound = f"above {least:g}" if strict else f"at least {least:g}"
+        raise EnvError(f"environment variable {name}={raw!r}: must be {wanted} {bound} ({what}); fix or unset it")
+    return value
+
+
+def check_environment() -> None:
+    """Raise EnvError for the first LLMCLI_* variable set to a value llmcli cannot use."""
+    for name in ENV_NUMBERS:
+        env_number(name, 0)
 DECODE_GEMMS = ("cublas", "triton-silu", "triton")  # layers.linear.DECODE_GEMMS (config sits above the layers)
 
 

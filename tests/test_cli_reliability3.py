@@ -332,3 +332,14 @@ def test_huge_roles_many_messages_and_deep_nesting_are_refused_before_rendering(
                          "in.jsonl:4: guided_json: is nested more than", "in.jsonl:5: not valid UTF-8 (byte 16")
     assert "surrogates" not in err
     assert time.monotonic() - started < 60  # rendering and tokenizing them took 31-40 s each
+
+
+# -- 13: bad LLMCLI_* values are one line naming the variable, before anything starts -----------------
+@pytest.mark.parametrize("name, value", [("LLMCLI_CHECK_AHEAD", "abc"), ("LLMCLI_MASK_THREADS", "abc"),
+                                         ("LLMCLI_TP_HEARTBEAT_S", "abc"), ("LLMCLI_TP_SHM_MIB", "0"),
+                                         ("LLMCLI_DP_START_TIMEOUT_S", "abc")])
+def test_bad_environment_values_are_one_line(tmp_path, name, value):
+    result = cli(["generate", str(quick_input(tmp_path / "in.jsonl")), "-o", str(tmp_path / "out.jsonl"),
+                  *command("")[5:]], env={name: value})
+    assert result.exit_code == 2 and f"error: environment variable {name}={value!r}: must be" in result.stderr
+    assert not (tmp_path / "out.jsonl").exists()

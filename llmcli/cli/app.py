@@ -120,7 +120,7 @@ def _console() -> Console:
 
 def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
-    from llmcli.config import ConfigError
+    from llmcli.config import ConfigError, EnvError, check_environment
     from llmcli.engine.kv_cache import KVCacheAllocationError, KVCacheTooSmall
     from llmcli.scaleout.errors import DataParallelError
     from llmcli.parallel.tp_runner import TensorParallelError
@@ -131,7 +131,11 @@ def _guarded(run: Callable[[], int]) -> None:
 
     console = _console()
     try:
+        check_environment()
         code = run()
+    except EnvError as exc:
+        say(console, f"error: {exc}")
+        raise typer.Exit(2) from None
     except (ConfigError, SamplingParamsError) as exc:
         # Raised only by command-line (or --config) values here: name the flag, not the Python field.
         say(console, f"error: {flag_message(str(exc))}")

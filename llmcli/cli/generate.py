@@ -37,6 +37,7 @@ from llmcli.cli.progress import GenerateProgress, GenerateSummary, say, summary_
 from llmcli.cli.runner import BudgetGuess, Runner, StopFlag, token_budget
 from llmcli.cli.startup import EngineStarter
 from llmcli.cli.usage_error import UsageError
+from llmcli.config import env_number
 from llmcli.models.hub import load_tokenizer
 
 __all__ = ["GenerateOptions", "UsageError", "run_generate"]
@@ -44,7 +45,7 @@ __all__ = ["GenerateOptions", "UsageError", "run_generate"]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 # Records prepared (tokenized, length-checked) before the first token: with --on-error fail a problem among
 # them still means exit 2 and nothing generated. Later records are checked when the stream reaches them.
-CHECK_AHEAD = int(os.environ.get("LLMCLI_CHECK_AHEAD", "16384"))
+CHECK_AHEAD = 16384  # LLMCLI_CHECK_AHEAD overrides
 
 
 @dataclass
@@ -237,7 +238,7 @@ def _generate(opts: GenerateOptions, console: Console, lock: OutputLock | None =
         # Chunks big enough for batch encoding, and a few of them ahead of what the engine holds waiting.
         window = 2 * config.max_num_seqs * opts.data_parallel_size
         stream = PreparedStream(source, index, preparer, chunk=min(1024, max(64, window)), ahead=4)
-        ahead = stream.take(CHECK_AHEAD)
+        ahead = stream.take(env_number("LLMCLI_CHECK_AHEAD", CHECK_AHEAD))
         found = [item for position, item in ahead if isinstance(item, InputRecord) and position not in index.bad]
         if found:  # prompts too long once tokenized, chat templates that fail
             report_errors(console, name, found, opts.max_errors_shown)

@@ -46,14 +46,9 @@ class PayloadTooLarge(RuntimeError):
 
 def payload_bytes_from_env() -> int:
     """Payload area size: ``LLMCLI_TP_SHM_MIB`` MiB (default 32)."""
-    raw = os.environ.get("LLMCLI_TP_SHM_MIB", "")
-    try:
-        mib = int(raw) if raw else DEFAULT_PAYLOAD_MIB
-    except ValueError:
-        raise ValueError(f"LLMCLI_TP_SHM_MIB={raw!r} must be a whole number of MiB") from None
-    if mib < 1:
-        raise ValueError(f"LLMCLI_TP_SHM_MIB={raw!r} must be at least 1")
-    return mib << 20
+    from llmcli.config import env_number
+
+    return int(env_number("LLMCLI_TP_SHM_MIB", DEFAULT_PAYLOAD_MIB)) << 20
 
 
 @dataclass

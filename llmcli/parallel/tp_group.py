@@ -37,14 +37,9 @@ class TensorParallelError(RuntimeError):
 
 
 def env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
+    from llmcli.config import env_number
+
+    return float(env_number(name, default))
 
 
 class Group:

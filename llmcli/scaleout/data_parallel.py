@@ -75,12 +75,9 @@ class ScaleOut:
 
 
 def start_timeout_s() -> float:
-    raw = os.environ.get("LLMCLI_DP_START_TIMEOUT_S", "")
-    try:
-        value = float(raw) if raw else 900.0
-    except ValueError:
-        raise ValueError(f"LLMCLI_DP_START_TIMEOUT_S={raw!r} must be a number of seconds") from None
-    return value if value > 0 else 900.0
+    from llmcli.config import env_number
+
+    return float(env_number("LLMCLI_DP_START_TIMEOUT_S", 900.0))
 
 
 def driver_config(engine_kwargs: dict[str, Any], scale: ScaleOut) -> Config:

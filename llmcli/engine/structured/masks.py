@@ -18,8 +18,11 @@ PARALLEL_ROWS = 32  # from this many constrained rows on, llguidance's thread po
 def mask_threads() -> int:
     """Threads of llguidance's pool: every core this process may use (the step loop waits during a fill).
     ``LLMCLI_MASK_THREADS`` overrides."""
-    if os.environ.get("LLMCLI_MASK_THREADS"):
-        return max(1, int(os.environ["LLMCLI_MASK_THREADS"]))
+    from llmcli.config import env_number
+
+    chosen = env_number("LLMCLI_MASK_THREADS", None)
+    if chosen is not None:
+        return chosen
     try:
         return max(1, min(32, len(os.sched_getaffinity(0))))
     except AttributeError:  # pragma: no cover - not Linux
