@@ -343,3 +343,16 @@ def test_bad_environment_values_are_one_line(tmp_path, name, value):
                   *command("")[5:]], env={name: value})
     assert result.exit_code == 2 and f"error: environment variable {name}={value!r}: must be" in result.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# -- 12: bench and probe-memory check where the result goes first, and never lose it to a failed write ---
+def test_bench_checks_its_destination_first_and_keeps_a_result_it_cannot_write(tmp_path):
+    bench = ["bench", *command("")[5:], "--load-format", "dummy", "--num-prompts", "2", "--input-len", "4",
+             "--output-len", "2", "--warmup", "0"]
+    result = cli([*bench, "--output", str(tmp_path / "missing" / "x.json")])
+    assert result.exit_code == 2 and "does not exist" in result.stderr and "bench:" not in result.stderr
+    result = cli([*bench, "--seed", str(10**20)])
+    assert result.exit_code == 2 and "--seed must be an integer from 0 to" in result.stderr
+    result = cli([*bench, "--output", "/dev/full"])
+    assert result.exit_code == 1 and "No space left on device" in result.stderr
+    assert '"output_tokens":4' in result.stderr  # the result itself, on stderr

@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
 from rich.console import Console
 from rich.table import Table
 
@@ -143,7 +142,12 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
                       output: Path | None) -> int:
     from llmcli.config import Config
     from llmcli.cli.generate import UsageError
+    from llmcli.cli.results import check_destination, deliver
+    from llmcli.sampling_params import INT64_MAX
 
+    check_destination(output, as_json)
+    if not 0 <= w.seed <= INT64_MAX - 1:  # the warm-up uses seed + 1
+        raise UsageError(f"--seed must be an integer from 0 to {INT64_MAX - 1}, got {w.seed}")
     stdout = reserve_stdout() if as_json else None  # the JSON object must be all that stdout carries
     config = Config(**engine_kwargs)
     longest = w.prefix_len + w.input_len[1] + w.output_len[1]
@@ -188,12 +192,6 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         "workload": {**asdict(w), "ignore_eos": True},
         "engine": {name: getattr(config, name) for name in Config.knob_names()},
     }
-    blob = orjson.dumps(result, option=orjson.OPT_INDENT_2, default=str)
-    if output is not None:
-        output.write_bytes(blob + b"\n")
-    if stdout is not None:
-        stdout.write(orjson.dumps(result, default=str) + b"\n")
-        stdout.flush()
-    else:
+    if stdout is None:
         render(result, Console(emoji=False, markup=False, highlight=False))
-    return 0
+    return deliver(result, output, stdout, console)

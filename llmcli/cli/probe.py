@@ -4,12 +4,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import orjson
 from rich.console import Console
 from rich.text import Text
 
 from llmcli.engine.outputs import MemoryReport
 from llmcli.cli.io.writer import reserve_stdout
+from llmcli.cli.results import check_destination, deliver
 from llmcli.cli.progress import key_value_table, say
 
 GIB = 1 << 30
@@ -98,6 +98,7 @@ def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_jso
     from llmcli.engine.kv_cache import KVCacheAllocationError, KVCacheTooSmall
     from llmcli.engine.llm_engine import LLMEngine
 
+    check_destination(None, as_json)
     stdout = reserve_stdout() if as_json else None  # the JSON object must be all that stdout carries
     config = Config(**engine_kwargs)
     startup: dict[str, float] = {}  # seconds per start-up phase (none when start-up failed)
@@ -108,7 +109,7 @@ def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_jso
         report = getattr(exc, "report", None)
         if report is None:
             if stdout is not None:
-                stdout.write(orjson.dumps({"num_blocks": 0, "hint": str(exc)}) + b"\n")
+                deliver({"num_blocks": 0, "hint": str(exc)}, None, stdout, console)
             else:
                 say(console, f"does not fit: {exc}")
             return 1
@@ -121,8 +122,8 @@ def run_probe_command(engine_kwargs: dict[str, Any], console: Console, *, as_jso
     d = report_dict(report, engine_kwargs)
     d["startup_s"] = startup
     if stdout is not None:
-        stdout.write(orjson.dumps(d, default=str) + b"\n")
-        stdout.flush()
+        if deliver(d, None, stdout, console):
+            return 1
     else:
         render(report, d["hint"], Console(emoji=False, markup=False, highlight=False))
         if d["startup_s"]:

@@ -12,7 +12,7 @@ class OutputError(Exception):
     """OUT cannot be used as asked; one line saying what to change."""
 
 
-def _stdout_open() -> bool:
+def stdout_open() -> bool:
     if sys.stdout is None:  # Python saw fd 1 closed at start-up (`>&-`)
         return False
     try:
@@ -60,7 +60,7 @@ def check_output(output: str, input: str, resume: bool, overwrite: bool) -> None
         raise OutputError("--resume and --overwrite contradict each other: --resume keeps OUT's records, "
                           "--overwrite replaces them; give one")
     if output == "-":
-        if not _stdout_open():
+        if not stdout_open():
             raise OutputError("stdout is closed, so -o - has nowhere to write; give -o FILE or keep stdout open")
         return
     if _same_file(output, input):
