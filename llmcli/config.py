@@ -70,12 +70,16 @@ class Config:
         self._check_simple_fields()
         self.device = self._resolve_device()
         self.attention_backend = self._resolve_backend()
-        self._check_block_size()
+        if self.attention_backend != "auto":
+            self._check_block_size()
         if self.decode_gemm != "cublas" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise self._fail("decode_gemm", "Triton GEMMs need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         self._check_tensor_parallel()
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = load_hf_config(self.model_path)
+        if self.attention_backend == "auto":  # the rule needs the model's head size
+            self.attention_backend = self._fastest_backend()
+            self._check_block_size()
         self.eos_token_ids = load_generation_eos(self.model_path, self.hf_config)
         if self.generation_config == "auto":
             self.sampling_defaults = load_generation_defaults(self.model_path)
@@ -130,9 +134,7 @@ class Config:
     def _resolve_backend(self) -> str:
         backend = self.attention_backend
         if backend == "auto":
-            if self.device == "cpu":
-                return "torch"
-            return "flash-attn" if flash_attn_available() else "triton"
+            return "torch" if self.device == "cpu" else "auto"
         if backend == "flash-attn":
             if self.device != "cuda":
                 raise self._fail("attention_backend", "flash-attn runs on CUDA only; use 'torch' on CPU")
@@ -141,6 +143,14 @@ class Config:
         if backend == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise self._fail("attention_backend", "triton kernels need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         return backend
+
+    def _fastest_backend(self) -> str:
+        from llmcli.kernels.auto_backend import fastest_backend
+
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash_attn_available(),
+                               self.kvcache_block_size)
 
     def _check_block_size(self) -> None:
         bs = self.kvcache_block_size

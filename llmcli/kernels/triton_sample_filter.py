@@ -8,10 +8,11 @@ boundary are kept together too). Both are thresholds on ``s``: a row's filter is
 keeps ``s >= threshold`` (min-p raises it to ``max + log min_p``).
 
 How: the caller passes ``torch.topk``'s WINDOW largest scaled values per row. They settle top-k when
-``k <= WINDOW``, and top-p inside that top-k set when the set fits in the window (Qwen3's defaults, k=20 and
-p=0.95: no pass over the row at all). Otherwise one program per row bisects on the float32 value in its
-order-preserving integer form: 33 passes over the row counting tokens (top-k) or summing ``exp`` (top-p)
-at or above the pivot, which ends on an actual value of the row. Fixed shapes, no host sync: a CUDA graph
+``k <= WINDOW``, and top-p when its boundary falls inside the window: with the top-k set inside it (Qwen3's
+defaults, k=20 and p=0.95) no pass over the row at all, else one pass for the softmax's denominator (a
+peaked distribution's nucleus is a few tokens). Otherwise one program per row bisects on the float32 value
+in its order-preserving integer form: 33 passes over the row counting tokens (top-k) or summing ``exp``
+(top-p) at or above the pivot, which ends on an actual value of the row. Fixed shapes, no host sync: a CUDA graph
 can hold it. Masses are float32 sums, so a token whose mass above lies within float32 rounding of ``p``
 may fall on either side of the boundary (the reference sums in float64).
 """
@@ -87,20 +88,23 @@ def _threshold_kernel(logits_ptr, stride_row, inv_t_ptr, top_k_ptr, top_p_ptr, w
             tau_k = lo
     tau = tau_k
     if p < 1.0:
-        # the top-k set lies inside the window when its smallest value is above the window's last one, or
-        # the window ends exactly at the k-th token and that value is not tied outside (then k == WINDOW and
-        # the window's last value differs from what lies below it: unknown here, so not taken)
-        in_window = k_on & (k <= WINDOW) & (_value(tau_k) > last)
-        if in_window:
-            wk = _key(win)
-            e = tl.where(wk >= tau_k, tl.exp(win - m), 0.0)
-            target = p * tl.sum(e, axis=0)
-            # mass strictly above each window value: [WINDOW, WINDOW] comparisons
-            above = tl.sum(tl.where(wk[None, :] > wk[:, None], e[None, :], 0.0), axis=1)
-            kept = (wk >= tau_k) & (above < target)
-            tau = tl.min(tl.where(kept, wk, _key(m)), axis=0)
+        wk = _key(win)
+        e = tl.where(wk >= tau_k, tl.exp(win - m), 0.0)
+        # the top-k set lies inside the window when its smallest value is above the window's last one (whose
+        # ties may go on outside the window); then the window holds its whole mass
+        k_in_window = k_on & (k <= WINDOW) & (_value(tau_k) > last)
+        if k_in_window:
+            total = tl.sum(e, axis=0)
+        else:
+            total = _above(row_ptr, vocab, inv_t, low, tau_k, m, True, CHUNK)
+        target = p * total
+        # window values above the last one (all of them with the top-k set inside) have their whole tie group
+        # inside it, hence their exact mass above: [WINDOW, WINDOW] comparisons
+        complete = win > tl.where(k_in_window, float("-inf"), last)  # (-inf values add no mass either way)
+        above = tl.sum(tl.where(wk[None, :] > wk[:, None], e[None, :], 0.0), axis=1)
+        if tl.sum(tl.where(complete, e, 0.0), axis=0) >= target:  # the boundary group is one of them
+            tau = tl.min(tl.where(complete & (wk >= tau_k) & (above < target), wk, _key(m)), axis=0)
         else:  # largest key whose mass at or above it reaches p: mass(lo) >= target > mass(hi)
-            target = p * _above(row_ptr, vocab, inv_t, low, tau_k, m, True, CHUNK)
             lo = tau_k
             hi = _key(m) + 1
             for _ in range(_ITERS):
