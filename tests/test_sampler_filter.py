@@ -88,6 +88,7 @@ def test_kept_set_is_the_reference_kept_set(vocab, seed):
             f" vs {int(want.sum())}"
 
 
+@pytest.mark.slow
 def test_kept_set_at_a_full_size_vocabulary():
     """151,936 logits: Qwen3's defaults (the window), top-p alone (bisection) and top-k 200 (count bisection)."""
     vocab = 151936
