@@ -41,18 +41,39 @@ def _log(x, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def _mul(a, b, ACCURATE: tl.constexpr):
+    """``a * b`` rounded on its own: the compiler may not fuse it into an FMA with an add (torch never does)."""
+    if ACCURATE:
+        return libdevice.mul_rn(a, b)
+    return a * b
+
+
+@triton.jit
+def _add(a, b, ACCURATE: tl.constexpr):
+    """``a + b``, never fused with a product before it."""
+    if ACCURATE:
+        return libdevice.add_rn(a, b)
+    return a + b
+
+
+@triton.jit
 def _gumbel(bits, ACCURATE: tl.constexpr = False):
     """``llmcli.layers.sampler.gumbel_noise``: ``-log(-log u)``, ``u = (bits + 0.5) / 2**24``, with no log of a
-    number near 1 (``tl.log`` is a fast log on the GPU, accurate to an absolute 2**-22 only: ACCURATE takes
-    libdevice's, bit-equal to torch's)."""
+    number near 1 (``tl.log`` is a fast log on the GPU, accurate to an absolute 2**-22 only). ACCURATE makes
+    it bit-equal to torch's: libdevice's log, IEEE division, every product and sum rounded on its own."""
     low = bits < 8388608
-    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # exact: no rounding to disagree on
     v = ((16777215 - bits).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    s = v / (2.0 - v)
-    s2 = s * s
-    series = 1.0 + s2 * (0.3333333333333333 + s2 * (0.2 + s2 * (0.14285714285714285 + s2 * (
-        0.1111111111111111 + s2 * (0.09090909090909091 + s2 * (0.07692307692307693 + s2 * 0.06666666666666667))))))
-    minus_log_u = tl.where(low, -_log(u, ACCURATE), 2.0 * s * series)
+    s = tl.div_rn(v, 2.0 - v) if ACCURATE else v / (2.0 - v)
+    s2 = _mul(s, s, ACCURATE)
+    series = _add(0.07692307692307693, _mul(s2, 0.06666666666666667, ACCURATE), ACCURATE)
+    series = _add(0.09090909090909091, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.1111111111111111, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.14285714285714285, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.2, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.3333333333333333, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(1.0, _mul(s2, series, ACCURATE), ACCURATE)
+    minus_log_u = tl.where(low, -_log(u, ACCURATE), _mul(_mul(2.0, s, ACCURATE), series, ACCURATE))
     return -_log(minus_log_u, ACCURATE)
 
 
@@ -67,11 +88,11 @@ def _sample_chunk_kernel(
     valid = ids < vocab
     logit = tl.load(logits_ptr + row.to(tl.int64) * stride_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
     greedy = tl.load(temps_ptr + row) <= 0
-    scaled = logit * tl.load(inv_t_ptr + row)
+    scaled = _mul(logit, tl.load(inv_t_ptr + row), ACCURATE)
     floor = tl.load(floor_ptr + row)
     row_key = tl.load(row_key_ptr + row).to(tl.uint32)
     bits = _mix32_u32(row_key ^ ids.to(tl.uint32)) >> 8  # 24 bits
-    noisy = tl.where(scaled < floor, float("-inf"), scaled + _gumbel(bits, ACCURATE))
+    noisy = tl.where(scaled < floor, float("-inf"), _add(scaled, _gumbel(bits, ACCURATE), ACCURATE))
     cand = tl.where(greedy, logit, noisy)
     cand = tl.where(valid, cand, float("-inf"))
     best_val, best_pos = tl.max(cand, axis=0, return_indices=True, return_indices_tie_break_left=True)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmcli.kernels.triton_sample import _ACCURATE, _mul
+
 WINDOW = 64  # top-k up to this is read off torch.topk's values; beyond, bisection
 CHUNK = 2048
 _ITERS: tl.constexpr = 33  # halvings of an integer range of at most 2**32 + 1 keys
@@ -42,12 +44,14 @@ def _value(key):
 
 
 @triton.jit
-def _above(row_ptr, vocab, inv_t, pivot, floor_key, m, MASS: tl.constexpr, CHUNK: tl.constexpr):
+def _above(row_ptr, vocab, inv_t, pivot, floor_key, m, MASS: tl.constexpr, CHUNK: tl.constexpr,
+           ACCURATE: tl.constexpr):
     """Count (or, with MASS, sum of ``exp(s - m)``) of the row's tokens with key >= pivot and >= floor_key."""
     acc = tl.zeros((CHUNK,), tl.float32)
     for start in range(0, vocab, CHUNK):
         ids = start + tl.arange(0, CHUNK)
-        s = tl.load(row_ptr + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        # the scaled logit exactly as the draw computes it (a product rounded on its own)
+        s = _mul(tl.load(row_ptr + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32), inv_t, ACCURATE)
         k = _key(s)
         hit = (k >= pivot) & (k >= floor_key) & (ids < vocab)
         if MASS:
@@ -59,7 +63,7 @@ def _above(row_ptr, vocab, inv_t, pivot, floor_key, m, MASS: tl.constexpr, CHUNK
 
 @triton.jit(do_not_specialize=["vocab"])
 def _threshold_kernel(logits_ptr, stride_row, inv_t_ptr, top_k_ptr, top_p_ptr, win_ptr, out_ptr, vocab,
-                      WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+                      WINDOW: tl.constexpr, CHUNK: tl.constexpr, ACCURATE: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     inv_t = tl.load(inv_t_ptr + row)
@@ -81,7 +85,7 @@ def _threshold_kernel(logits_ptr, stride_row, inv_t_ptr, top_k_ptr, top_p_ptr, w
             for _ in range(_ITERS):
                 if hi - lo > 1:
                     mid = lo + (hi - lo) // 2
-                    if _above(row_ptr, vocab, inv_t, mid, low, m, False, CHUNK) >= k.to(tl.float32):
+                    if _above(row_ptr, vocab, inv_t, mid, low, m, False, CHUNK, ACCURATE) >= k.to(tl.float32):
                         lo = mid
                     else:
                         hi = mid
@@ -96,7 +100,7 @@ def _threshold_kernel(logits_ptr, stride_row, inv_t_ptr, top_k_ptr, top_p_ptr, w
         if k_in_window:
             total = tl.sum(e, axis=0)
         else:
-            total = _above(row_ptr, vocab, inv_t, low, tau_k, m, True, CHUNK)
+            total = _above(row_ptr, vocab, inv_t, low, tau_k, m, True, CHUNK, ACCURATE)
         target = p * total
         # window values above the last one (all of them with the top-k set inside) have their whole tie group
         # inside it, hence their exact mass above: [WINDOW, WINDOW] comparisons
@@ -110,7 +114,7 @@ def _threshold_kernel(logits_ptr, stride_row, inv_t_ptr, top_k_ptr, top_p_ptr, w
             for _ in range(_ITERS):
                 if hi - lo > 1:
                     mid = lo + (hi - lo) // 2
-                    if _above(row_ptr, vocab, inv_t, mid, tau_k, m, True, CHUNK) >= target:
+                    if _above(row_ptr, vocab, inv_t, mid, tau_k, m, True, CHUNK, ACCURATE) >= target:
                         lo = mid
                     else:
                         hi = mid
@@ -135,5 +139,5 @@ def thresholds(logits: torch.Tensor, inv_t: torch.Tensor, top_ks: torch.Tensor, 
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _threshold_kernel[(rows,)](logits, logits.stride(0), inv_t.float().contiguous(), top_ks.contiguous(),
                                top_ps.float().contiguous(), win.contiguous(), out, vocab, WINDOW=window,
-                               CHUNK=CHUNK, num_warps=8)
+                               CHUNK=CHUNK, ACCURATE=_ACCURATE, num_warps=8)
     return out
