@@ -18,8 +18,9 @@ from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs,
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.warmup import compile_variants, measure_activation_peak
-from llmcli.engine.step_inputs import (DecodeCarry, RowSampling, StepInputs, Uploader, all_greedy, decode_arrays,
-                                       prepare_decode, prepare_prefill, prepare_sampling)
+from llmcli.engine.step_inputs import (DecodeCarry, RowSampling, StepInputs, all_greedy, decode_arrays, prepare_decode,
+                                       prepare_prefill, prepare_sampling)
+from llmcli.engine.uploader import Uploader
 from llmcli.kernels import make_backend
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
@@ -168,7 +169,7 @@ class ModelRunner:
         self.config, self.device, self.num_blocks = config, device, num_blocks
         self.rank, self.world = getattr(self, "rank", 0), getattr(self, "world", 1)
         self.sampler = Sampler()
-        self._sampler_checked = False  # the one-pass sampler's start-up check (warmup.check_sampler) ran
+        self.sampler_checked = False  # the one-pass sampler's start-up check (warmup.check_sampler) ran
         self.uploader = Uploader(device)
         self.readback = ReadbackRing() if device.type == "cuda" else None  # the sampled tokens' host buffers
         self.row_sampling = RowSampling(config.max_num_seqs + 1)
