@@ -5,7 +5,7 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from benchmarks.harness.output import log
 from llmcli.cli.bench import Workload, make_requests
@@ -97,3 +97,12 @@ def check_lengths(got: list[int], want: list[int]) -> list[str]:
     if len(got) != len(want):
         bad.insert(0, f"{len(got)} outputs for {len(want)} requests")
     return bad
+
+
+def write_requests_jsonl(path: Path, requests: Iterable[tuple[list[int], int]], **fields: Any) -> Path:
+    """(prompt ids, output length) pairs as ``llmcli generate`` input: ``prompt_token_ids``, ``max_tokens``,
+    and ``fields`` on every record."""
+    with path.open("wb") as f:
+        for ids, n_out in requests:
+            f.write(json.dumps({"prompt_token_ids": ids, "max_tokens": n_out, **fields}).encode() + b"\n")
+    return path
