@@ -39,7 +39,7 @@ for path in (REPO, REPO / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from benchmarks.harness.cli_process import CLI, watch  # noqa: E402
+from benchmarks.harness.cli_process import CLI, watch_command  # noqa: E402
 from benchmarks.harness.gpu_watch import GpuWatch, gpu_memory_mib  # noqa: E402
 from benchmarks.harness.workload import (  # noqa: E402
     TINY_CONFIG, add_workload_args, make_workload, model_facts, write_requests_jsonl)
@@ -107,7 +107,7 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
     cmd = [sys.executable, "-c", CLI, "generate", str(jsonl), "-o", str(out), "--model", model, *flags]
     with tempfile.TemporaryFile("w+") as err, GpuWatch() as watch:
         proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        seen, run.killed, timed_out, run.seconds = watch(proc, out, args.run_timeout, kill_replica_after)
+        seen, run.killed, timed_out, run.seconds = watch_command(proc, out, args.run_timeout, kill_replica_after)
         run.exit_status = proc.returncode
         run.message = f"no exit within {args.run_timeout:.0f} s (--run-timeout): killed" if timed_out else ""
         err.seek(0)

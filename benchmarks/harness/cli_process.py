@@ -41,7 +41,7 @@ def descendants(pid: int) -> dict[int, int]:
     return found
 
 
-def watch(proc: subprocess.Popen, out: Path, timeout_s: float, kill_after: int | None = None,
+def watch_command(proc: subprocess.Popen, out: Path, timeout_s: float, kill_after: int | None = None,
           ) -> tuple[dict[int, int], dict[str, Any], bool, float]:
     """Wait for ``proc``, collecting its process tree; with ``kill_after`` N, SIGKILL its second child (the
     second data-parallel replica) once OUT has N lines. Returns (every descendant seen, with its parent; the
