@@ -6,13 +6,15 @@
   `llmcli generate --strict` run on a tiny checkpoint; every output example parses and names its input;
 - the Python snippets run, one namespace per page, on tiny checkpoints (hub ids swapped for a local one);
 - the commands of code blocks that use the bundled `examples/tiny-qwen3` run and exit 0;
-- TOML examples use real option names, and relative links point at files and headings that exist.
+- TOML examples use real option names, docs/python-api.md's engine settings are exactly `Config`'s fields, and
+  relative links point at files and headings that exist.
 
 A Python or JSON block that cannot run on a CPU says why in an HTML comment on the line before it,
 ``<!-- not-tested: needs a GPU -->``; any other block of those kinds must run.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -283,6 +285,17 @@ def test_python_examples_run(page, wide_model, monkeypatch):
         for value in namespace.values():
             if isinstance(value, LLM):
                 value.shutdown()
+
+
+def test_engine_settings_table_lists_every_config_field():
+    from llmcli.config import Config
+
+    page = (REPO / "docs" / "python-api.md").read_text()
+    section = page[page.index("## Engine settings"):]
+    section = section[:section.index("\n## ", 1)]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.M))
+    fields = {f.name for f in dataclasses.fields(Config) if f.init and f.repr} - {"model"}  # LLM's first argument
+    assert documented == fields, f"not documented: {sorted(fields - documented)}; no such field: {sorted(documented - fields)}"
 
 
 def test_relative_links_resolve():
