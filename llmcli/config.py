@@ -23,6 +23,27 @@ class ConfigError(ValueError):
     """An engine setting is invalid; the message names the field and what to do."""
 
 
+# ``attention_backend="auto"`` on CUDA: the backend measured fastest, by a rule keyed by (compute capability
+# major, head dim), each entry with the measurement behind it. A GPU generation or head size nobody measured
+# gets llmcli's own Triton kernels, the backend every GPU session tests; flash-attn is chosen only where it was
+# measured faster, is installed and suits the KV block size. It stays selectable by name wherever it runs.
+MEASURED_BACKENDS: dict[tuple[int, int], str] = {
+    # H200 (sm_90), Qwen3-0.6B and Qwen3-8B (head dim 128), the default bench (256 requests, in/out 100-1024,
+    # bf16), 2026-12-02, issue 28: flash-attn 22,881 vs triton 26,028 output tok/s on 0.6B (-12%), 8,876 vs
+    # 9,749 on 8B (-9%). benchmarks/real_path_gpu.py re-measures both with the flash-attn wheel installed.
+    (9, 128): "triton",
+}
+UNMEASURED_BACKEND = "triton"
+
+
+def fastest_backend(capability: tuple[int, int], head_dim: int, flash_available: bool, block_size: int) -> str:
+    """'triton' or 'flash-attn' for a GPU of ``capability`` and a model of ``head_dim``."""
+    choice = MEASURED_BACKENDS.get((capability[0], head_dim), UNMEASURED_BACKEND)
+    if choice == "flash-attn" and (not flash_available or block_size % 256):
+        return "triton"
+    return choice
+
+
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -137,8 +158,6 @@ class Config:
         return backend
 
     def _fastest_backend(self) -> str:
-        from llmcli.kernels.auto_backend import fastest_backend
-
         cfg = self.hf_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash_attn_available(),
