@@ -146,3 +146,15 @@ def test_draws_over_seeds_follow_the_filtered_softmax(top_k, top_p, min_p):
     assert counts[~kept].sum() == 0 and 1 < kept.sum() < vocab
     stat = ((counts[kept] - n * want[kept]) ** 2 / (n * want[kept])).sum()
     assert stat < chi2.ppf(0.999, kept.sum() - 1), (stat, int(kept.sum()))
+
+
+def test_start_up_check_drops_a_threshold_kernel_that_keeps_too_little(monkeypatch):
+    """A threshold at each row's maximum (every draw the argmax: inside the kept set, but wrong) must turn the
+    sort-free path off at start-up."""
+    from llmcli.kernels import triton_sample_filter
+    from llmcli.layers.sampler import Sampler
+
+    monkeypatch.setattr(triton_sample_filter, "thresholds", lambda logits, inv_t, *a: logits.float().amax(-1) * inv_t)
+    bad = Sampler()
+    reason = bad.check_one_pass(3000, DEVICE)
+    assert reason is not None and "sort-based" in reason and not bad.one_pass

@@ -183,13 +183,17 @@ class Sampler(nn.Module):
             near_tie = gap <= 1e-4 * (1.0 + scores[rows, ref].abs())  # float32 logs differing in the last bits
             if ours[0] != ref[0] or not bool(((ours == ref) | near_tie).all()):
                 raise RuntimeError(f"tokens {ours.tolist()} != the torch sampler's {ref.tolist()}")
-            # behind top-k/top-p too (the float32 variant of the kernel): every token inside its row's kept set
+            # behind top-k/top-p too (the threshold kernel): every token inside its row's kept set
             top_ks = torch.tensor([-1, 20, 5, -1, 50, -1], device=device)
             top_ps = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 0.95], device=device)
             filtered = sample_one_pass(logits, temps, top_ks, top_ps, min_ps, seeds, steps, True)
             kept = filter_logits(scaled, top_ks, top_ps)
             if filtered[0] != ref[0] or not bool(torch.isfinite(kept[rows, filtered]).all()):
                 raise RuntimeError(f"tokens {filtered.tolist()} outside top-k/top-p")
+            # and the sort-based path's tokens (a top-p boundary within float32 rounding may flip one row)
+            sorted_path = sample(logits, temps, top_ks, top_ps, min_ps, seeds, steps, True)
+            if int((filtered != sorted_path).sum()) > 1:
+                raise RuntimeError(f"tokens {filtered.tolist()} != the sort-based filter's {sorted_path.tolist()}")
         except Exception as exc:  # noqa: BLE001 - any failure: keep the slower path that is known to work
             self.one_pass = False
             return f"{type(exc).__name__}: {exc}"
