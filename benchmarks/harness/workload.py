@@ -36,8 +36,10 @@ def write_tiny_config() -> Path:
 
 
 def model_facts(model_dir: Path) -> dict[str, Any]:
-    """Shapes from config.json, analytic parameter count (Qwen3 layout), EOS ids."""
+    """Shapes from config.json, analytic parameter count (the family's layout: llmcli's DecoderSpec), EOS ids."""
     from transformers import AutoConfig
+
+    from llmcli.models import model_class
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     eos: list[int] = []
@@ -47,22 +49,21 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
         eos = load_generation_eos(model_dir, cfg)
     except Exception as exc:  # the workload only uses this to mirror llmcli bench
         log(f"EOS ids not read ({exc}); none avoided")
-    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
-    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or H // nh
-    inter = cfg.intermediate_size
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    bias = bool(getattr(cfg, "attention_bias", False))
+    spec = model_class(cfg).spec(cfg)
+    H, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
+    nh, nkv, hd, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     per_layer = (H * nh * hd + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
                  + 3 * H * inter  # gate, up, down
-                 + 2 * H + 2 * hd  # input/post-attention norms, q/k norms
-                 + ((nh + 2 * nkv) * hd if bias else 0))
+                 + 2 * H  # input/post-attention norms
+                 + (2 * hd if spec.qk_norm else 0)
+                 + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0) + (H if spec.o_bias else 0)
+                 + (2 * inter + H if spec.mlp_bias else 0))
     embed = V * H
-    head = 0 if tied else V * H
+    head = 0 if spec.tie_word_embeddings else V * H
     total = embed + head + L * per_layer + H
     return {"name": model_dir.name, "path": str(model_dir), "hidden": H, "layers": L, "heads": nh, "kv_heads": nkv,
-            "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": tied, "params": total,
-            "params_non_embedding": total - embed - head, "eos_token_ids": eos}
+            "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": spec.tie_word_embeddings,
+            "params": total, "params_non_embedding": total - embed - head, "eos_token_ids": eos}
 
 
 def add_workload_args(group: Any) -> None:
