@@ -132,9 +132,14 @@ def write_tiny_qwen3(
     dtype: torch.dtype = torch.float32,
     initializer_range: float = 0.2,
     rope_theta: float = 1_000_000.0,  # the real Qwen3 value, not the 10000 a reader might default to
+    moe: dict | None = None,
 ) -> Path:
-    """Write a tiny random Qwen3 model folder at ``path`` and return it as a Path."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    """Write a tiny random Qwen3 model folder at ``path`` and return it as a Path.
+
+    ``moe``: Qwen3-MoE fields (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``) make it a ``Qwen3MoeForCausalLM``.
+    """
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +153,8 @@ def write_tiny_qwen3(
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eot_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
-    config = Qwen3Config(
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if moe is None else (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -168,13 +174,14 @@ def write_tiny_qwen3(
         pad_token_id=eot_id,
         use_sliding_window=False,
         max_window_layers=num_hidden_layers,
+        **(moe or {}),
     )
-    config.architectures = ["Qwen3ForCausalLM"]
+    config.architectures = [model_cls.__name__]
 
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = model_cls(config)
         # The RMSNorm weights start at exactly 1; jitter them so that a norm
         # whose weight is dropped or applied to the wrong tensor shows up.
         with torch.no_grad():

@@ -7,9 +7,11 @@ from torch import nn
 
 from llmcli.kernels.backend import AttentionBackend
 from llmcli.models.qwen3 import Qwen3ForCausalLM
+from llmcli.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

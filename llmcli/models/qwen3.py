@@ -1,7 +1,7 @@
 """Qwen3 as a pure function of (input_ids, positions); batching and paging live elsewhere."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -65,12 +65,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, backend: AttentionBackend, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Qwen3Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = mlp
 
     def forward(self, positions, hidden, residual):
         if residual is None:
@@ -83,12 +83,15 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend,
+                 make_mlp: Callable[[int], nn.Module] | None = None) -> None:
+        """``make_mlp(layer_index)``: each layer's feed-forward block (the dense Qwen3MLP by default)."""
         super().__init__()
+        make_mlp = make_mlp or (lambda _: Qwen3MLP(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, *rope_settings(config))
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary, backend)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary, backend, make_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -111,11 +114,15 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__()
-        self.model = Qwen3Model(config, backend)
+        self.model = Qwen3Model(config, backend, lambda i: self.make_mlp(config, i))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
+        """Layer ``layer_index``'s feed-forward block (families with sparse layers override it)."""
+        return Qwen3MLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
