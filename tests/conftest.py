@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_qwen3 import write_tiny_qwen3  # noqa: E402
+from tiny_qwen3 import MOE_TOP2, MOE_TOP8, write_tiny_qwen3  # noqa: E402
 
 # Tiny models: one thread avoids OpenMP hand-off stalls that dominate on a busy 2-core machine.
 torch.set_num_threads(1)
@@ -80,6 +80,16 @@ def tiny_model_tied(tmp_path_factory) -> Path:
 def tiny_model_sharded(tmp_path_factory) -> Path:
     """Untied tiny Qwen3 split over several shards plus model.safetensors.index.json."""
     return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_sharded"), sharded=True, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_top2(tmp_path_factory) -> Path:
+    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_moe_top2"), seed=3, num_hidden_layers=3, moe=MOE_TOP2)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_top8(tmp_path_factory) -> Path:
+    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_moe_top8"), seed=4, moe=MOE_TOP8)
 
 
 # --------------------------------------------------------------------------

@@ -150,8 +150,14 @@ def test_mixed_lengths_batch(tiny_model, hf_oracle, run_factory, block_size):
     check_against_hf(run, hf_oracle, prompts)
 
 
-def test_chunked_prefill(tiny_model, hf_oracle, run_factory):
+# Qwen3-MoE checkpoints (conftest.MOE_TOP2 / MOE_TOP8) run these tests too: chunked prefill, prefix hits, preemption
+WITH_MOE = pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_moe_top2", "tiny_moe_top8"])
+
+
+@WITH_MOE
+def test_chunked_prefill(model_fixture, request, hf_oracle, run_factory):
     """(a) max_num_batched_tokens=64 is far below the longest prompts: prefill goes in chunks."""
+    tiny_model = request.getfixturevalue(model_fixture)
     prompts = random_prompts(MIXED_LENGTHS, seed=100)
     assert max(map(len, prompts)) > 64
     run = run_factory(tiny_model, max_num_batched_tokens=64)
@@ -220,9 +226,11 @@ def test_prefix_cache_within_one_call(tiny_model, hf_oracle, run_factory):
     assert grown >= need, f"prefix_cache_hit_tokens grew by {grown}; expected >= {need}"
 
 
-def test_prefix_cache_concurrent_batch_with_chunking(tiny_model, hf_oracle, run_factory):
+@WITH_MOE
+def test_prefix_cache_concurrent_batch_with_chunking(model_fixture, request, hf_oracle, run_factory):
     """(b) one batch sharing a prefix, run concurrently with a small token budget (some requests
     are admitted while others are still prefilling); whatever is shared must give HF's tokens."""
+    tiny_model = request.getfixturevalue(model_fixture)
     bs = 16
     prefix = random_prompts([7 * bs + 3], seed=220)[0]
     prompts = [prefix + t for t in random_prompts([1, 12, 29, 64, 100, 5], seed=221)]
@@ -246,8 +254,10 @@ def test_preemption(tiny_model, hf_oracle, run_factory, prefix_caching):
     assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
 
 
-def test_preemption_with_chunked_prefill(tiny_model, hf_oracle, run_factory):
+@WITH_MOE
+def test_preemption_with_chunked_prefill(model_fixture, request, hf_oracle, run_factory):
     """(a)+(c) preemption while prompts are prefilled in chunks of 24 tokens."""
+    tiny_model = request.getfixturevalue(model_fixture)
     prompts = random_prompts([50, 75, 99, 120, 8, 64], seed=310)
     run = run_factory(tiny_model, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
                       max_num_batched_tokens=24)

@@ -111,6 +111,15 @@ def build_tokenizer(vocab_size: int = 600):
     return fast
 
 
+# Qwen3-MoE settings for ``write_tiny_qwen3(moe=...)``: top-2 of 8 unnormalised with layer 1 of 3 dense
+# (mlp_only_layers); top-8 of 16 normalised with every other layer dense (decoder_sparse_step=2: of 2 layers,
+# layer 0 dense, layer 1 sparse)
+MOE_TOP2 = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                mlp_only_layers=[1], decoder_sparse_step=1)
+MOE_TOP8 = dict(num_experts=16, num_experts_per_tok=8, moe_intermediate_size=32, norm_topk_prob=True,
+                mlp_only_layers=[], decoder_sparse_step=2)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
