@@ -54,15 +54,35 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     bias = bool(getattr(cfg, "attention_bias", False))
     per_layer = (H * nh * hd + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
-                 + 3 * H * inter  # gate, up, down
                  + 2 * H + 2 * hd  # input/post-attention norms, q/k norms
                  + ((nh + 2 * nkv) * hd if bias else 0))
+    moe = moe_facts(cfg)
+    dense_layers = L - moe.get("sparse_layers", 0)
     embed = V * H
     head = 0 if tied else V * H
-    total = embed + head + L * per_layer + H
+    dense = embed + head + L * per_layer + dense_layers * 3 * H * inter + H  # every weight but the experts
+    total = dense + moe.get("sparse_layers", 0) * (moe.get("experts", 0) * moe.get("expert_params", 0)
+                                                   + moe.get("router_params", 0))
+    active = total if not moe else dense + moe["sparse_layers"] * (moe["experts_per_tok"] * moe["expert_params"]
+                                                                    + moe["router_params"])
     return {"name": model_dir.name, "path": str(model_dir), "hidden": H, "layers": L, "heads": nh, "kv_heads": nkv,
             "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": tied, "params": total,
-            "params_non_embedding": total - embed - head, "eos_token_ids": eos}
+            "params_non_embedding": total - embed - head, "params_active_non_embedding": active - embed - head,
+            "eos_token_ids": eos, **moe}
+
+
+def moe_facts(cfg: Any) -> dict[str, Any]:
+    """A mixture of experts' shape (empty for a dense model): the sparse layers, experts per layer and per token,
+    parameters of one expert (gate, up, down) and of one layer's router."""
+    experts = getattr(cfg, "num_experts", 0) or 0
+    if not experts:
+        return {}
+    from llmcli.models.qwen3_moe import is_sparse_layer
+
+    H = cfg.hidden_size
+    sparse = sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+    return {"experts": experts, "experts_per_tok": cfg.num_experts_per_tok, "sparse_layers": sparse,
+            "expert_params": 3 * H * cfg.moe_intermediate_size, "router_params": experts * H}
 
 
 def add_workload_args(group: Any) -> None:
