@@ -122,3 +122,19 @@ def test_captured_in_a_cuda_graph():
         graph.replay()
         ref = moe_reference(x.float(), w13.float(), w2.float(), new_w, new_ids)
         assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_moe_layer_runs_either_backend(monkeypatch):
+    """layers/moe.py's block gives the same output through the fused kernel (LLMCLI_MOE=triton: interpreted on
+    the CPU) as through the loop (LLMCLI_MOE=reference): its stacked weights are laid out as both expect."""
+    from llmcli.layers.moe import SparseMoeBlock
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(hidden_size=32, intermediate_size=24, num_experts=8, top_k=2, normalize=True).to(DEVICE)
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(19, 32, device=DEVICE)
+    monkeypatch.setenv("LLMCLI_MOE", "reference")
+    ref = block(x)
+    monkeypatch.setenv("LLMCLI_MOE", "triton")
+    assert rel_err(block(x), ref) < TOL[torch.float32]

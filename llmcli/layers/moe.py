@@ -23,12 +23,13 @@ MOE_BACKENDS = ("auto", "triton", "reference")
 SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def moe_backend() -> str:
-    """``LLMCLI_MOE=reference`` runs the loop over experts on CUDA too (benchmarks compare the two)."""
+def use_fused_moe(x: torch.Tensor) -> bool:
+    """The fused kernel on CUDA, the loop elsewhere; ``LLMCLI_MOE=reference`` runs the loop on CUDA too and
+    ``LLMCLI_MOE=triton`` the kernel on the CPU too (under TRITON_INTERPRET=1): benchmarks compare the two."""
     mode = os.environ.get("LLMCLI_MOE", "auto") or "auto"
     if mode not in MOE_BACKENDS:
         raise ValueError(f"LLMCLI_MOE={mode!r}: expected one of {', '.join(MOE_BACKENDS)}")
-    return mode
+    return mode == "triton" or (mode == "auto" and x.is_cuda)
 
 
 class SparseMoeBlock(nn.Module):
@@ -50,7 +51,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.normalize)
         experts = self.experts
-        if x.is_cuda and moe_backend() != "reference":
+        if use_fused_moe(x):
             from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
 
             out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
