@@ -42,7 +42,7 @@ def pick_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
         return MoeTuning(block_m=16)
     if per_expert <= 64:
         return MoeTuning(block_m=32)
-    return MoeTuning(block_m=64, block_n=128)
+    return MoeTuning(block_m=64, block_n=128, num_warps=8)  # two 64x128 float32 accumulators
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
