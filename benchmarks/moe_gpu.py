@@ -197,13 +197,13 @@ def agreement_section(args: argparse.Namespace, failures: list[str]) -> list[lis
 
     from greedy_compare import agreement, count_near_ties, non_tie_mismatches, regroup, teacher_forced_prompts
     from llmcli import LLM, SamplingParams
-    from tiny_qwen3 import write_random_published, write_tiny_qwen3
+    from tiny_qwen3 import write_random_published, write_tiny_model
 
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     folder = Path(tempfile.mkdtemp(prefix="llmcli-moe-ckpt-"))
     if args.smoke:
-        path = write_tiny_qwen3(folder, num_hidden_layers=3, moe=SMOKE_MOE)
+        path = write_tiny_model(folder, "qwen3-moe-top8")
     else:
         path = write_random_published(MODEL / "config.json", folder, device=dev, dtype=dtype,
                                       overrides={"num_hidden_layers": 4, "mlp_only_layers": [1]})

@@ -10,9 +10,14 @@ from llmcli import LLM
 from llmcli.models.loader import CheckpointError
 
 
-def test_missing_expert_tensor_is_named(tiny_moe_top2, tmp_path):
+@pytest.fixture
+def moe_top2(tiny_checkpoint):
+    return tiny_checkpoint("qwen3-moe-top2")
+
+
+def test_missing_expert_tensor_is_named(moe_top2, tmp_path):
     broken = tmp_path / "broken"
-    shutil.copytree(tiny_moe_top2, broken)
+    shutil.copytree(moe_top2, broken)
     tensors = load_file(broken / "model.safetensors")
     gone = "model.layers.2.mlp.experts.5.up_proj.weight"
     del tensors[gone]
@@ -21,10 +26,10 @@ def test_missing_expert_tensor_is_named(tiny_moe_top2, tmp_path):
         LLM(str(broken), device="cpu", dtype="float32", num_kvcache_blocks=16, max_model_len=64)
 
 
-def test_stacked_experts_hold_each_checkpoint_tensor(tiny_moe_top2):
+def test_stacked_experts_hold_each_checkpoint_tensor(moe_top2):
     """Expert e's gate rows, then its up rows, in gate_up_proj[e]; its down projection in down_proj[e]."""
-    tensors = load_file(tiny_moe_top2 / "model.safetensors")
-    llm = LLM(str(tiny_moe_top2), device="cpu", dtype="float32", num_kvcache_blocks=16, max_model_len=64)
+    tensors = load_file(moe_top2 / "model.safetensors")
+    llm = LLM(str(moe_top2), device="cpu", dtype="float32", num_kvcache_blocks=16, max_model_len=64)
     try:
         experts = llm.engine.model_runner.model.model.layers[0].mlp.experts
         for e in (0, 7):

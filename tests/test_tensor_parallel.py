@@ -38,11 +38,10 @@ from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLa
 from llmcli.parallel.tp_group import Group
 from llmcli.parallel.tp_runner import TensorParallelError
 from llmcli.engine.sequence import Sequence
-from llmcli.engine.step_inputs import prepare_decode, prepare_prefill
-from llmcli.engine.uploader import Uploader
+from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
 
 from processes import child_processes, wait_gone
-from tiny_qwen3 import MOE_TOP2, write_tiny_qwen3
+from tiny_qwen3 import write_tiny_qwen3
 
 CPU = Uploader(torch.device("cpu"))
 
@@ -285,24 +284,19 @@ def test_head_counts_not_divisible_fail_at_start_up(tmp_path, tp_model):
 # --------------------------------------------------------------------------
 # TP=2 == TP=1 == transformers
 # --------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tp_model_moe(tmp_path_factory) -> Path:
-    """Qwen3-MoE, top-2 of 8 with a dense layer: each rank holds half of every expert's intermediate dimension."""
-    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_tp_moe"), seed=13, num_hidden_layers=3,
-                            num_attention_heads=4, num_key_value_heads=2, moe=MOE_TOP2)
-
-
-@pytest.mark.parametrize("which", ["untied_odd_vocab", "tied", "moe"])
-def test_tp2_matches_tp1_and_hf(which, request, hf_oracle):
-    model = request.getfixturevalue({"untied_odd_vocab": "tp_model", "tied": "tp_model_tied",
-                                     "moe": "tp_model_moe"}[which])
+@pytest.mark.parametrize("which", ["untied_odd_vocab", "tied", "llama", "qwen2", "qwen3-moe-top2"])
+def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, tiny_checkpoint, hf_oracle):
+    """llama: q/k/v, o_proj and MLP biases (q/k/v and gate/up split like their weight rows, o_proj and down_proj
+    added once, on rank 0); qwen2: q/k/v bias and tied embeddings; qwen3-moe-top2: each rank holds half of every
+    expert's intermediate dimension (and of the dense layer's MLP), the router on both."""
+    model = {"untied_odd_vocab": tp_model, "tied": tp_model_tied}.get(which) or tiny_checkpoint(which)
     prefix = random_prompts([5 * BLOCK], seed=20)[0]
     first = random_prompts([1, 9, 17, 70, 130], seed=21) + [prefix + t for t in random_prompts([3, 30], seed=22)]
     second = [prefix + t for t in random_prompts([1, 16, 45], seed=23)] + [list(first[-1])]
     assert max(map(len, first)) > 48  # chunked prefill: the budget is 48 tokens
 
     results = {}
-    for tp in (1, 2) if which == "untied_odd_vocab" else (2,):  # the others: TP=1 vs HF is test_engine_vs_hf's job
+    for tp in (1, 2) if which == "untied_odd_vocab" else (2,):  # others: TP=1 vs HF is test_engine_vs_hf's job
         llm = make_llm(model, tp)
         try:
             if tp == 2:

@@ -629,9 +629,11 @@ def test_carried_decode_arrays_are_the_ones_built_from_the_sequences(tiny_model,
     assert len(carried) >= 20 and len(set(carried)) > 1, carried  # carried at several batch sizes
 
 
-def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_model, hf_oracle, run_factory,
-                                                                        monkeypatch):
-    """The triton backend's one kernel for q/k norm + rotary + KV store against the q/k kernel and then store_kv,
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_checkpoint, hf_oracle, run_factory,
+                                                                        monkeypatch, family):
+    """The triton backend's one kernel for q/k norm + rotary + KV store (llama: its rotary-only form, after the
+    q/k/v bias, with llama3 rope scaling) against the q/k kernel and then store_kv,
     on the tiny model through chunked prefill, mixed steps, prefix-cache hits and decode (through the graph
     buffers, padding rows included): the same logits at every step, bit for bit. CPU: the interpreter in float32
     with the fusion forced on (the layers run eager on CPU otherwise) and HF's greedy tokens; GPU: bfloat16 with
@@ -657,8 +659,8 @@ def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_mode
     logits, tokens = {}, {}
     for fused in (False, True):
         monkeypatch.setattr("llmcli.layers.attention.triton_kernels_on", lambda t, on=fused: on)
-        run = run_factory(tiny_model, attention_backend="triton", max_num_batched_tokens=24, max_num_seqs=3,
-                          max_model_len=64, mixed_steps=True, sample_in_graph=False, device=DEVICE.type,
+        run = run_factory(tiny_checkpoint(family), attention_backend="triton", max_num_batched_tokens=24,
+                          max_num_seqs=3, max_model_len=64, mixed_steps=True, sample_in_graph=False, device=DEVICE.type,
                           dtype="bfloat16" if ON_GPU else "float32")
         runner = run.llm.engine.model_runner
         if not ON_GPU:
