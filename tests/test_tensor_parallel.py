@@ -281,6 +281,17 @@ def test_head_counts_not_divisible_fail_at_start_up(tmp_path, tp_model):
         make_llm(model, 2, load_format="dummy")
 
 
+def test_expert_size_not_divisible_fails_at_start_up(tmp_path, tiny_checkpoint):
+    """Every expert's intermediate dimension is split like the dense MLP's: an odd one is refused by name."""
+    model = tmp_path / "moe_odd"
+    shutil.copytree(tiny_checkpoint("qwen3-moe-top2"), model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 33
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size=33 is not divisible by 2.*may be one of 1$"):
+        make_llm(model, 2, load_format="dummy")
+
+
 # --------------------------------------------------------------------------
 # TP=2 == TP=1 == transformers
 # --------------------------------------------------------------------------
