@@ -2,10 +2,10 @@
 
 ``fused_moe(x, w13, w2, topk_weights, topk_ids)`` computes what ``kernels/moe_reference.moe_reference`` does:
 
-1. ``align_by_expert``: the T*k (token, slot) pairs sorted by expert id, each expert's run padded to a multiple
+1. ``align_by_expert``: the T*k (token, slot) pairs grouped by expert id, each expert's run padded to a multiple
    of ``block_m`` so that a row tile never mixes experts; ``expert_of_tile`` names each tile's expert (-1: past
-   the end). All on the device with fixed shapes (the padded length is at most ``T*k + E*(block_m-1)``), so
-   nothing waits for the host and CUDA graphs capture it; experts without tokens get no tiles.
+   the end). One kernel on the device with fixed shapes (the padded length is at most ``T*k + E*(block_m-1)``),
+   so nothing waits for the host and CUDA graphs capture it; experts without tokens get no tiles.
 2. gate/up: per tile, rows of ``x`` gathered by token times the tile's expert's gate and up rows, two float32
    accumulators side by side, SiLU(gate) * up written as one [T*k, I] intermediate (the [T*k, 2I] projection
    is never stored).
@@ -45,32 +45,61 @@ def pick_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
     return MoeTuning(block_m=64, block_n=128, num_warps=8)  # two 64x128 float32 accumulators
 
 
+@triton.jit
+def _align_kernel(ids_ptr, pairs_ptr, experts_ptr, total_ptr, cursor_ptr, num_pairs, num_experts, capacity,
+                  BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
+    # One program: a histogram of the expert ids, its padded prefix sum, then each pair placed in its expert's
+    # run by an atomic cursor. Where in its run a pair lands varies between runs; the results do not, as every
+    # row of the grouped GEMMs is computed on its own and a token's k rows are summed in slot order.
+    bins = tl.arange(0, EXPERTS_P2)
+    counts = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts)  # past the end: a spare bin
+        counts += tl.histogram(ids.to(tl.int32), EXPERTS_P2)
+    counts = tl.where(bins < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.atomic_xchg(cursor_ptr + bins, ends - padded)  # at L2, where the cursors' atomic_adds below go
+    tl.store(total_ptr, total)
+    for start in range(0, capacity // BLOCK_M, TILE_CHUNK):
+        tiles = start + tl.arange(0, TILE_CHUNK)
+        rows = tiles * BLOCK_M
+        expert = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)  # runs ending at or before it
+        tl.store(experts_ptr + tiles, tl.where(rows < total, expert, -1), mask=rows < capacity)
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < capacity)
+    tl.debug_barrier()  # the cursors and the sentinel fill before any pair is placed
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
+        tl.store(pairs_ptr + slot, offs, mask=ok)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_pairs [P], expert_of_tile [P / block_m], padded_total [1])`` for ``topk_ids`` [T, k].
 
     ``sorted_pairs`` holds flat pair indices ``t*k + j`` grouped by expert, each group padded with the
     sentinel ``T*k`` to a multiple of ``block_m``; ``P = T*k + E*(block_m-1)`` rounded up to ``block_m``.
+    One kernel launch (a small one-program kernel: decode steps launch it once per layer).
     """
-    flat = topk_ids.flatten()
+    flat = topk_ids.flatten().contiguous()
     n = flat.numel()
     device = flat.device
     capacity = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))  # bincount would sync for its size
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    sorted_start = torch.cumsum(counts, 0) - counts
-    order = torch.sort(flat, stable=True).indices
-    expert_sorted = flat[order]
-    rank = torch.arange(n, device=device) - sorted_start[expert_sorted]
-    sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, padded_start[expert_sorted] + rank, order.to(torch.int32))
-    tile_rows = torch.arange(0, capacity, block_m, device=device)
-    expert_of_tile = torch.searchsorted(padded_end, tile_rows, right=True)
-    expert_of_tile = torch.where(expert_of_tile < num_experts, expert_of_tile, -1).to(torch.int32)
-    return sorted_pairs, expert_of_tile, padded_end[-1:].to(torch.int32)
+    experts_p2 = triton.next_power_of_2(num_experts + 1)  # + the spare bin of the masked loads
+    pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(experts_p2, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](flat, pairs, tile_expert, total, cursor, n, num_experts, capacity, BLOCK_M=block_m,
+                        EXPERTS_P2=experts_p2, CHUNK=1024, TILE_CHUNK=max(16, 8192 // experts_p2), num_warps=8)
+    return pairs, tile_expert, total
 
 
 @triton.jit
