@@ -115,24 +115,29 @@ def _tile_ids(pid, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    """This program's output tile: whether it holds any pair (tiles past the padded total, or of no expert, do
+    nothing), its expert, its rows' pair indices and which are real, its columns and which are in range."""
+    num_tiles_n = tl.cdiv(num_cols, BLOCK_N)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.num_programs(0) // num_tiles_n, num_tiles_n, GROUP_M)
+    expert = tl.load(experts_ptr + pid_m)
+    live = (pid_m * BLOCK_M < tl.load(total_ptr)) & (expert >= 0)
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return live, expert, pairs, pairs < num_pairs, cols, cols < num_cols
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, inter, hidden,
                         stride_xm, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    num_tiles_n = tl.cdiv(inter, BLOCK_N)
-    num_tiles_m = tl.num_programs(0) // num_tiles_n
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_tiles_m, num_tiles_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
+                                                      BLOCK_M, BLOCK_N, GROUP_M)
+    if not live:
         return
-    expert = tl.load(experts_ptr + pid_m)
-    if expert < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
-    row_ok = pairs < num_pairs
     tokens = pairs // TOP_K
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + tokens[:, None].to(tl.int64) * stride_xm + ks[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -163,19 +168,10 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
                      inter, stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PRECISION: tl.constexpr):
-    num_tiles_n = tl.cdiv(hidden, BLOCK_N)
-    num_tiles_m = tl.num_programs(0) // num_tiles_n
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_tiles_m, num_tiles_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
+                                                      BLOCK_M, BLOCK_N, GROUP_M)
+    if not live:
         return
-    expert = tl.load(experts_ptr + pid_m)
-    if expert < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
-    row_ok = pairs < num_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
     a_tile = a_ptr + pairs[:, None].to(tl.int64) * stride_am + ks[None, :]
     w_tile = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
