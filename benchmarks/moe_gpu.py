@@ -18,7 +18,7 @@ teacher-forced agreement with transformers, in one run (about 6 minutes on an H2
 Exits 1 when a correctness check fails (kernel error, wrong output lengths, agreement).
 
     python benchmarks/moe_gpu.py                      # the GPU run
-    python benchmarks/moe_gpu.py --device cpu --smoke  # CPU smoke test on tiny shapes (a minute or two)
+    python benchmarks/moe_gpu.py --smoke   # CPU smoke test on tiny shapes (about a minute; tests/test_benchmark_smoke.py)
 """
 from __future__ import annotations
 
@@ -47,9 +47,12 @@ NEW_TOKENS, NUM_PROBES = 32, 16
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes and a tiny model (for a CPU check)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes and a tiny model, on the CPU")
     p.add_argument("--sections", default="kernel,engine,agreement")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device = "cpu"
+    return args
 
 
 def sync(device: str) -> None:

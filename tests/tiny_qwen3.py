@@ -320,25 +320,23 @@ def write_tiny_qwen3(path, *, head_dim: int = 16, **kwargs) -> Path:
 
 def write_random_published(config_json, path, *, norm_gain: float = 8.0, device: str = "cuda",
                            dtype: torch.dtype = torch.bfloat16, overrides: dict | None = None) -> Path:
-    """A full-size random checkpoint from a published config.json (e.g. configs/Qwen3-0.6B), for GPU tests;
-    ``overrides`` replace config fields (fewer layers of a large model, say). Qwen3 or Qwen3-MoE.
+    """A full-size random checkpoint of any family from a published config.json (e.g. configs/Qwen3-0.6B or
+    configs/Llama-3.2-1B), for GPU tests; ``overrides`` replace config fields (fewer layers of a large model).
 
     ``norm_gain`` scales the final norm (and so every logit) without touching the residual stream. It does
     not make bf16 near-ties rarer (rounding is relative): with random weights the logits are ~Gaussian over
     151,936 tokens, and on an H200 about a fifth of transformers' own greedy steps had their two best
     logits within 2% of the largest (benchmarks/RESULTS.md, run 4).
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(path)
-    cfg = {**json.loads(Path(config_json).read_text()), **(overrides or {})}
-    moe = cfg.get("architectures") == ["Qwen3MoeForCausalLM"]
-    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
-    config = config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
-    config.architectures = [model_cls.__name__]
+    config = AutoConfig.from_pretrained(str(Path(config_json).parent))
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     with torch.device(device):
-        model = model_cls(config).to(dtype)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():
         model.model.norm.weight.fill_(norm_gain)
     model.save_pretrained(out, safe_serialization=True)
