@@ -41,7 +41,6 @@ for path in (REPO, REPO / "tests"):  # tests/: the checkpoint writers and the gr
 MODEL = REPO / "configs" / "Qwen3-30B-A3B"
 SMOKE_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                  mlp_only_layers=[1], decoder_sparse_step=1)
-NEW_TOKENS, NUM_PROBES = 32, 16
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu"
+    # the short greedy requests of sections 2 and 3 (fewer in the smoke run: the kernel is interpreted there)
+    args.probes, args.new_tokens = (4, 8) if args.smoke else (16, 32)
     return args
 
 
@@ -121,14 +122,15 @@ def tiny_moe_config() -> Path:
     return folder
 
 
-def greedy_probe(llm: Any, prompts: list[list[int]], device: str) -> tuple[float, list[list[int]]]:
+def greedy_probe(llm: Any, prompts: list[list[int]], device: str, new_tokens: int,
+                 ) -> tuple[float, list[list[int]]]:
     from llmcli import SamplingParams
 
     sync(device)
     t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     sync(device)
-    return len(prompts) * NEW_TOKENS / (time.perf_counter() - t), [list(o.token_ids) for o in outs]
+    return len(prompts) * new_tokens / (time.perf_counter() - t), [list(o.token_ids) for o in outs]
 
 
 def engine_section(args: argparse.Namespace, failures: list[str]) -> tuple[list[list[Any]], list[list[Any]]]:
@@ -147,8 +149,8 @@ def engine_section(args: argparse.Namespace, failures: list[str]) -> tuple[list[
     work = Workload(num_prompts=16, input_len=(10, 60), output_len=(5, 40), seed=0) if args.smoke else Workload()
     reqs = make_requests(work, facts["vocab"], avoid)
     prompts, outs = [r[0] for r in reqs], [r[1] for r in reqs]
-    probes = [p for p, _ in make_requests(Workload(num_prompts=NUM_PROBES, input_len=(20, 200),
-                                                   output_len=(NEW_TOKENS, NEW_TOKENS), seed=7), facts["vocab"], avoid)]
+    probes = [p for p, _ in make_requests(Workload(num_prompts=args.probes, input_len=(20, 200),
+                                                   output_len=(4, 4), seed=7), facts["vocab"], avoid)]
     ceil = ceilings(args.device, args.smoke)
     kwargs: dict[str, Any] = dict(load_format="dummy", device=args.device, seed=0)
     if args.smoke:
@@ -174,7 +176,7 @@ def engine_section(args: argparse.Namespace, failures: list[str]) -> tuple[list[
         rows = []
         engine.scheduler.block_manager.reset_prefix_cache()
         os.environ["LLMCLI_MOE"] = "triton"  # the fused kernel on the CPU too (interpreted), for the smoke run
-        base_tps, base = greedy_probe(llm, probes, args.device)
+        base_tps, base = greedy_probe(llm, probes, args.device, args.new_tokens)
         rows.append(["fused, CUDA graphs" if graphs is not None else "fused (no graphs on this device)",
                      f"{base_tps:,.0f}", "100.00%"])
         try:
@@ -182,7 +184,7 @@ def engine_section(args: argparse.Namespace, failures: list[str]) -> tuple[list[
             for name, mode in (("fused, eager", "triton"), ("reference loop, eager", "reference")):
                 os.environ["LLMCLI_MOE"] = mode
                 engine.scheduler.block_manager.reset_prefix_cache()
-                tps, tokens = greedy_probe(llm, probes, args.device)
+                tps, tokens = greedy_probe(llm, probes, args.device, args.new_tokens)
                 rows.append([name, f"{tps:,.0f}", f"{100 * agreement(tokens, base):.2f}%"])
         finally:
             runner.graphs = graphs
@@ -214,15 +216,15 @@ def agreement_section(args: argparse.Namespace, failures: list[str]) -> list[lis
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, min(vocab, 600) if args.smoke else vocab) for _ in range(rng.randint(8, 300))]
-               for _ in range(NUM_PROBES)]
+               for _ in range(args.probes)]
 
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(dev).eval()
     hf_tokens, step_logits = [], []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device=dev)
-            gen = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            gen = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                              min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
             cont = gen[0, len(p):].tolist()
             hf_tokens.append(cont)
             step_logits.append(hf(torch.tensor([p + cont[:-1]], device=dev)).logits[0, len(p) - 1:].float().cpu())
@@ -237,9 +239,9 @@ def agreement_section(args: argparse.Namespace, failures: list[str]) -> list[lis
     try:
         flat = llm.generate(teacher_forced_prompts(prompts, hf_tokens),
                             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        forced = regroup([o.token_ids[0] for o in flat], NEW_TOKENS)
+        forced = regroup([o.token_ids[0] for o in flat], args.new_tokens)
         free = [list(o.token_ids) for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))]
+            prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))]
     finally:
         llm.shutdown()
     rate = agreement(forced, hf_tokens)
@@ -248,7 +250,7 @@ def agreement_section(args: argparse.Namespace, failures: list[str]) -> list[lis
         failures.append(f"agreement: teacher-forced {rate:.2%} < 95%")
     failures.extend(f"agreement: not a near-tie: {m}" for m in bad)
     ties = count_near_ties(step_logits)
-    return [["teacher-forced vs transformers", f"{rate:.2%}", len(bad), f"{ties}/{NUM_PROBES * NEW_TOKENS}"],
+    return [["teacher-forced vs transformers", f"{rate:.2%}", len(bad), f"{ties}/{args.probes * args.new_tokens}"],
             ["free-running vs transformers", f"{agreement(free, hf_tokens):.2%}", "-", "-"]]
 
 
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         speed, rows = engine_section(args, failures)
         tables.append(("output speed against the MoE bound",
                        md_table(["model", "workload", "output tok/s", "s", "bound tok/s", "share of bound"], speed)))
-        tables.append((f"{NUM_PROBES} greedy requests x {NEW_TOKENS} tokens, one engine",
+        tables.append((f"{args.probes} greedy requests x {args.new_tokens} tokens, one engine",
                        md_table(["MoE path", "output tok/s", "token agreement with the default"], rows)))
     if "agreement" in sections:
         rows = agreement_section(args, failures)
