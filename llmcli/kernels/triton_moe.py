@@ -45,7 +45,8 @@ def pick_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
     return MoeTuning(block_m=64, block_n=128, num_warps=8)  # two 64x128 float32 accumulators
 
 
-@triton.jit
+# the pair count changes every step: one compiled variant for all of them (not one per divisibility by 16)
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
 def _align_kernel(ids_ptr, pairs_ptr, experts_ptr, total_ptr, cursor_ptr, num_pairs, num_experts, capacity,
                   BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
     # One program: a histogram of the expert ids, its padded prefix sum, then each pair placed in its expert's
@@ -128,7 +129,7 @@ def _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, num_cols, BLOCK_M: tl.co
     return live, expert, pairs, pairs < num_pairs, cols, cols < num_cols
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, inter, hidden,
                         stride_xm, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -163,7 +164,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
                      inter, stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
