@@ -171,23 +171,14 @@ def greedy_probe(llm: Any, prompts: list[list[int]], device: str, new_tokens: in
 
 
 def engine_section(args: argparse.Namespace, failures: list[str]) -> tuple[list[list[Any]], list[list[Any]]]:
-    from benchmarks.harness.bound import physical_bound, print_bound
-    from benchmarks.harness.llmcli_run import llmcli_generate
+    from benchmarks.harness.ceilings import free_memory
     from benchmarks.harness.output import say
-    from benchmarks.harness.workload import check_lengths, model_facts
+    from benchmarks.harness.workload import model_facts
     from benchmarks.speed_gpu import ceilings
-    from greedy_compare import agreement
     from llmcli import LLM
-    from llmcli.cli.bench import Workload, make_requests
 
     model = tiny_moe_config() if args.smoke else MODEL
     facts = model_facts(model)
-    avoid = set(facts["eos_token_ids"])
-    work = Workload(num_prompts=16, input_len=(10, 60), output_len=(5, 40), seed=0) if args.smoke else Workload()
-    reqs = make_requests(work, facts["vocab"], avoid)
-    prompts, outs = [r[0] for r in reqs], [r[1] for r in reqs]
-    probes = [p for p, _ in make_requests(Workload(num_prompts=args.probes, input_len=(20, 200),
-                                                   output_len=(4, 4), seed=7), facts["vocab"], avoid)]
     ceil = ceilings(args.device, args.smoke)
     kwargs: dict[str, Any] = dict(load_format="dummy", device=args.device, seed=0)
     if args.smoke:
@@ -196,38 +187,58 @@ def engine_section(args: argparse.Namespace, failures: list[str]) -> tuple[list[
     llm = LLM(str(model), **kwargs)
     say(f"{facts['name']}: ready in {time.perf_counter() - start:.1f} s")
     try:
-        engine = llm.engine
-        llmcli_generate(llm, probes[:4], [4] * 4, work.temperature, args.device)  # warm-up
-        wall, got = llmcli_generate(llm, prompts, outs, work.temperature, args.device)
-        bad = check_lengths(got, outs)
-        if bad:
-            failures.append(f"engine: output lengths wrong: {'; '.join(bad[:3])}")
-        bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
-                               max_concurrent=engine.config.max_num_seqs)
-        print_bound(facts["name"], bound)
-        share = bound["floor_s"] / wall
-        speed = [[facts["name"], "default bench workload", f"{sum(got) / wall:,.0f}", f"{wall:.2f}",
-                  f"{bound['floor_tok_s']:,.0f}", f"{100 * share:.1f}%"]]
-        runner = engine.model_runner
-        graphs = runner.graphs
-        rows = []
-        engine.scheduler.block_manager.reset_prefix_cache()
-        os.environ["LLMCLI_MOE"] = "triton"  # the fused kernel on the CPU too (interpreted), for the smoke run
+        return measure_engine(llm, facts, ceil, args, failures)
+    finally:
+        llm.shutdown()
+        del llm
+        free_memory(args.device)  # the 30B engine's memory back before the next section builds its own
+
+
+def measure_engine(llm: Any, facts: dict[str, Any], ceil: dict[str, float], args: argparse.Namespace,
+                   failures: list[str]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """The bench workload against the bound, then the short greedy requests down the three MoE paths."""
+    from benchmarks.harness.bound import physical_bound, print_bound
+    from benchmarks.harness.llmcli_run import llmcli_generate
+    from benchmarks.harness.workload import check_lengths
+    from greedy_compare import agreement
+    from llmcli.cli.bench import Workload, make_requests
+
+    avoid = set(facts["eos_token_ids"])
+    work = Workload(num_prompts=16, input_len=(10, 60), output_len=(5, 40), seed=0) if args.smoke else Workload()
+    reqs = make_requests(work, facts["vocab"], avoid)
+    prompts, outs = [r[0] for r in reqs], [r[1] for r in reqs]
+    probes = [p for p, _ in make_requests(Workload(num_prompts=args.probes, input_len=(20, 200),
+                                                   output_len=(4, 4), seed=7), facts["vocab"], avoid)]
+    engine = llm.engine
+    llmcli_generate(llm, probes[:4], [4] * 4, work.temperature, args.device)  # warm-up
+    wall, got = llmcli_generate(llm, prompts, outs, work.temperature, args.device)
+    bad = check_lengths(got, outs)
+    if bad:
+        failures.append(f"engine: output lengths wrong: {'; '.join(bad[:3])}")
+    bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
+                           max_concurrent=engine.config.max_num_seqs)
+    print_bound(facts["name"], bound)
+    share = bound["floor_s"] / wall
+    speed = [[facts["name"], "default bench workload", f"{sum(got) / wall:,.0f}", f"{wall:.2f}",
+              f"{bound['floor_tok_s']:,.0f}", f"{100 * share:.1f}%"]]
+    runner = engine.model_runner
+    graphs = runner.graphs
+    rows = []
+    engine.scheduler.block_manager.reset_prefix_cache()
+    os.environ["LLMCLI_MOE"] = "triton"  # the fused kernel on the CPU too (interpreted), for the smoke run
+    try:
         base_tps, base = greedy_probe(llm, probes, args.device, args.new_tokens)
         rows.append(["fused, CUDA graphs" if graphs is not None else "fused (no graphs on this device)",
                      f"{base_tps:,.0f}", "100.00%"])
-        try:
-            runner.graphs = None  # eager decode steps: the reference loop cannot be captured
-            for name, mode in (("fused, eager", "triton"), ("reference loop, eager", "reference")):
-                os.environ["LLMCLI_MOE"] = mode
-                engine.scheduler.block_manager.reset_prefix_cache()
-                tps, tokens = greedy_probe(llm, probes, args.device, args.new_tokens)
-                rows.append([name, f"{tps:,.0f}", f"{100 * agreement(tokens, base):.2f}%"])
-        finally:
-            runner.graphs = graphs
-            os.environ.pop("LLMCLI_MOE", None)
+        runner.graphs = None  # eager decode steps: the reference loop cannot be captured
+        for name, mode in (("fused, eager", "triton"), ("reference loop, eager", "reference")):
+            os.environ["LLMCLI_MOE"] = mode
+            engine.scheduler.block_manager.reset_prefix_cache()
+            tps, tokens = greedy_probe(llm, probes, args.device, args.new_tokens)
+            rows.append([name, f"{tps:,.0f}", f"{100 * agreement(tokens, base):.2f}%"])
     finally:
-        llm.shutdown()
+        runner.graphs = graphs
+        os.environ.pop("LLMCLI_MOE", None)
     return speed, rows
 
 
