@@ -56,6 +56,9 @@ class SparseMoeBlock(nn.Module):
 
             out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         else:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
+                                   "cannot hold: run it with enforce_eager=True (--enforce-eager)")
             out = moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         return all_reduce(out)
 
