@@ -26,6 +26,7 @@ SMOKES = [
     (["structured_bench.py", "--smoke", "--device", "cpu"], "every request produced its full length: True"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
     (["real_path_gpu.py", "--smoke"], "correctness failures: none"),
+    (["moe_gpu.py", "--smoke"], "all checks passed"),
 ]
 
 
