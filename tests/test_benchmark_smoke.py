@@ -25,6 +25,7 @@ SMOKES = [
     (["logprobs_cost.py", "--smoke"], "logprobs"),
     (["structured_bench.py", "--smoke", "--device", "cpu"], "schemas"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
+    (["families_gpu.py", "--smoke"], "families: ok"),
 ]
 
 
