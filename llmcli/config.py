@@ -63,11 +63,31 @@ def check_environment() -> None:
     """Raise EnvError for the first LLMCLI_* variable set to a value llmcli cannot use."""
     for name in ENV_NUMBERS:
         env_number(name, 0)
-DECODE_GEMMS = ("cublas", "triton-silu", "triton")  # layers.linear.DECODE_GEMMS (config sits above the layers)
 
 
 class ConfigError(ValueError):
     """An engine setting is invalid; the message names the field and what to do."""
+
+
+# ``attention_backend="auto"`` on CUDA: the backend measured fastest, by a rule keyed by (compute capability
+# major, head dim), each entry with the measurement behind it. A GPU generation or head size nobody measured
+# gets llmcli's own Triton kernels, the backend every GPU session tests; flash-attn is chosen only where it was
+# measured faster, is installed and suits the KV block size. It stays selectable by name wherever it runs.
+MEASURED_BACKENDS: dict[tuple[int, int], str] = {
+    # H200 (sm_90), Qwen3-0.6B and Qwen3-8B (head dim 128), the default bench (256 requests, in/out 100-1024,
+    # bf16), 2026-12-02, issue 28: flash-attn 22,881 vs triton 26,028 output tok/s on 0.6B (-12%), 8,876 vs
+    # 9,749 on 8B (-9%). benchmarks/real_path_gpu.py re-measures both with the flash-attn wheel installed.
+    (9, 128): "triton",
+}
+UNMEASURED_BACKEND = "triton"
+
+
+def fastest_backend(capability: tuple[int, int], head_dim: int, flash_available: bool, block_size: int) -> str:
+    """'triton' or 'flash-attn' for a GPU of ``capability`` and a model of ``head_dim``."""
+    choice = MEASURED_BACKENDS.get((capability[0], head_dim), UNMEASURED_BACKEND)
+    if choice == "flash-attn" and (not flash_available or block_size % 256):
+        return "triton"
+    return choice
 
 
 def flash_attn_available() -> bool:
@@ -98,9 +118,6 @@ class Config:
     generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
     mixed_steps: bool = True  # decode rows ride along with prompt chunks in one step (False: prefill first)
     sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
-    prefill_graphs: bool = False  # CUDA: prefill/mixed steps replay graphs per token bucket, attention eager between
-    decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
-    pdl: bool = False  # CUDA, Hopper+: Triton kernels use programmatic dependent launch (llmcli.kernels.pdl)
 
     # Filled in by __post_init__ (not user knobs).
     hf_config: Any = field(default=None, repr=False)
@@ -117,12 +134,14 @@ class Config:
         self.device = self._resolve_device()
         self._check_host_memory()
         self.attention_backend = self._resolve_backend()
-        self._check_block_size()
-        if self.decode_gemm != "cublas" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise self._fail("decode_gemm", "Triton GEMMs need a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        if self.attention_backend != "auto":
+            self._check_block_size()
         self._check_tensor_parallel()
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = load_hf_config(self.model_path)
+        if self.attention_backend == "auto":  # the rule needs the model's head size
+            self.attention_backend = self._fastest_backend()
+            self._check_block_size()
         self.eos_token_ids = load_generation_eos(self.model_path, self.hf_config)
         if self.generation_config == "auto":
             self.sampling_defaults = load_generation_defaults(self.model_path)
@@ -158,14 +177,12 @@ class Config:
             raise self._fail("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.decode_gemm not in DECODE_GEMMS:
-            raise self._fail("decode_gemm", f"must be one of {', '.join(DECODE_GEMMS)}")
         if self.load_format not in LOAD_FORMATS:
             raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
                                                   "for fields a request leaves unset) or 'ignore'")
-        for name in ("mixed_steps", "sample_in_graph", "prefill_graphs", "pdl"):
+        for name in ("mixed_steps", "sample_in_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise self._fail(name, "must be true or false")
         if not isinstance(self.seed, int):
@@ -193,9 +210,7 @@ class Config:
     def _resolve_backend(self) -> str:
         backend = self.attention_backend
         if backend == "auto":
-            if self.device == "cpu":
-                return "torch"
-            return "flash-attn" if flash_attn_available() else "triton"
+            return "torch" if self.device == "cpu" else "auto"
         if backend == "flash-attn":
             if self.device != "cuda":
                 raise self._fail("attention_backend", "flash-attn runs on CUDA only; use 'torch' on CPU")
@@ -204,6 +219,12 @@ class Config:
         if backend == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise self._fail("attention_backend", "triton kernels need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         return backend
+
+    def _fastest_backend(self) -> str:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash_attn_available(),
+                               self.kvcache_block_size)
 
     def _check_block_size(self) -> None:
         bs = self.kvcache_block_size
@@ -233,11 +254,22 @@ class Config:
         return native if native in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def _check_model_len(self) -> None:
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        from llmcli.models.hub import supported_positions
+
+        try:  # architecture and rotary: refused here, before any worker starts or weight loads
+            limit = supported_positions(self.hf_config, None)
+        except ValueError as exc:
+            raise self._fail("model", str(exc)) from None
         if self.max_model_len is None:
             self.max_model_len = min(limit or 4096, 40960)
         elif limit is not None and self.max_model_len > limit:
-            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_embeddings)")
+            stretched = limit != getattr(self.hf_config, "max_position_embeddings", limit)
+            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_"
+                                              f"embeddings{' times its rope scaling factor' if stretched else ''})")
+        try:  # what depends on the length too (a sliding window)
+            supported_positions(self.hf_config, self.max_model_len)
+        except ValueError as exc:
+            raise self._fail("model", str(exc)) from None
 
     @classmethod
     def knob_names(cls) -> list[str]:

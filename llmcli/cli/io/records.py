@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import orjson
 
+from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.source import RawLine
 
@@ -14,15 +15,6 @@ PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 # compiler recurse, and orjson writes no more than 254 levels.
 MAX_DEPTH = 128
 OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-
-
-class FieldProblem(ValueError):
-    """A record field is missing or wrong; carries the dotted field name."""
-
-    def __init__(self, field_name: str | None, message: str) -> None:
-        super().__init__(message)
-        self.field = field_name
-        self.message = message
 
 
 @dataclass
