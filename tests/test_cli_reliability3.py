@@ -356,3 +356,34 @@ def test_bench_checks_its_destination_first_and_keeps_a_result_it_cannot_write(t
     result = cli([*bench, "--output", "/dev/full"])
     assert result.exit_code == 1 and "No space left on device" in result.stderr
     assert '"output_tokens":4' in result.stderr  # the result itself, on stderr
+
+
+# -- messages that misled ------------------------------------------------------------------------------
+def test_messages_name_the_field_and_the_record(tmp_path):
+    import orjson
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(orjson.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}}) + b"\n"
+        + orjson.dumps({"prompt": "x", "max_tokens": 0}) + b"\n")
+    args = ["generate", str(inp), "-o", str(tmp_path / "out.jsonl"), *command("")[5:]]
+    result = cli(args)
+    assert result.exit_code == 2 and "in.jsonl:1: body.top_logprobs: must be an integer from 0 to 20" in result.stderr
+    assert "in.jsonl:2: max_tokens:" in result.stderr and "None" not in result.stderr
+    result = cli([*args, "--max-errors", "-1"])
+    assert result.exit_code == 2 and "--max-errors must be at least 0" in result.stderr
+
+
+def test_an_aborted_constrained_request_is_named_by_its_line():
+    from llmcli.cli.runner import Runner, StopFlag
+    from llmcli.cli.io.prepare import PreparedRequest
+    from llmcli.cli.io.records import parse_line
+    from llmcli.cli.io.source import RawLine
+    from llmcli.sampling_params import SamplingParams
+
+    engine, sink = _AllAtOnce(), _Sink()
+    rec = parse_line(RawLine(7, b'{"prompt_token_ids": [5, 6], "n": 2}'))
+    runner = Runner(engine, sink, sink, model="m", include_token_ids=False, window=8, stop=StopFlag(),
+                    max_model_len=64)
+    runner._admit(iter([(0, PreparedRequest(rec, [5, 6], [SamplingParams(max_tokens=2)] * 2))]))
+    assert [rid for _, rid in engine.queued] == ["line 7 completion 0", "line 7 completion 1"]  # not '0.0'

@@ -283,6 +283,8 @@ def generate(
             raise UsageError("no input file: give IN (- for stdin) or -i/--input")
         if input is not None and input_option is not None:
             raise UsageError("the input file is given twice (IN and -i/--input); give one")
+        if max_errors < 0:
+            raise UsageError(f"--max-errors must be at least 0 (0 lists none), got {max_errors}")
         from llmcli.cli.io.structured_fields import default_constraint
 
         constraint = default_constraint(response_format, json_schema)

@@ -2,7 +2,9 @@
 
 The fingerprint is the number of input records and a hash of their content
 (id or line position, prompt, per-record fields) in order, not of the file's
-bytes: reformatting a line or adding blank lines changes nothing. A resume
+bytes: reformatting a line changes nothing, nor do blank lines between records
+that carry an id. A record without one is named by its line position, so a
+blank line inserted before it renames it and the resume is refused. A resume
 accepts an input whose first records are exactly the ones that produced OUT,
 so appending new lines to IN and resuming runs just the new ones; anything
 else is refused unless ``--force-resume``.

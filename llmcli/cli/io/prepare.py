@@ -140,7 +140,8 @@ class Preparer:
         except SamplingParamsError as exc:
             match = re.match(r"SamplingParams\.(\w+)", str(exc))
             name = match.group(1) if match else None
-            why = str(exc).split(": ", 1)[-1]
+            # Said in JSON's words: a record writes null, not Python's None.
+            why = re.sub(r"\bNone\b", "null", str(exc).split(": ", 1)[-1])
             raise FieldProblem(rec.field_name(name) if name else None, why) from None
         seeds = [None if base.seed is None else base.seed + i for i in range(base.n)]
         # replace() keeps unset fields unset: the engine fills them from the model's generation config

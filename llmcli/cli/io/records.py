@@ -295,8 +295,8 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise FieldProblem("body.logprobs", f"must be true or false, got {_type_name(wanted)} {_short(wanted)}")
-    if top is not None and not _is_int(top):
-        raise FieldProblem("body.top_logprobs", f"must be an integer from 0 to 20, got {_type_name(top)}")
+    if top is not None and (not _is_int(top) or not 0 <= top <= 20):
+        raise FieldProblem("body.top_logprobs", f"must be an integer from 0 to 20, got {_describe(top)}")
     if top is not None and not wanted:
         raise FieldProblem("body.top_logprobs", "needs \"logprobs\": true")
     return {"logprobs": top or 0} if wanted else {}
