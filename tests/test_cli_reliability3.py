@@ -387,3 +387,38 @@ def test_an_aborted_constrained_request_is_named_by_its_line():
                     max_model_len=64)
     runner._admit(iter([(0, PreparedRequest(rec, [5, 6], [SamplingParams(max_tokens=2)] * 2))]))
     assert [rid for _, rid in engine.queued] == ["line 7 completion 0", "line 7 completion 1"]  # not '0.0'
+
+
+# -- 16: the local Ray cluster goes down with a SIGKILLed driver ---------------------------------------
+def _ray_agents() -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and Path(f"/proc/{entry}/cmdline").read_bytes().startswith(
+                    (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")):
+                found.add(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_ray_agents_do_not_outlive_a_killed_driver(tmp_path):
+    import time
+
+    pytest.importorskip("ray")
+    before = _ray_agents()
+    inp, out = slow_input(tmp_path / "in.jsonl", n=64), tmp_path / "out.jsonl"
+    driver = subprocess.Popen(command(str(inp), "-o", str(out), "-q", "--distributed-backend", "ray"), env=env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_lines(driver, out, 1, timeout=200)
+        assert _ray_agents() - before, "no Ray agents were started: nothing to check"
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 20  # they lingered 45-90 s
+        while _ray_agents() - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _ray_agents() - before, "Ray agents outlived the killed driver"
+    finally:
+        driver.kill()

@@ -165,6 +165,7 @@ class RayReplicaPool:
         self.submits: dict[int, list[Any]] = {}  # replica -> submit refs not yet seen done
         self.lost: set[int] = set()
         self.owns_ray = False
+        self._reaper: Any = None  # the local cluster's watcher (ray_reaper.py), when this driver started one
         self.torn_down = False
         self._ray: Any = None
 
@@ -194,6 +195,8 @@ class RayReplicaPool:
                 raise DataParallelError(f"could not connect to {where}: {type(exc).__name__}: "
                                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
             self.owns_ray = True
+            if not self.address:
+                self._reaper = _start_reaper(ray)
         return ray
 
     def start(self, timeout_s: float) -> list[ReplicaInfo]:
@@ -337,3 +340,23 @@ class RayReplicaPool:
                 remove_placement_group(group)
         if self.owns_ray:
             ray.shutdown()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:  # its pipe closing is its signal: Ray is down, sweep what is left
+            with contextlib.suppress(Exception):
+                reaper.stdin.close()
+                reaper.wait(timeout=5)
+
+
+def _start_reaper(ray: Any) -> Any:
+    """The watcher that takes the local cluster's agents down with this driver (``ray_reaper.py``); None if the
+    raylet cannot be found (a Ray whose internals moved: its agents then exit on their own, later)."""
+    import subprocess
+    import sys
+
+    try:
+        raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    script = os.path.join(os.path.dirname(__file__), "ray_reaper.py")
+    return subprocess.Popen([sys.executable, "-S", script, str(raylet)], stdin=subprocess.PIPE,
+                            start_new_session=True, close_fds=True)
