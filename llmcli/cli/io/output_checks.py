@@ -6,6 +6,7 @@ import stat
 import sys
 
 from llmcli.cli.io.fingerprint import sidecar_path
+from llmcli.cli.io.source import stream_open
 
 
 class OutputError(Exception):
@@ -13,13 +14,7 @@ class OutputError(Exception):
 
 
 def stdout_open() -> bool:
-    if sys.stdout is None:  # Python saw fd 1 closed at start-up (`>&-`)
-        return False
-    try:
-        os.fstat(sys.stdout.fileno())
-    except (AttributeError, OSError, ValueError):
-        return hasattr(sys.stdout, "buffer")  # a test runner's capture has no descriptor but works
-    return True
+    return stream_open(sys.stdout)
 
 
 def _same_file(output: str, input: str) -> bool:

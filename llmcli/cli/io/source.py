@@ -9,7 +9,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 
 @dataclass
@@ -35,14 +35,19 @@ def is_stream(path: str) -> bool:
         return False  # opening it says what is wrong
 
 
-def stdin_open() -> bool:
-    if sys.stdin is None:  # Python saw fd 0 closed at start-up (`<&-`)
+def stream_open(stream: Any) -> bool:
+    """Whether a standard stream (sys.stdin, sys.stdout) is usable."""
+    if stream is None:  # Python saw its descriptor closed at start-up (`<&-`, `>&-`)
         return False
     try:
-        os.fstat(sys.stdin.fileno())
+        os.fstat(stream.fileno())
     except (AttributeError, OSError, ValueError):
-        return hasattr(sys.stdin, "buffer")  # a test runner's stand-in has no descriptor but can be read
+        return hasattr(stream, "buffer")  # a test runner's stand-in has no descriptor but works
     return True
+
+
+def stdin_open() -> bool:
+    return stream_open(sys.stdin)
 
 
 def read_lines(path: str) -> list[RawLine]:
