@@ -18,6 +18,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GENERATION_CONFIGS = ("auto", "ignore")
 DECODE_GEMMS = ("cublas", "triton-silu", "triton")  # layers.linear.DECODE_GEMMS (config sits above the layers)
+# "auto": the model dtype; "fp8" (vLLM also spells it "fp8_e4m3"): e4m3 with a per-layer k and v scale
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class ConfigError(ValueError):
@@ -55,11 +57,13 @@ class Config:
     prefill_graphs: bool = False  # CUDA: prefill/mixed steps replay graphs per token bucket, attention eager between
     decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
     pdl: bool = False  # CUDA, Hopper+: Triton kernels use programmatic dependent launch (llmcli.kernels.pdl)
+    kv_cache_dtype: str = "auto"  # "fp8": the KV pool in float8_e4m3fn (half the bytes of bf16)
 
     # Filled in by __post_init__ (not user knobs).
     hf_config: Any = field(default=None, repr=False)
     model_path: Path | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
+    kv_torch_dtype: torch.dtype | None = field(default=None, repr=False)  # the KV pool's element type
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
     sampling_defaults: dict[str, Any] = field(default_factory=dict, repr=False)  # empty with "ignore"
 
@@ -71,6 +75,9 @@ class Config:
         self.device = self._resolve_device()
         self.attention_backend = self._resolve_backend()
         self._check_block_size()
+        if self.prefill_graphs and KV_CACHE_DTYPES[self.kv_cache_dtype] is not None:
+            raise self._fail("prefill_graphs", "experimental prefill graphs do not pass FP8 KV scales; "
+                                               "turn them off with kv_cache_dtype='fp8'")
         if self.decode_gemm != "cublas" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise self._fail("decode_gemm", "Triton GEMMs need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         self._check_tensor_parallel()
@@ -80,6 +87,7 @@ class Config:
         if self.generation_config == "auto":
             self.sampling_defaults = load_generation_defaults(self.model_path)
         self.torch_dtype = self._resolve_dtype()
+        self.kv_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
         self._check_model_len()
 
     # -- validation ---------------------------------------------------------
@@ -109,6 +117,8 @@ class Config:
             raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise self._fail("decode_gemm", f"must be one of {', '.join(DECODE_GEMMS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.generation_config not in GENERATION_CONFIGS:
@@ -129,10 +139,15 @@ class Config:
 
     def _resolve_backend(self) -> str:
         backend = self.attention_backend
+        fp8_kv = KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
         if backend == "auto":
             if self.device == "cpu":
                 return "torch"
-            return "flash-attn" if flash_attn_available() else "triton"
+            # the flash-attn build llmcli runs reads 16-bit caches only
+            return "flash-attn" if flash_attn_available() and not fp8_kv else "triton"
+        if backend == "flash-attn" and fp8_kv:
+            raise self._fail("attention_backend", "flash-attn reads 16-bit KV caches only; with "
+                                                  "kv_cache_dtype='fp8' use 'triton' (or 'auto')")
         if backend == "flash-attn":
             if self.device != "cuda":
                 raise self._fail("attention_backend", "flash-attn runs on CUDA only; use 'torch' on CPU")
@@ -179,5 +194,5 @@ class Config:
     @classmethod
     def knob_names(cls) -> list[str]:
         """The user-facing field names (what ``LLM(**kwargs)`` accepts)."""
-        derived = {"hf_config", "model_path", "torch_dtype", "eos_token_ids", "sampling_defaults"}
+        derived = {"hf_config", "model_path", "torch_dtype", "kv_torch_dtype", "eos_token_ids", "sampling_defaults"}
         return [f.name for f in fields(cls) if f.name not in derived and f.name != "model"]

@@ -71,6 +71,10 @@ ENGINE_KNOBS = (
          choices=("auto", "cuda", "cpu")),
     Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",
          choices=("auto", "float32", "bfloat16", "float16", "float", "half")),  # vLLM's names too
+    Knob("kv_cache_dtype", str, "KV-cache element type: fp8 stores e4m3 with a per-layer scale (the "
+                                "checkpoint's k_scale/v_scale, else 1.0), half the bytes of bf16: twice the "
+                                "blocks in the same memory.", "auto: the model dtype",
+         choices=("auto", "fp8", "fp8_e4m3")),
     Knob("attention_backend", str, "Attention kernels.", "auto: flash-attn if installed, else triton; torch on CPU",
          choices=("auto", "torch", "triton", "flash-attn")),
     Knob("load_format", str, "dummy: random weights from config.json alone, for benchmarks.", "auto",

@@ -117,7 +117,7 @@ class ModelRunner:
         try:
             with clock.phase("probe"):
                 activation_peak = measure_activation_peak(self)
-                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
+                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype)
                 # prefill graphs keep a forward's activations in their own pool, beside the eager ones
                 reserve = activation_peak * (2 if self._wants_prefill_graphs() else 1)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, reserve)
@@ -126,7 +126,8 @@ class ModelRunner:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
             with clock.phase("kv_cache"):
                 self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
-                                                  self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+                                                  self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
+                                                  self.device)
             if self.device.type == "cuda":
                 with clock.phase("compile"):
                     compile_variants(self)
@@ -171,7 +172,8 @@ class ModelRunner:
         cfg = self.config
         rows = thin_gemm_block_rows(list(range(1, cfg.max_num_seqs + 1)))
         tasks = attention_tasks(self.backend, cfg.torch_dtype, self.device, cfg.max_model_len,
-                                cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs))
+                                cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs),
+                                kv_dtype=cfg.kv_torch_dtype)
         tasks += kernel_tasks(self.model, cfg.hf_config.vocab_size, cfg.torch_dtype, self.device, rows)
         return SideCompile(tasks, self.device)
 
