@@ -45,7 +45,7 @@ from benchmarks.harness.graph_capture import capture  # noqa: E402
 from llmcli.kernels.backend import AttentionBackend  # noqa: E402
 from llmcli.models import build_model  # noqa: E402
 from llmcli.models.loader import load_dummy  # noqa: E402
-from llmcli.models.qwen3 import head_dim_of  # noqa: E402
+from llmcli.models import head_dim_of  # noqa: E402
 
 VARIANTS = ("engine", "inductor", "autotune")
 COMPILE_MODES = {"inductor": "default", "autotune": "max-autotune-no-cudagraphs"}

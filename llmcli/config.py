@@ -185,11 +185,22 @@ class Config:
         return native if native in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def _check_model_len(self) -> None:
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        from llmcli.layers.rotary import UnsupportedRopeError
+        from llmcli.models import UnsupportedModelError, check_model_config, max_model_positions
+
+        try:
+            limit = max_model_positions(self.hf_config)  # YaRN's factor stretches max_position_embeddings
+        except UnsupportedRopeError as exc:
+            raise self._fail("model", str(exc)) from None
         if self.max_model_len is None:
             self.max_model_len = min(limit or 4096, 40960)
         elif limit is not None and self.max_model_len > limit:
-            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_embeddings)")
+            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_embeddings"
+                                              f"{', times its rope scaling factor' if limit != self.hf_config.max_position_embeddings else ''})")
+        try:  # architecture, rotary, sliding window: refused here, before any worker starts or weight loads
+            check_model_config(self.hf_config, self.max_model_len)
+        except (UnsupportedModelError, UnsupportedRopeError) as exc:
+            raise self._fail("model", str(exc)) from None
 
     @classmethod
     def knob_names(cls) -> list[str]:
