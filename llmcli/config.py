@@ -58,12 +58,14 @@ class Config:
     decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
     pdl: bool = False  # CUDA, Hopper+: Triton kernels use programmatic dependent launch (llmcli.kernels.pdl)
     kv_cache_dtype: str = "auto"  # "fp8": the KV pool in float8_e4m3fn (half the bytes of bf16)
+    quantization: str | None = None  # "fp8": a 16-bit checkpoint's linear weights in FP8 (FP8 checkpoints: found)
 
     # Filled in by __post_init__ (not user knobs).
     hf_config: Any = field(default=None, repr=False)
     model_path: Path | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
     kv_torch_dtype: torch.dtype | None = field(default=None, repr=False)  # the KV pool's element type
+    quant_config: Any = field(default=None, repr=False)  # layers.quantization.QuantConfig, or None: 16-bit weights
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
     sampling_defaults: dict[str, Any] = field(default_factory=dict, repr=False)  # empty with "ignore"
 
@@ -88,6 +90,7 @@ class Config:
             self.sampling_defaults = load_generation_defaults(self.model_path)
         self.torch_dtype = self._resolve_dtype()
         self.kv_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        self.quant_config = self._resolve_quantization()
         self._check_model_len()
 
     # -- validation ---------------------------------------------------------
@@ -117,6 +120,8 @@ class Config:
             raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise self._fail("decode_gemm", f"must be one of {', '.join(DECODE_GEMMS)}")
+        if self.quantization not in (None, "fp8"):
+            raise self._fail("quantization", "must be 'fp8' or None (the checkpoint's own format)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
@@ -184,6 +189,19 @@ class Config:
             native = DTYPES.get(native)
         return native if native in (torch.float16, torch.bfloat16) else torch.bfloat16
 
+    def _resolve_quantization(self) -> Any:
+        from dataclasses import replace
+
+        from llmcli.models.hub import QuantizationError, load_quant_config
+
+        try:
+            quant = load_quant_config(self.hf_config, self.quantization)
+        except QuantizationError as exc:
+            raise self._fail("quantization", f"{self.model_path}/{exc}") from None
+        if quant is not None and self.load_format == "dummy":  # random weights: every linear layer made FP8
+            quant = replace(quant, source="online")
+        return quant
+
     def _check_model_len(self) -> None:
         from llmcli.layers.rotary import UnsupportedRopeError
         from llmcli.models import UnsupportedModelError, check_model_config, max_model_positions
@@ -205,5 +223,6 @@ class Config:
     @classmethod
     def knob_names(cls) -> list[str]:
         """The user-facing field names (what ``LLM(**kwargs)`` accepts)."""
-        derived = {"hf_config", "model_path", "torch_dtype", "kv_torch_dtype", "eos_token_ids", "sampling_defaults"}
+        derived = {"hf_config", "model_path", "torch_dtype", "kv_torch_dtype", "quant_config", "eos_token_ids",
+                   "sampling_defaults"}
         return [f.name for f in fields(cls) if f.name not in derived and f.name != "model"]

@@ -26,6 +26,7 @@ from llmcli.layers.linear import use_thin_gemm
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
+from llmcli.layers.quantization.loading import finish_fp8
 from llmcli.models.loader import load_dummy, load_safetensors
 
 log = logging.getLogger("llmcli")
@@ -223,10 +224,14 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         use_thin_gemm(model, cfg.decode_gemm)
+        loaded = None
         if cfg.load_format == "dummy":
             load_dummy(model, cfg.seed)
         else:
-            load_safetensors(model, cfg.model_path)
+            loaded = load_safetensors(model, cfg.model_path, cfg.quant_config)
+        self.fp8_layers = finish_fp8(model, cfg.quant_config, loaded, self.device)
+        if self.fp8_layers:
+            log.info("%d linear layers run FP8 GEMMs", self.fp8_layers)
         return model.eval()
 
     @torch.inference_mode()

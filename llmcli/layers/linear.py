@@ -21,6 +21,7 @@ class LinearBase(nn.Module):
 
     tp_dim: int | None = None
     thin_gemm = False  # set by use_thin_gemm: few-row inputs go through llmcli's Triton GEMM instead of cuBLAS
+    fp8 = None  # layers.quantization.fp8.Fp8Linear once the weights are FP8 (set after loading, sm90+)
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -46,6 +47,8 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.apply(x, bias)
         if self.thin_gemm and x.shape[0] <= MAX_THIN_M:
             from llmcli.kernels.triton_gemm import linear as thin_linear
 
@@ -94,7 +97,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = QKVParallelLinear.static_out
-        if out is None or self.bias is not None or x.dim() != 2:
+        if out is None or self.bias is not None or x.dim() != 2 or self.fp8 is not None:
             return super().forward(x)
         m, n = x.shape[0], self.weight.shape[0]
         return torch.mm(x, self.weight.t(), out=out[:m * n].view(m, n))
