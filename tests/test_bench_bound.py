@@ -55,3 +55,18 @@ def test_decode_steps_with_fewer_slots_than_requests() -> None:
     assert b["weights_read_bytes"] == 15 * 1000 * 2
     assert physical_bound(FACTS, prompts, outs, CEILINGS, elem_bytes=2)["decode_steps"] == 3  # all at once
     assert physical_bound(FACTS, [[7], [7]], [40, 1], CEILINGS, elem_bytes=2, max_concurrent=4)["decode_steps"] == 40
+
+
+def test_fp8_weights_and_kv_by_hand() -> None:
+    """FP8 weights: the 600 linear parameters at 1 byte (the 400 embedding ones stay at 2) and the prefill linear
+    FLOPs at the FP8 rate; an FP8 KV cache: 1 byte per element. Without the FP8 rate no floor."""
+    b = physical_bound(FACTS, PROMPTS, OUTS, {**CEILINGS, "fp8_matmul_flops_per_s": 200.0}, elem_bytes=2,
+                       weight_elem_bytes=1, kv_elem_bytes=1)
+    assert b["weight_bytes"] == 600 * 1 + 400 * 2
+    assert b["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 1
+    assert b["prefill_linear_flops"] == 0 and b["prefill_linear_fp8_flops"] == 2 * 600 * 5
+    assert b["t_prefill_linear_fp8_s"] == pytest.approx(30.0) and b["t_prefill_linear_s"] == 0
+    assert b["floor_s"] == pytest.approx(4 * 1400 / 1000 + 17 * 128 / 1000 + 30.0 + 33.28)
+    assert "floor_s" not in physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, weight_elem_bytes=1)
+    assert physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, kv_elem_bytes=1)["floor_s"] == \
+        pytest.approx(105.632 - 17 * 128 / 1000)
