@@ -139,3 +139,22 @@ def test_fp8_prefill_with_prefix_and_mixed_step_match_torch(dtype):
         (ref, out), _ = run_both(meta, q, k, v, k_cache, v_cache)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) <= FP8_TOL, num_decode
+
+
+def test_fp8_activation_quant_kernel_matches_torch():
+    """kernels/triton_fp8_quant.py against the torch ops of ``quantize_per_token`` (the CPU path): the same
+    per-row scales and bytes. On CPU the rows are e4m3 values times a power of two with 448 in each (the
+    interpreter's rounding caveat of the module docstring), so the division is exact."""
+    from llmcli.kernels.triton_fp8_quant import quantize_rows
+    from llmcli.layers.quantization.fp8 import quantize_per_token
+
+    x = torch.randn(5, 300, device=DEVICE) * 30
+    if not ON_GPU:
+        x = x.clamp(-440, 440).to(FP8_KV_DTYPE).float()
+        x[:, 7] = 448.0
+        x = x * torch.tensor([0.25, 1.0, 4.0, 2.0 ** -6, 8.0], device=DEVICE)[:, None]
+    x[3] = 0.0  # an all-zero row: a tiny scale, zeros
+    q, s = quantize_rows(x)
+    ref_q, ref_s = quantize_per_token(x.cpu())
+    assert torch.equal(s.cpu(), ref_s)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))

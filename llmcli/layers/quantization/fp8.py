@@ -146,7 +146,12 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 activations and float32 per-row scales ([rows, 1]), for the row-wise scaled GEMM."""
+    """e4m3 activations and float32 per-row scales ([rows, 1]), for the row-wise scaled GEMM: on CUDA one Triton
+    kernel (``kernels/triton_fp8_quant.py``), elsewhere these torch ops, which compute the same."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+        from llmcli.kernels.triton_fp8_quant import quantize_rows
+
+        return quantize_rows(x)
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
     scale = amax / FP8_MAX
