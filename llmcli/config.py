@@ -17,7 +17,6 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GENERATION_CONFIGS = ("auto", "ignore")
-DECODE_GEMMS = ("cublas", "triton-silu", "triton")  # layers.linear.DECODE_GEMMS (config sits above the layers)
 # "auto": the model dtype; "fp8" (vLLM also spells it "fp8_e4m3"): e4m3 with a per-layer k and v scale
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -54,9 +53,6 @@ class Config:
     generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
     mixed_steps: bool = True  # decode rows ride along with prompt chunks in one step (False: prefill first)
     sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
-    prefill_graphs: bool = False  # CUDA: prefill/mixed steps replay graphs per token bucket, attention eager between
-    decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
-    pdl: bool = False  # CUDA, Hopper+: Triton kernels use programmatic dependent launch (llmcli.kernels.pdl)
     kv_cache_dtype: str = "auto"  # "fp8": the KV pool in float8_e4m3fn (half the bytes of bf16)
     quantization: str | None = None  # "fp8": a 16-bit checkpoint's linear weights in FP8 (FP8 checkpoints: found)
 
@@ -77,11 +73,6 @@ class Config:
         self.device = self._resolve_device()
         self.attention_backend = self._resolve_backend()
         self._check_block_size()
-        if self.prefill_graphs and KV_CACHE_DTYPES[self.kv_cache_dtype] is not None:
-            raise self._fail("prefill_graphs", "experimental prefill graphs do not pass FP8 KV scales; "
-                                               "turn them off with kv_cache_dtype='fp8'")
-        if self.decode_gemm != "cublas" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise self._fail("decode_gemm", "Triton GEMMs need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         self._check_tensor_parallel()
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = load_hf_config(self.model_path)
@@ -118,8 +109,6 @@ class Config:
             raise self._fail("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.decode_gemm not in DECODE_GEMMS:
-            raise self._fail("decode_gemm", f"must be one of {', '.join(DECODE_GEMMS)}")
         if self.quantization not in (None, "fp8"):
             raise self._fail("quantization", "must be 'fp8' or None (the checkpoint's own format)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -129,7 +118,7 @@ class Config:
         if self.generation_config not in GENERATION_CONFIGS:
             raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
                                                   "for fields a request leaves unset) or 'ignore'")
-        for name in ("mixed_steps", "sample_in_graph", "prefill_graphs", "pdl"):
+        for name in ("mixed_steps", "sample_in_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise self._fail(name, "must be true or false")
         if not isinstance(self.seed, int):
@@ -203,21 +192,21 @@ class Config:
         return quant
 
     def _check_model_len(self) -> None:
-        from llmcli.layers.rotary import UnsupportedRopeError
-        from llmcli.models import UnsupportedModelError, check_model_config, max_model_positions
+        from llmcli.models.hub import supported_positions
 
-        try:
-            limit = max_model_positions(self.hf_config)  # YaRN's factor stretches max_position_embeddings
-        except UnsupportedRopeError as exc:
+        try:  # architecture and rotary: refused here, before any worker starts or weight loads
+            limit = supported_positions(self.hf_config, None)
+        except ValueError as exc:
             raise self._fail("model", str(exc)) from None
         if self.max_model_len is None:
             self.max_model_len = min(limit or 4096, 40960)
         elif limit is not None and self.max_model_len > limit:
-            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_embeddings"
-                                              f"{', times its rope scaling factor' if limit != self.hf_config.max_position_embeddings else ''})")
-        try:  # architecture, rotary, sliding window: refused here, before any worker starts or weight loads
-            check_model_config(self.hf_config, self.max_model_len)
-        except (UnsupportedModelError, UnsupportedRopeError) as exc:
+            stretched = limit != getattr(self.hf_config, "max_position_embeddings", limit)
+            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_"
+                                              f"embeddings{' times its rope scaling factor' if stretched else ''})")
+        try:  # what depends on the length too (a sliding window)
+            supported_positions(self.hf_config, self.max_model_len)
+        except ValueError as exc:
             raise self._fail("model", str(exc)) from None
 
     @classmethod

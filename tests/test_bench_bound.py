@@ -57,6 +57,25 @@ def test_decode_steps_with_fewer_slots_than_requests() -> None:
     assert physical_bound(FACTS, [[7], [7]], [40, 1], CEILINGS, elem_bytes=2, max_concurrent=4)["decode_steps"] == 40
 
 
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3-0.6B", "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-7B",
+                                  "Qwen2.5-0.5B", "Mistral-7B-v0.3"])
+def test_model_facts_count_what_transformers_builds(name) -> None:
+    """The bound's parameter count and shapes for every family's published config (head_dim derived or given,
+    biases, tied embeddings) against the transformers model built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.harness.workload import REPO, model_facts
+
+    folder = REPO / "configs" / name
+    facts = model_facts(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+    assert facts["params"] == sum(p.numel() for p in model.parameters())  # tied weights counted once
+    attn = model.model.layers[0].self_attn
+    assert facts["head_dim"] == attn.head_dim and facts["kv_heads"] * facts["head_dim"] == attn.k_proj.out_features
+
+
 def test_fp8_weights_and_kv_by_hand() -> None:
     """FP8 weights: the 600 linear parameters at 1 byte (the 400 embedding ones stay at 2) and the prefill linear
     FLOPs at the FP8 rate; an FP8 KV cache: 1 byte per element. Without the FP8 rate no floor."""

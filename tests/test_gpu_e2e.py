@@ -1,7 +1,9 @@
 """End to end on a GPU in bfloat16: llmcli (triton and torch backends) against transformers.
 
 A random-weight Qwen3-0.6B checkpoint (the published config, weights drawn
-here) is written as safetensors; 16 prompts x 64 greedy tokens are compared.
+here) is written as safetensors; 16 prompts x 64 greedy tokens are compared. The same
+for Llama-3.2-1B (llama3 rope scaling, no q/k norm: the fused kernel's rotary-only
+form, tied embeddings): ``-k Llama`` runs that one alone.
 
 Random weights make bf16 near-ties common (about a fifth of transformers' own
 greedy steps have two logits within 2% of the largest), and free-running
@@ -30,15 +32,19 @@ from tiny_qwen3 import write_random_published
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "Qwen3-0.6B" / "config.json"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NUM_PROMPTS, NEW_TOKENS = 16, 64
 
 
-@pytest.fixture(scope="module")
-def random_qwen3_06b(tmp_path_factory) -> Path:
-    out = write_random_published(CONFIG, tmp_path_factory.mktemp("qwen3_06b_random"))
+@pytest.fixture(scope="module", params=["Qwen3-0.6B", "Llama-3.2-1B"])
+def random_published(request, tmp_path_factory) -> tuple[Path, int]:
+    """(checkpoint, vocab size) of a random-weight published config."""
+    config = CONFIGS / request.param / "config.json"
+    out = write_random_published(config, tmp_path_factory.mktemp(f"{request.param}_random"))
     torch.cuda.empty_cache()
-    return out
+    import json
+
+    return out, json.loads(config.read_text())["vocab_size"]
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -107,9 +113,9 @@ class Llmcli:
         torch.cuda.empty_cache()
 
 
-def test_bf16_greedy_matches_transformers(random_qwen3_06b):
-    path = random_qwen3_06b
-    prompts = _prompts(151936)
+def test_bf16_greedy_matches_transformers(random_published):
+    path, vocab = random_published
+    prompts = _prompts(vocab)
     hf = _hf_greedy(path, prompts)
     hf_eager = _hf_greedy(path, prompts, attn="eager")
     step_logits = _hf_step_logits(path, prompts, hf)

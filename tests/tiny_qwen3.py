@@ -309,22 +309,21 @@ def write_tiny_qwen3(path, *, head_dim: int = 16, **kwargs) -> Path:
 
 def write_random_published(config_json, path, *, norm_gain: float = 8.0, device: str = "cuda",
                            dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A full-size random checkpoint from a published config.json (e.g. configs/Qwen3-0.6B), for GPU tests.
+    """A full-size random checkpoint of any family from a published config.json (e.g. configs/Qwen3-0.6B or
+    configs/Llama-3.2-1B), for GPU tests.
 
     ``norm_gain`` scales the final norm (and so every logit) without touching the residual stream. It does
     not make bf16 near-ties rarer (rounding is relative): with random weights the logits are ~Gaussian over
     151,936 tokens, and on an H200 about a fifth of transformers' own greedy steps had their two best
     logits within 2% of the largest (benchmarks/RESULTS.md, run 4).
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(path)
-    cfg = json.loads(Path(config_json).read_text())
-    config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
-    config.architectures = ["Qwen3ForCausalLM"]
+    config = AutoConfig.from_pretrained(str(Path(config_json).parent))
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(dtype)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():
         model.model.norm.weight.fill_(norm_gain)
     model.save_pretrained(out, safe_serialization=True)

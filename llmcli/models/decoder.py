@@ -189,7 +189,7 @@ class DecoderForCausalLM(nn.Module):
 
 
 class UnsupportedModelError(ValueError):
-    """config.json describes a model llmcli cannot run exactly; the message names the field."""
+    """config.json describes a model llmcli cannot run exactly; the message names the field and what is supported."""
 
 
 def check_no_sliding_window(config: Any, max_model_len: int) -> None:
