@@ -67,7 +67,7 @@ ENGINE_KNOBS = (
     Knob("quantization", str, "fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per output "
                               "channel; FP8 GEMMs on sm90+, elsewhere the weights are rounded through FP8). FP8 "
                               "checkpoints are recognised without it.", "the checkpoint's format",
-         aliases=("-q",), choices=("fp8",)),
+         choices=("fp8",)),
     Knob("kv_cache_dtype", str, "KV-cache element type: fp8 stores e4m3 with a per-layer scale (the "
                                 "checkpoint's k_scale/v_scale, else 1.0), half the bytes of bf16: twice the "
                                 "blocks in the same memory.", "auto: the model dtype",
