@@ -100,4 +100,8 @@ def finish_fp8(model: nn.Module, quant: QuantConfig | None, loaded: Fp8Checkpoin
         elif quant.source == "online":  # no FP8 GEMM here: the weights carry e4m3's rounding all the same
             q, scale = quantize_per_channel(weight)
             weight.copy_(q.float() * scale[:, None])
+    if converted and device.type == "cuda":
+        # the freed 16-bit weights would otherwise stay in the allocator's cache, which the KV-pool probe counts
+        # as used (torch.cuda.mem_get_info)
+        torch.cuda.empty_cache()
     return converted
