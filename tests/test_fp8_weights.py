@@ -138,3 +138,25 @@ def test_fp8_checkpoint_errors_name_the_tensor_or_field(fp8_pairs, tmp_path):
     _edit_config(moe, architectures=["Qwen3MoeForCausalLM"])
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         Config(str(moe), device="cpu")
+
+
+def test_vllm_per_tensor_format_and_the_ignore_list():
+    """vLLM's per-tensor ``fp8`` (one ``weight_scale`` per tensor) and the names an ``ignore`` list keeps 16-bit."""
+    from types import SimpleNamespace
+
+    from llmcli.layers.quantization.fp8 import dequantize, parse_quant_config
+
+    cfg = SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config={
+        "quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head", "model.layers.0.mlp.down_proj"]})
+    quant = parse_quant_config(cfg, None)
+    assert quant.block_size is None and quant.source == "fp8"
+    assert quant.ignores("lm_head") and quant.ignores("model.layers.0.mlp.down_proj")
+    assert not quant.ignores("model.layers.10.mlp.down_proj") and not quant.ignores("model.layers.0.mlp.gate_up_proj")
+    ct = SimpleNamespace(architectures=["Qwen3ForCausalLM"], quantization_config={
+        "quant_method": "compressed-tensors", "ignore": ["re:.*layers\\.1\\..*"],
+        "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}})
+    quant = parse_quant_config(ct, None)
+    assert quant.ignores("model.layers.1.self_attn.qkv_proj") and not quant.ignores("model.layers.11.self_attn.qkv_proj")
+    w = (torch.randn(8, 12) * 50).to(torch.float8_e4m3fn)
+    assert torch.equal(dequantize(w, torch.tensor(0.37)), w.float() * 0.37)
+    assert torch.equal(dequantize(w, torch.tensor([0.37])), w.float() * 0.37)
