@@ -16,6 +16,8 @@
 #           .whl/llguidance-*.whl), args in STRUCTURED_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), args in TP_ARGS
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
+#   moe     tests/test_triton_moe.py on the GPU, then benchmarks/moe_gpu.py: the fused MoE kernel vs the loop,
+#           Qwen3-30B-A3B against the MoE bound, agreement with transformers (~6 min); args in MOE_ARGS
 # Retired stages (decode-gemm, prefill-graphs, elementwise, decode-attn, prefill-attn, host-diag, launch, ...):
 # benchmarks/RESULTS.md, "Scripts retired in round 26", says where each script lives in history.
 set -uo pipefail
@@ -66,6 +68,8 @@ for stage in "$@"; do
     structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
+    moe) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | tee "$OUT/moe_kernels.log" | tail -5
+      timeout 480 python3 benchmarks/moe_gpu.py ${MOE_ARGS:-} 2>&1 | tee "$OUT/moe.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
   esac
 done

@@ -140,7 +140,7 @@ def main() -> None:
     bench_len = (100, 1024)
     if args.smoke:
         args.config = str(REPO / "examples" / "tiny-qwen3")
-        args.records, args.bench_records, args.repeat = min(args.records, 200), min(args.bench_records, 8), 1
+        args.records, args.bench_records, args.repeat = min(args.records, 16), min(args.bench_records, 4), 1
         engine.update(device="cpu", max_model_len=2048)
         bench_len = (16, 64)
     work = Path(args.work or tempfile.mkdtemp(prefix="llmcli-job-"))

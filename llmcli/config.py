@@ -25,6 +25,27 @@ class ConfigError(ValueError):
     """An engine setting is invalid; the message names the field and what to do."""
 
 
+# ``attention_backend="auto"`` on CUDA: the backend measured fastest, by a rule keyed by (compute capability
+# major, head dim), each entry with the measurement behind it. A GPU generation or head size nobody measured
+# gets llmcli's own Triton kernels, the backend every GPU session tests; flash-attn is chosen only where it was
+# measured faster, is installed and suits the KV block size. It stays selectable by name wherever it runs.
+MEASURED_BACKENDS: dict[tuple[int, int], str] = {
+    # H200 (sm_90), Qwen3-0.6B and Qwen3-8B (head dim 128), the default bench (256 requests, in/out 100-1024,
+    # bf16), 2026-12-02, issue 28: flash-attn 22,881 vs triton 26,028 output tok/s on 0.6B (-12%), 8,876 vs
+    # 9,749 on 8B (-9%). benchmarks/real_path_gpu.py re-measures both with the flash-attn wheel installed.
+    (9, 128): "triton",
+}
+UNMEASURED_BACKEND = "triton"
+
+
+def fastest_backend(capability: tuple[int, int], head_dim: int, flash_available: bool, block_size: int) -> str:
+    """'triton' or 'flash-attn' for a GPU of ``capability`` and a model of ``head_dim``."""
+    choice = MEASURED_BACKENDS.get((capability[0], head_dim), UNMEASURED_BACKEND)
+    if choice == "flash-attn" and (not flash_available or block_size % 256):
+        return "triton"
+    return choice
+
+
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -72,10 +93,14 @@ class Config:
         self._check_simple_fields()
         self.device = self._resolve_device()
         self.attention_backend = self._resolve_backend()
-        self._check_block_size()
+        if self.attention_backend != "auto":
+            self._check_block_size()
         self._check_tensor_parallel()
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = load_hf_config(self.model_path)
+        if self.attention_backend == "auto":  # the rule needs the model's head size
+            self.attention_backend = self._fastest_backend()
+            self._check_block_size()
         self.eos_token_ids = load_generation_eos(self.model_path, self.hf_config)
         if self.generation_config == "auto":
             self.sampling_defaults = load_generation_defaults(self.model_path)
@@ -135,11 +160,8 @@ class Config:
         backend = self.attention_backend
         fp8_kv = KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
         if backend == "auto":
-            if self.device == "cpu":
-                return "torch"
-            # the flash-attn build llmcli runs reads 16-bit caches only
-            return "flash-attn" if flash_attn_available() and not fp8_kv else "triton"
-        if backend == "flash-attn" and fp8_kv:
+            return "torch" if self.device == "cpu" else "auto"
+        if backend == "flash-attn" and KV_CACHE_DTYPES.get(self.kv_cache_dtype) is not None:
             raise self._fail("attention_backend", "flash-attn reads 16-bit KV caches only; with "
                                                   "kv_cache_dtype='fp8' use 'triton' (or 'auto')")
         if backend == "flash-attn":
@@ -150,6 +172,13 @@ class Config:
         if backend == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise self._fail("attention_backend", "triton kernels need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         return backend
+
+    def _fastest_backend(self) -> str:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # the flash-attn build llmcli runs reads 16-bit caches only
+        flash = flash_attn_available() and KV_CACHE_DTYPES[self.kv_cache_dtype] is None
+        return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash, self.kvcache_block_size)
 
     def _check_block_size(self) -> None:
         bs = self.kvcache_block_size

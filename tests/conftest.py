@@ -84,8 +84,9 @@ def tiny_model_sharded(tmp_path_factory) -> Path:
 
 # Every family but plain Qwen3 (the fixtures above), each with what sets it apart (tests/tiny_qwen3.py FAMILIES):
 # Qwen3 + YaRN run past max_position_embeddings, Llama with llama3 rope scaling, biases and derived head_dim,
-# Qwen2 with q/k/v bias and tied embeddings, Mistral v0.3-style.
-OTHER_FAMILIES = ("qwen3-yarn", "llama", "qwen2", "mistral")
+# Qwen2 with q/k/v bias and tied embeddings, Mistral v0.3-style, Qwen3-MoE (top-2 of 8 unnormalised, top-8 of 16
+# normalised, each with dense layers mixed in).
+OTHER_FAMILIES = ("qwen3-yarn", "llama", "qwen2", "mistral", "qwen3-moe-top2", "qwen3-moe-top8")
 FAMILIES = ("qwen3", *OTHER_FAMILIES)
 
 

@@ -22,9 +22,12 @@ SMOKES = [
     (["host_step_cpu.py", "--smoke"], "| graph+sample |"),
     (["job_gpu.py", "--smoke"], "CLI overhead"),
     (["startup_gpu.py", "--smoke"], "tiny+cold+serial #1"),
-    (["logprobs_cost.py", "--smoke"], "logprobs"),
-    (["structured_bench.py", "--smoke", "--device", "cpu"], "schemas"),
+    (["logprobs_cost.py", "--smoke"], "| logprobs=5: ms per decode step"),
+    (["structured_bench.py", "--smoke", "--device", "cpu"], "every request produced its full length: True"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
+    (["real_path_gpu.py", "--smoke"], "correctness failures: none"),
+    (["moe_gpu.py", "--smoke"], "all checks passed"),
+    (["families_gpu.py", "--smoke"], "families: ok"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""End to end on a GPU in bfloat16: llmcli (triton and torch backends) against transformers.
+"""End to end on a GPU in bfloat16: llmcli (triton, torch and, when installed, flash-attn backends) against transformers.
 
 A random-weight Qwen3-0.6B checkpoint (the published config, weights drawn
 here) is written as safetensors; 16 prompts x 64 greedy tokens are compared. The same
@@ -21,6 +21,8 @@ Skipped without CUDA.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
 from pathlib import Path
 
@@ -42,8 +44,6 @@ def random_published(request, tmp_path_factory) -> tuple[Path, int]:
     config = CONFIGS / request.param / "config.json"
     out = write_random_published(config, tmp_path_factory.mktemp(f"{request.param}_random"))
     torch.cuda.empty_cache()
-    import json
-
     return out, json.loads(config.read_text())["vocab_size"]
 
 
@@ -138,12 +138,28 @@ def test_bf16_greedy_matches_transformers(random_published):
     finally:
         engine.close()
 
+    flash = flash_tf = None
+    # the lab's flash-attn wheel (shared/wheels) is built for head dim 128 only and runs a wrong kernel on others
+    config = json.loads((path / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if importlib.util.find_spec("flash_attn") is not None and head_dim == 128:
+        engine = Llmcli(path, "flash-attn")
+        try:
+            flash, flash_tf = engine.greedy(prompts), engine.teacher_forced(prompts, hf)
+        finally:
+            engine.close()
+
     teacher = {"triton vs transformers": agreement(triton_tf, hf), "torch vs transformers": agreement(torch_tf, hf),
                "triton (chunked, 16-token blocks) vs transformers": agreement(chunked_tf, hf),
                "triton vs torch": agreement(triton_tf, torch_tf)}
     free = {"triton vs transformers": agreement(triton, hf), "torch vs transformers": agreement(torch_ref, hf),
             "triton vs torch": agreement(triton, torch_ref),
             "control: transformers eager vs sdpa": agreement(hf_eager, hf)}
+    if flash is not None:
+        teacher["flash-attn vs transformers"] = agreement(flash_tf, hf)
+        free["flash-attn vs transformers"] = agreement(flash, hf)
+    else:
+        print("\nflash_attn is not installed: the flash-attn backend was not compared")
     total = NUM_PROMPTS * NEW_TOKENS
     print(f"\ntransformers' greedy steps with a top-2 near-tie (within {TIE_TOL:.0%}): {near_ties}/{total} "
           f"({near_ties / total:.1%})")
@@ -155,9 +171,14 @@ def test_bf16_greedy_matches_transformers(random_published):
         print(f"  {name:52s} {rate:.2%}")
 
     bad = []
-    for name, ours in (("triton", triton_tf), ("torch", torch_tf), ("triton chunked", chunked_tf)):
+    forced = [("triton", triton_tf), ("torch", torch_tf), ("triton chunked", chunked_tf)]
+    running = [("triton", triton), ("torch", torch_ref)]
+    if flash is not None:
+        forced.append(("flash-attn", flash_tf))
+        running.append(("flash-attn", flash))
+    for name, ours in forced:
         bad += [f"{name} teacher-forced: {m}" for m in non_tie_mismatches(step_logits, ours, hf, first_only=False)]
-    for name, ours in (("triton", triton), ("torch", torch_ref)):
+    for name, ours in running:
         bad += [f"{name} free-running: {m}" for m in non_tie_mismatches(step_logits, ours, hf, first_only=True)]
     print("mismatches that are not near-ties:", bad or "none")
     assert not bad

@@ -53,6 +53,8 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU-sized cases need CUDA")
 
 # (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1/2/4/8, Qwen3-0.6B's 16/8/128
 SHAPES = [(8, 8, 64, 16), (8, 4, 128, 64), (8, 2, 64, 256), (8, 1, 128, 16), (16, 8, 128, 256)]
+# a GQA group of 7, not a power of two: Qwen2.5-0.5B's 14/2/64 (Qwen2.5-7B's 28/4/128 has the same group)
+QWEN25_SHAPE = (14, 2, 64, 16)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -136,7 +138,7 @@ def check_decode(ctx_lens, shape, dtype, num_splits):
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + [QWEN25_SHAPE])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_matches_torch(shape, dtype, num_splits):
@@ -301,7 +303,7 @@ def check_prefill(prefix_lens, q_lens, shape, dtype, paged, tiles=None, poison_t
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + [QWEN25_SHAPE])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_with_prefix_matches_torch(shape, dtype):
     bs = shape[3]
@@ -742,7 +744,8 @@ def test_kernel_variant_warmup_stores_nothing(tiny_model, run_factory):
 # --------------------------------------------------------------------------
 # the one-pass sampler (no top-k/top-p) against the torch sampler
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("rows,vocab", [(1, 1000), (5, 3 * CHUNK + 17), (64, 151936 if ON_GPU else 2 * CHUNK)])
+@pytest.mark.parametrize("rows,vocab", [(1, 1000), (5, 3 * CHUNK + 17), (64, 151936 if ON_GPU else 2 * CHUNK),
+                                       (2, 151936)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
 def test_one_pass_sampler_matches_torch_sampler(rows, vocab, dtype, monkeypatch):
     g = torch.Generator().manual_seed(rows * vocab)
@@ -757,13 +760,11 @@ def test_one_pass_sampler_matches_torch_sampler(rows, vocab, dtype, monkeypatch)
     monkeypatch.setenv("LLMCLI_EAGER", "1")  # the reference: the torch sampler as plain eager code
     ref = sample(logits, temps, None, None, min_ps, seeds, steps, False)
     monkeypatch.delenv("LLMCLI_EAGER")
-    # float32 logs of the two implementations may differ in the last bit: allow a flip only at a near-tie
+    # every float operation is the same on both paths (products by 1/T, libdevice's log, nothing fused into an
+    # FMA): the same token in every row, near-ties included (the GPU run of 2026-12-02 had row 26 of 64 at
+    # vocab 151,936 differ: 19443 vs 94020)
+    assert torch.equal(ours, ref), torch.nonzero(ours != ref).flatten().tolist()
     scaled = logits.float() / torch.where(temps > 0, temps, 1.0)[:, None]
-    for r in torch.nonzero(ours != ref).flatten().tolist():
-        assert temps[r] > 0, f"greedy row {r}: {ours[r]} != argmax {ref[r]}"
-        gap = (scaled[r, ours[r]] - scaled[r, ref[r]]).abs().item()
-        assert gap < 1e-3 * scaled[r].abs().max().item() + 1.0, f"row {r}: {ours[r]} vs {ref[r]}"
-    assert (ours != ref).float().mean().item() <= 0.02
     # greedy rows take the first maximum, as torch.argmax does
     greedy = temps == 0
     assert torch.equal(ours[greedy], logits[greedy].float().argmax(-1))
@@ -889,7 +890,7 @@ def test_start_up_check_keeps_a_correct_one_pass_sampler_and_drops_a_wrong_one(m
 
 
 @triton.jit
-def _gumbel_log_near_one(bits):
+def _gumbel_log_near_one(bits, ACCURATE: tl.constexpr = False):
     """The old noise: u near 1 rounds to 1.0 and gets +inf, like the GPU's fast log one step earlier."""
     return -tl.log(-tl.log((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)))
 

@@ -5,7 +5,7 @@ is the Qwen3 one):
 
 * ``config.json``            a real transformers config of the family (``FAMILIES``: Qwen3, Qwen3 with YaRN,
                              Llama 3.1-style with llama3 rope scaling, biases and head_dim derived, Qwen2 with
-                             q/k/v bias and tied embeddings, Mistral v0.3-style)
+                             q/k/v bias and tied embeddings, Mistral v0.3-style, Qwen3-MoE top-2 and top-8)
 * ``model.safetensors``      seeded random weights, biases included (or several shards plus
                              ``model.safetensors.index.json`` with ``sharded=True``)
 * ``generation_config.json`` whose ``eos_token_id`` lists the family's EOS ids (Llama 3: three)
@@ -177,6 +177,17 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM",
                     {"tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": 4096,
                      "max_window_layers": 2}),
+    # Qwen3-MoE: top-2 of 8 experts unnormalised with layer 1 of 3 dense (mlp_only_layers); top-8 of 16
+    # normalised with every other layer dense (decoder_sparse_step=2: of 2 layers, layer 0 dense, 1 sparse)
+    "qwen3-moe-top2": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             {"head_dim": 16, "attention_bias": False, "use_sliding_window": False,
+                              "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32, "norm_topk_prob": False, "mlp_only_layers": [1],
+                              "decoder_sparse_step": 1}),
+    "qwen3-moe-top8": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             {"head_dim": 16, "attention_bias": False, "use_sliding_window": False,
+                              "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 32,
+                              "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 2}),
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
                       tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
@@ -308,9 +319,9 @@ def write_tiny_qwen3(path, *, head_dim: int = 16, **kwargs) -> Path:
 
 
 def write_random_published(config_json, path, *, norm_gain: float = 8.0, device: str = "cuda",
-                           dtype: torch.dtype = torch.bfloat16) -> Path:
+                           dtype: torch.dtype = torch.bfloat16, overrides: dict | None = None) -> Path:
     """A full-size random checkpoint of any family from a published config.json (e.g. configs/Qwen3-0.6B or
-    configs/Llama-3.2-1B), for GPU tests.
+    configs/Llama-3.2-1B), for GPU tests; ``overrides`` replace config fields (fewer layers of a large model).
 
     ``norm_gain`` scales the final norm (and so every logit) without touching the residual stream. It does
     not make bf16 near-ties rarer (rounding is relative): with random weights the logits are ~Gaussian over
@@ -321,6 +332,8 @@ def write_random_published(config_json, path, *, norm_gain: float = 8.0, device:
 
     out = Path(path)
     config = AutoConfig.from_pretrained(str(Path(config_json).parent))
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config).to(dtype)

@@ -53,17 +53,36 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     H, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
     nh, nkv, hd, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     per_layer = (H * nh * hd + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
-                 + 3 * H * inter  # gate, up, down
                  + 2 * H  # input/post-attention norms
                  + (2 * hd if spec.qk_norm else 0)
-                 + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0) + (H if spec.o_bias else 0)
-                 + (2 * inter + H if spec.mlp_bias else 0))
+                 + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0) + (H if spec.o_bias else 0))
+    mlp = 3 * H * inter + (2 * inter + H if spec.mlp_bias else 0)  # gate, up, down
+    moe = moe_facts(cfg)
+    sparse = moe.get("sparse_layers", 0)
     embed = V * H
     head = 0 if spec.tie_word_embeddings else V * H
-    total = embed + head + L * per_layer + H
+    dense = embed + head + L * per_layer + (L - sparse) * mlp + H  # every weight but the experts and routers
+    routed = sparse * moe.get("router_params", 0)
+    total = dense + routed + sparse * moe.get("experts", 0) * moe.get("expert_params", 0)
+    active = dense + routed + sparse * moe.get("experts_per_tok", 0) * moe.get("expert_params", 0) if moe else total
     return {"name": model_dir.name, "path": str(model_dir), "hidden": H, "layers": L, "heads": nh, "kv_heads": nkv,
             "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": spec.tie_word_embeddings,
-            "params": total, "params_non_embedding": total - embed - head, "eos_token_ids": eos}
+            "params": total, "params_non_embedding": total - embed - head,
+            "params_active_non_embedding": active - embed - head, "eos_token_ids": eos, **moe}
+
+
+def moe_facts(cfg: Any) -> dict[str, Any]:
+    """A mixture of experts' shape (empty for a dense model): the sparse layers, experts per layer and per token,
+    parameters of one expert (gate, up, down) and of one layer's router."""
+    experts = getattr(cfg, "num_experts", 0) or 0
+    if not experts:
+        return {}
+    from llmcli.models.qwen3_moe import is_sparse_layer
+
+    H = cfg.hidden_size
+    sparse = sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+    return {"experts": experts, "experts_per_tok": cfg.num_experts_per_tok, "sparse_layers": sparse,
+            "expert_params": 3 * H * cfg.moe_intermediate_size, "router_params": experts * H}
 
 
 def add_workload_args(group: Any) -> None:

@@ -72,7 +72,7 @@ ENGINE_KNOBS = (
                                 "checkpoint's k_scale/v_scale, else 1.0), half the bytes of bf16: twice the "
                                 "blocks in the same memory.", "auto: the model dtype",
          choices=("auto", "fp8", "fp8_e4m3")),
-    Knob("attention_backend", str, "Attention kernels.", "auto: flash-attn if installed, else triton; torch on CPU",
+    Knob("attention_backend", str, "Attention kernels.", "auto: the backend measured fastest for the GPU and head size (triton on sm_90); torch on CPU",
          choices=("auto", "torch", "triton", "flash-attn")),
     Knob("load_format", str, "dummy: random weights from config.json alone, for benchmarks.", "auto",
          choices=("auto", "safetensors", "dummy")),

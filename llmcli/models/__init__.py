@@ -12,12 +12,14 @@ from llmcli.models.llama import LlamaForCausalLM
 from llmcli.models.mistral import MistralForCausalLM
 from llmcli.models.qwen2 import Qwen2ForCausalLM
 from llmcli.models.qwen3 import Qwen3ForCausalLM
+from llmcli.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY", "UnsupportedModelError", "build_model", "check_model_config", "head_dim_of",
