@@ -22,7 +22,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     # triton picks interpreter vs compiler when a kernel is decorated: redo it if imported earlier
     for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend",
-                  "triton_sample", "triton_logprobs"):
+                  "triton_sample", "triton_sample_filter", "triton_logprobs"):
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
@@ -524,12 +524,12 @@ def eager_decode_graphs(runner, sample_in_graph):
     from llmcli.engine.cuda_graphs import DecodeGraphs
 
     class EagerDecodeGraphs(DecodeGraphs):
-        def _capture(self, bs, pool):
-            output = self._body(bs)
+        def _capture(self, bs, body, pool):
+            output = body(bs)
 
             def run():  # a real graph has its metadata baked in; the eager body reads the backend's
                 self.backend.prepare_for_capture(bs)
-                return self._body(bs)
+                return body(bs)
             return EagerGraph(run, output), output, None
 
     return EagerDecodeGraphs(runner.model, runner.backend, runner.config, runner.device, sample_in_graph)
