@@ -140,7 +140,8 @@ class ModelRunner:
             from llmcli.engine.cuda_graphs import DecodeGraphs
 
             with clock.phase("graphs"):
-                # the one-pass sampler must have passed its start-up check to go inside the graph
+                # the one-pass sampler must have passed its start-up check to go inside the graph (the check
+                # covers the filtered draw too: the threshold kernel against the sort-based filter)
                 in_graph = config.sample_in_graph and self.world == 1 and self.sampler.one_pass
                 self.graphs = DecodeGraphs(self.model, self.backend, config, self.device, sample_in_graph=in_graph)
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
@@ -282,8 +283,8 @@ class ModelRunner:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
 
     def _launch_graph(self, seqs: list[Sequence]) -> LaunchedStep:
-        """A decode step through its CUDA graph: staged inputs, one replay, then logits and sampling unless
-        the graph samples itself (``sample_in_graph``, for batches the one-pass sampler can serve)."""
+        """A decode step through its CUDA graphs: staged inputs, the forward's replay, then the sampler's
+        (``sample_in_graph``: the plain or the filtered one), or logits and sampling outside the graphs."""
         n = len(seqs)
         with self.timer.phase("prepare"):
             tables = self.block_tables
@@ -296,14 +297,19 @@ class ModelRunner:
                 deltas = None
             in_graph = self.row_sampling.gather(seqs, arrays) if self.graphs.sample_in_graph and self.rank == 0 \
                 else None
-            f32, seeds, steps = in_graph if in_graph is not None else (None, np.zeros(n, np.int64), np.zeros(n, np.int64))
+            if in_graph is not None:
+                f32, seeds, steps, top_ks = in_graph.f32, in_graph.seeds, in_graph.steps, in_graph.top_ks
+            else:
+                f32, seeds = None, np.zeros(n, np.int64)
+                steps = top_ks = seeds
             i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows,
-                            arrays.order])
+                            arrays.order, top_ks])
             greedy = in_graph is not None or self.rank != 0 or all_greedy(seqs)
             sampling = None if greedy else prepare_sampling(seqs, self.uploader)
         with self.timer.phase("forward"):
             prev = None if self.prev_in_graph else self.prev_tokens
-            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables, prev, deltas)
+            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables, prev, deltas,
+                                                       filtered=in_graph is not None and in_graph.filtered)
             logits = None if in_graph is not None else self.model.compute_logits(hidden)
         with self.timer.phase("sample"):
             if in_graph is not None:
