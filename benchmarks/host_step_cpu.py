@@ -89,6 +89,8 @@ def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
                                      _graph_tables=torch.zeros(top, runner.block_tables.width, dtype=torch.int32),
                                      prepare_for_capture=lambda bs: None)
     graphs.graphs = {bs: SimpleNamespace(replay=lambda: None) for bs in graphs.batch_sizes}
+    graphs.samplers = {(bs, filtered): SimpleNamespace(replay=lambda: None) for bs in graphs.batch_sizes
+                       for filtered in (False, True)}
     graphs.outputs = {bs: runner._canned[:bs] for bs in graphs.batch_sizes}
     return graphs
 

@@ -151,6 +151,8 @@ def model_runs(model: Path, args: argparse.Namespace, default: Workload) -> None
     print(f"\n== {model.name}: default workload ({default.num_prompts} requests), output tok/s", flush=True)
     backend = "torch" if args.smoke else "triton"
     engine = engine_for(model, args, attention_backend=backend)
+    graphs = getattr(engine.model_runner, "graphs", None)  # filtered batches too, unless the start-up check failed
+    print(f"  sampling inside the decode graphs: {bool(graphs is not None and graphs.sample_in_graph)}")
     speeds = {}
     try:
         timed(engine, replace(default, num_prompts=4, input_len=(16, 16), output_len=(4, 4)))  # warm-up

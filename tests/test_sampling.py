@@ -282,3 +282,43 @@ def test_an_allowed_token_at_the_top_hash_value_is_not_forced():
     got = Sampler()(logits, one * 0.6, torch.full((1,), -1), one, one * 0.0, torch.tensor([EDGE_SEED]),
                     torch.tensor([EDGE_STEP]), False)
     assert got.item() != EDGE_TOKEN
+
+
+def test_graph_sampling_rows_and_which_sampler_graph_a_step_takes():
+    """The decode graph's sampling rows (``RowSampling.gather``: cached per block-table row; ``graph_sampling``:
+    read from the sequences) carry each row's temperature, min-p, top-p, top-k, seed and step, and a step
+    takes the filtered sampler graph exactly when a sampling row has top-k or top-p (a greedy row's filters
+    change no argmax); a row handed to another sequence takes that one's settings."""
+    import numpy as np
+
+    from llmcli.engine.sequence import Sequence
+    from llmcli.engine.step_inputs import DecodeArrays, RowSampling, graph_sampling
+    from llmcli.sampling_params import SamplingParams
+
+    def seq(prompt: int, done: int, row: int, table_id: int, seed: int, **params) -> Sequence:
+        s = Sequence(list(range(3, 3 + prompt)), SamplingParams(**params), 16, seed=seed)
+        s.token_ids += [5] * done
+        s.table_row, s.table_id = row, table_id
+        return s
+
+    def arrays(seqs: list[Sequence]) -> DecodeArrays:
+        zeros = np.zeros(len(seqs), dtype=np.int64)
+        return DecodeArrays(zeros, zeros, zeros, np.array([len(s.token_ids) for s in seqs]), zeros,
+                            np.array([s.table_row for s in seqs]), np.array([s.table_id for s in seqs]))
+
+    rows = RowSampling(2)  # grows to row 4 below
+    cases = [  # (sequences, filtered, [temperature, min_p, top_p] rows, top_ks, seeds, steps)
+        ([seq(7, 2, 0, 1, 11, temperature=0.0, top_k=5), seq(4, 0, 1, 1, 12, temperature=1.0)],
+         False, [[0, 1], [0, 0], [1, 1]], [5, -1], [11, 12], [2, 0]),
+        ([seq(7, 3, 0, 2, 13, temperature=1.0), seq(4, 1, 4, 1, 14, temperature=0.7, top_p=0.9, min_p=0.1)],
+         True, [[1, 0.7], [0, 0.1], [1, 0.9]], [-1, -1], [13, 14], [3, 1]),
+        ([seq(9, 5, 1, 2, 15, temperature=0.6, top_k=20, top_p=0.95), seq(7, 4, 0, 2, 13, temperature=1.0)],
+         True, [[0.6, 1], [0, 0], [0.95, 1]], [20, -1], [15, 13], [5, 4]),
+        ([seq(2, 1, 1, 3, 16, temperature=0.0, top_p=0.5)], False, [[0], [0], [0.5]], [-1], [0], [0]),
+    ]
+    for seqs, filtered, f32, top_ks, seeds, steps in cases:
+        for got in (rows.gather(seqs, arrays(seqs)), graph_sampling(seqs)):
+            assert got.filtered is filtered
+            np.testing.assert_allclose(got.f32, np.array(f32, dtype=np.float32))
+            assert got.f32.dtype == np.float32 and got.top_ks.dtype == np.int64
+            assert got.top_ks.tolist() == top_ks and got.seeds.tolist() == seeds and got.steps.tolist() == steps

@@ -22,7 +22,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     # triton picks interpreter vs compiler when a kernel is decorated: redo it if imported earlier
     for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend",
-                  "triton_sample", "triton_logprobs"):
+                  "triton_sample", "triton_sample_filter", "triton_logprobs"):
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
@@ -209,10 +209,10 @@ from llmcli.kernels import triton_decode as td
 
 PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
         "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-        "scale_log2": "fp32", "row_order_ptr": "*i64"}
+        "scale_log2": "fp32", "row_order_ptr": "*i64", "v_scale": "fp32"}
 
-def build(kernel, constexprs, **options):
-    sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in kernel.arg_names}
+def build(kernel, constexprs, ptrs=PTRS, **options):
+    sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -220,9 +220,14 @@ for group in (1, 2, 4):
     for split, ordered in ((True, True), (False, True), (False, False)):
         order = {} if ordered else {"row_order_ptr": None}  # the engine's launch has an order; a bare call not
         build(td._decode_partition_kernel, dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256,
-              BLOCK_N=td.BLOCK_N, SPLIT=split, HEADS_FASTEST=ordered, **order),
+              BLOCK_N=td.BLOCK_N, SPLIT=split, HEADS_FASTEST=ordered, FP8=False, **order),
               num_warps=td.NUM_WARPS, num_stages=td.NUM_STAGES)
         print("partition compiled: group", group, "split", split, "ordered", ordered)
+# an FP8 KV cache: e4m3 tiles widened to q's bf16 for the dots
+build(td._decode_partition_kernel, dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=td.BLOCK_N,
+      SPLIT=True, HEADS_FASTEST=True, FP8=True), {**PTRS, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
+      num_warps=td.NUM_WARPS, num_stages=td.NUM_STAGES)
+print("fp8 partition compiled")
 build(td._decode_reduce_kernel, dict(HEAD_DIM=128, MAX_SPLITS_PAD=td.MAX_SPLITS), num_warps=td.NUM_WARPS)
 print("reduce compiled")
 """
@@ -238,7 +243,7 @@ def test_decode_kernels_compile_for_sm90():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    assert out.count("partition compiled") == 9 and out.count("reduce compiled") == 1, out
+    assert out.count("partition compiled") == 10 and out.count("reduce compiled") == 1, out
 
 
 def test_backend_split_decode_layer_after_layer():
@@ -526,12 +531,12 @@ def eager_decode_graphs(runner, sample_in_graph):
     from llmcli.engine.cuda_graphs import DecodeGraphs
 
     class EagerDecodeGraphs(DecodeGraphs):
-        def _capture(self, bs, pool):
-            output = self._body(bs)
+        def _capture(self, bs, body, pool):
+            output = body(bs)
 
             def run():  # a real graph has its metadata baked in; the eager body reads the backend's
                 self.backend.prepare_for_capture(bs)
-                return self._body(bs)
+                return body(bs)
             return EagerGraph(run, output), output, None
 
     return EagerDecodeGraphs(runner.model, runner.backend, runner.config, runner.device, sample_in_graph)
@@ -713,6 +718,80 @@ def test_sampling_inside_the_decode_graph_draws_what_the_sampler_draws(tiny_mode
         outs[in_graph] = [list(o["token_ids"]) for o in run.llm.generate(prompts, params)]
     same = sum(a == b for x, y in zip(outs[False], outs[True]) for a, b in zip(x, y))
     assert same >= 0.8 * sum(len(x) for x in outs[False]), outs
+
+
+class CountedReplays:
+    """A sampler graph whose replays are counted (a real one on the GPU, the eager stand-in on the CPU)."""
+
+    def __init__(self, graph, counts, key):
+        self.graph, self.counts, self.key = graph, counts, key
+
+    def replay(self):
+        self.counts[self.key] += 1
+        self.graph.replay()
+
+    def reset(self):
+        self.graph.reset()
+
+
+@pytest.mark.gpu
+def test_filtered_rows_sample_inside_the_decode_graph(tiny_model, run_factory, monkeypatch):
+    """Top-k / top-p / min-p rows mixed with plain, greedy and greedy-with-top-k rows, through several decode
+    steps (3 to 1 rows in graphs of 4, padding rows included, requests finishing apart): every graph step's
+    tokens, sampled inside the graph, must be the eager sampler's (``sample_one_pass``: the draw the sampler
+    runs outside the graph on CUDA) over the same logits with each request's own settings, seed and step;
+    a step replays the filtered sampler graph exactly when some sampling row has top-k or top-p. On the GPU
+    the graphs are captured for real (bfloat16); on the CPU the eager stand-in replays them."""
+    from collections import Counter
+
+    from llmcli import SamplingParams
+    from llmcli.engine.model_runner import ModelRunner
+    from llmcli.layers.sampler import sample_one_pass
+
+    run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type,
+                      dtype="bfloat16" if ON_GPU else "float32", max_num_seqs=4, max_num_batched_tokens=64)
+    runner = run.llm.engine.model_runner
+    if not ON_GPU:
+        runner.graphs = eager_decode_graphs(runner, sample_in_graph=True)
+    graphs = runner.graphs
+    assert graphs.sample_in_graph, "the one-pass sampler failed its start-up check"
+    replays: Counter = Counter()
+    for key in list(graphs.samplers):
+        graphs.samplers[key] = CountedReplays(graphs.samplers[key], replays, key[1])
+    checked: list[tuple[int, bool]] = []
+    launch_graph = ModelRunner._launch_graph
+
+    def launch_and_check(self, seqs):
+        params = [s.params for s in seqs]
+        settings = dict(temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
+                        top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
+                        seeds=[s.seed for s in seqs], steps=[s.num_completion_tokens for s in seqs])
+        before = Counter(replays)
+        launched = launch_graph(self, seqs)
+        n = len(seqs)
+        bs = next(b for b in graphs.batch_sizes if b >= n)
+        got = graphs.tokens[:n].clone()
+        logits = self.model.compute_logits(graphs.outputs[bs])[:n]  # the graph's own lm_head shape
+        t = {k: torch.tensor(v, device=DEVICE, dtype=torch.float32 if k in ("temperatures", "top_ps", "min_ps")
+                             else torch.int64) for k, v in settings.items()}
+        want = sample_one_pass(logits, t["temperatures"], t["top_ks"], t["top_ps"], t["min_ps"], t["seeds"],
+                               t["steps"], True)
+        assert got.tolist() == want.tolist(), (settings, got.tolist(), want.tolist())
+        filtered = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
+        assert replays - before == Counter({filtered: 1}), (replays - before, filtered)
+        checked.append((n, filtered))
+        return launched
+
+    monkeypatch.setattr(ModelRunner, "_launch_graph", launch_and_check)
+    # (temperature, top_k, top_p, min_p, max_tokens): the filtered requests finish first, so that the last
+    # steps are unfiltered ones (and one greedy request with top-k set, which needs no filter)
+    kinds = [(0.8, 20, 0.95, 0.0, 5), (1.0, -1, 1.0, 0.0, 12), (0.0, 5, 1.0, 0.0, 9), (1.0, -1, 0.5, 0.05, 7),
+             (0.7, 3, 1.0, 0.0, 4), (1.2, -1, 1.0, 0.1, 10)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, max_tokens=n, ignore_eos=True, seed=30 + i)
+              for i, (t, k, p, m, n) in enumerate(kinds)]
+    outs = run.llm.generate(random_prompts([45, 9, 30, 17, 5, 22], seed=408), params)
+    assert [len(o["token_ids"]) for o in outs] == [k[-1] for k in kinds]
+    assert {f for _, f in checked} == {False, True} and len({n for n, _ in checked}) > 1, checked
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")

@@ -1,12 +1,14 @@
 """Decode CUDA graphs: captured once per batch size over static buffers, replayed every decode step.
 
 A step's inputs cross to the device in one copy into those buffers (``staged_replay``); the graph
-itself takes in-flight tokens from the last step's samples. With ``sample_in_graph`` it also holds the
-lm_head and the one-pass sampler, so that a whole decode step is one replay.
+itself takes in-flight tokens from the last step's samples. With ``sample_in_graph`` a second, small graph
+per batch size holds the lm_head and the sampler (two of them: plain and filtered), so that a whole decode
+step is two replays and nothing between them.
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 import torch
@@ -20,9 +22,10 @@ from llmcli.kernels.backend import AttentionBackend
 
 MAX_GRAPH_BATCH = 512
 # staged_replay's inputs, one row each, in this order
-I64_ROWS = ("ids", "positions", "slots", "pending", "seeds", "steps", "table_rows", "order")
-F32_ROWS = ("temperatures", "min_ps")
+I64_ROWS = ("ids", "positions", "slots", "pending", "seeds", "steps", "table_rows", "order", "top_ks")
+F32_ROWS = ("temperatures", "min_ps", "top_ps")
 _SLOTS, _PENDING, _TABLE_ROWS, _ORDER = (I64_ROWS.index(name) for name in ("slots", "pending", "table_rows", "order"))
+_TOP_PS = F32_ROWS.index("top_ps")
 
 
 GRAPH_SPACINGS = ("spaced", "pow2", "every16")
@@ -86,11 +89,21 @@ def graph_batch_sizes(max_num_seqs: int, spacing: str | None = None) -> list[int
 
 
 class DecodeGraphs:
-    """The model's forward (with ``sample_in_graph`` also logits and sampling) for each decode batch size.
+    """The model's forward for each decode batch size, and with ``sample_in_graph`` its lm_head and sampler.
 
     Graphs are captured largest first into one shared memory pool. A step of
     ``n`` sequences replays the smallest graph of at least ``n`` rows; the
     padding rows have slot -1 and context length 0, so they store nothing.
+
+    The sampler has a graph of its own, after the forward's, in two kinds per batch size: ``plain`` (the
+    one-pass draw, min-p its only filter) and ``filtered`` (each row's top-k/top-p threshold first, from
+    ``torch.topk``'s 64 largest logits and ``llmcli.kernels.triton_sample_filter``). One sampler graph that
+    always filters would make every unfiltered step pay that top-k: at batch 256 over Qwen3's 151,936 logits
+    it reads 78 MB of bf16 a few times over (radix select), ~0.1-0.2 ms, 2-3% of a 0.6B decode step; and
+    two whole graphs per batch size (forward included) would double the capture of the forward, the costly
+    part of start-up's graphs phase (0.5-1 s for 14 sizes). A sampler graph is a handful of kernels: the 28
+    of them add little to start-up, and a step replays one more graph (a few microseconds). Unused rows of
+    a step (top-k off, top-p 1) cost the filtered kernel nothing but its window.
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, config: Config, device: torch.device,
@@ -112,12 +125,14 @@ class DecodeGraphs:
         backend.init_graph_buffers(top, max_blocks, device)
         backend._graph_slots, backend._graph_lens, backend._graph_order = self.i64[_SLOTS], lens, self.i64[_ORDER]
         self.i64[_ORDER].copy_(torch.arange(top))  # a permutation from the start (capture launches every row)
+        self.f32[_TOP_PS].fill_(1.0)  # top-p off in every row until a step says otherwise
         self.ring = StagingRing() if device.type == "cuda" else None
         self._host_views: dict[int, tuple[np.ndarray, ...]] = {}  # numpy views of each staging buffer
         self._cpu_host: torch.Tensor | None = None
         self.sample_in_graph = sample_in_graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or anything with replay() and reset(): see _capture
         self.outputs: dict[int, torch.Tensor] = {}
+        self.samplers: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, filtered) -> graph
         free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         self.i64[_PENDING].fill_(-1)
         pool = None
@@ -125,38 +140,53 @@ class DecodeGraphs:
             for bs in reversed(self.batch_sizes):
                 backend.prepare_for_capture(bs)
                 self._body(bs)  # warm-up: compilation and autotuning
-                self.graphs[bs], self.outputs[bs], pool = self._capture(bs, pool)
+                self.graphs[bs], self.outputs[bs], pool = self._capture(bs, self._body, pool)
+                for filtered in (False, True) if sample_in_graph else ():
+                    body = self._sampler_body(filtered)
+                    body(bs)  # warm-up
+                    self.samplers[bs, filtered], _, pool = self._capture(bs, body, pool)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 0
 
-    def _capture(self, bs: int, pool: object) -> tuple[object, torch.Tensor, object]:
-        """(graph, its output, the memory pool the next capture shares); tests replace it with eager replays."""
+    def _capture(self, bs: int, body: Callable[[int], torch.Tensor], pool: object,
+                 ) -> tuple[object, torch.Tensor, object]:
+        """(graph of ``body(bs)``, its output, the memory pool the next capture shares); tests replace it with
+        eager replays."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
-            output = self._body(bs)
+            output = body(bs)
         return graph, output, graph.pool() if pool is None else pool
 
     def _body(self, bs: int) -> torch.Tensor:
-        """In-flight tokens from ``self.tokens``, the forward, and with ``sample_in_graph`` the sampled tokens
-        written back to ``self.tokens``; returns the hidden states."""
+        """In-flight tokens from ``self.tokens`` and the forward; returns the hidden states."""
         row = dict(zip(I64_ROWS, self.i64[:, :bs]))
         pending = row["pending"]
         ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], row["ids"])
-        hidden = self.model(ids, row["positions"])
-        if self.sample_in_graph:
-            from llmcli.kernels.triton_sample import sample_unfiltered
-            from llmcli.layers.sampler import fused_row_keys
+        return self.model(ids, row["positions"])
 
-            logits = self.model.compute_logits(hidden)
-            keys = fused_row_keys(row["seeds"], row["steps"])
-            self.tokens[:bs].copy_(sample_unfiltered(logits, self.f32[0, :bs], self.f32[1, :bs], keys))
-        return hidden
+    def _sampler_body(self, filtered: bool) -> Callable[[int], torch.Tensor]:
+        """The lm_head over the forward's hidden states and the draw (``sample_one_pass``: the very kernels
+        the sampler runs outside the graph, so a seeded row draws the same token either way), written to
+        ``self.tokens``; the forward's graph of the same size must be captured first."""
+        from llmcli.layers.sampler import sample_one_pass
+
+        def body(bs: int) -> torch.Tensor:
+            row = dict(zip(I64_ROWS, self.i64[:, :bs]))
+            temperatures, min_ps, top_ps = (self.f32[F32_ROWS.index(name), :bs] for name in
+                                            ("temperatures", "min_ps", "top_ps"))
+            logits = self.model.compute_logits(self.outputs[bs])
+            tokens = sample_one_pass(logits, temperatures, row["top_ks"], top_ps, min_ps, row["seeds"],
+                                     row["steps"], filtered)
+            self.tokens[:bs].copy_(tokens)
+            return tokens
+        return body
 
     def release(self) -> None:
         """Free every graph now (a graph holding collectives must go before its communicator)."""
-        for graph in self.graphs.values():
+        for graph in (*self.samplers.values(), *self.graphs.values()):
             graph.reset()
+        self.samplers.clear()
         self.graphs.clear()
         self.outputs.clear()
 
@@ -182,12 +212,13 @@ class DecodeGraphs:
 
     def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray, tables: BlockTables,
                       prev_tokens: torch.Tensor | None, deltas: tuple[np.ndarray, np.ndarray] | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      filtered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``n`` sequences: (sampled tokens if ``sample_in_graph``, hidden states), n rows each.
 
         ``i64`` [len(I64_ROWS), n] and ``f32`` [len(F32_ROWS), n] (None: not sampling in the graph) hold the
         step's inputs and ``lens`` its context lengths: one copy to the device, one gather of block-table
-        rows from ``tables``, one replay. ``prev_tokens``: the last step's samples when they are not in
+        rows from ``tables``, the forward's replay and (with ``f32``) the sampler's, the ``filtered`` one
+        when some row has top-k or top-p. ``prev_tokens``: the last step's samples when they are not in
         ``self.tokens`` already (its in-flight tokens come from them). ``deltas``: the block tables' pending
         deltas (``BlockTables.sync(defer=True)``, at most ``max_deltas``), staged with the rest and applied
         before the gather.
@@ -217,11 +248,10 @@ class DecodeGraphs:
         host_i64[_ORDER, n:bs] = np.arange(n, bs)  # after the real rows (longest first), as the shortest
         host_lens[:n] = lens
         host_lens[n:bs] = 0
-        if f32 is not None:
+        if f32 is not None:  # padding rows: greedy, every filter off (top-k 0 above, top-p 1)
             host_f32[:, :n] = f32
             host_f32[:, n:bs] = 0
-        else:  # the graph's sampler runs on, its tokens unused: give it harmless settings
-            host_f32[:, :bs] = 0
+            host_f32[_TOP_PS, n:bs] = 1.0
         if prev_tokens is not None:
             self.tokens[:prev_tokens.numel()].copy_(prev_tokens, non_blocking=True)
         self.staged.copy_(host, non_blocking=True)
@@ -231,4 +261,6 @@ class DecodeGraphs:
             tables.apply(self.delta_index[:m], self.delta_blocks[:m])
         torch.index_select(tables.table, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
         self.graphs[bs].replay()  # (the backend's metadata is a Python-side thing the replay never reads)
+        if f32 is not None:
+            self.samplers[bs, filtered].replay()
         return self.tokens[:n], self.outputs[bs][:n]

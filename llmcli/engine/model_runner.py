@@ -26,6 +26,7 @@ from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
+from llmcli.layers.quantization.loading import finish_fp8
 from llmcli.models.loader import load_dummy, load_safetensors
 
 log = logging.getLogger("llmcli")
@@ -115,7 +116,7 @@ class ModelRunner:
         try:
             with clock.phase("probe"):
                 activation_peak = measure_activation_peak(self)
-                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
+                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
                                                    activation_peak)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
@@ -123,7 +124,8 @@ class ModelRunner:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
             with clock.phase("kv_cache"):
                 self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
-                                                  self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+                                                  self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
+                                                  self.device)
             if self.device.type == "cuda":
                 with clock.phase("compile"):
                     compile_variants(self)
@@ -138,7 +140,8 @@ class ModelRunner:
             from llmcli.engine.cuda_graphs import DecodeGraphs
 
             with clock.phase("graphs"):
-                # the one-pass sampler must have passed its start-up check to go inside the graph
+                # the one-pass sampler must have passed its start-up check to go inside the graph (the check
+                # covers the filtered draw too: the threshold kernel against the sort-based filter)
                 in_graph = config.sample_in_graph and self.world == 1 and self.sampler.one_pass
                 self.graphs = DecodeGraphs(self.model, self.backend, config, self.device, sample_in_graph=in_graph)
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
@@ -155,7 +158,8 @@ class ModelRunner:
 
         cfg = self.config
         tasks = attention_tasks(self.backend, cfg.torch_dtype, self.device, cfg.max_model_len,
-                                cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs))
+                                cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs),
+                                kv_dtype=cfg.kv_torch_dtype)
         tasks += kernel_tasks(cfg.hf_config.vocab_size, cfg.torch_dtype, self.device)
         return SideCompile(tasks, self.device)
 
@@ -204,10 +208,14 @@ class ModelRunner:
                 model = build_model(cfg.hf_config, self.backend, cfg.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
+        loaded = None
         if cfg.load_format == "dummy":
             load_dummy(model, cfg.seed)
         else:
-            load_safetensors(model, cfg.model_path)
+            loaded = load_safetensors(model, cfg.model_path, cfg.quant_config)
+        self.fp8_layers = finish_fp8(model, cfg.quant_config, loaded, self.device)
+        if self.fp8_layers:
+            log.info("%d linear layers run FP8 GEMMs", self.fp8_layers)
         return model.eval()
 
     @torch.inference_mode()
@@ -275,8 +283,8 @@ class ModelRunner:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
 
     def _launch_graph(self, seqs: list[Sequence]) -> LaunchedStep:
-        """A decode step through its CUDA graph: staged inputs, one replay, then logits and sampling unless
-        the graph samples itself (``sample_in_graph``, for batches the one-pass sampler can serve)."""
+        """A decode step through its CUDA graphs: staged inputs, the forward's replay, then the sampler's
+        (``sample_in_graph``: the plain or the filtered one), or logits and sampling outside the graphs."""
         n = len(seqs)
         with self.timer.phase("prepare"):
             tables = self.block_tables
@@ -289,14 +297,19 @@ class ModelRunner:
                 deltas = None
             in_graph = self.row_sampling.gather(seqs, arrays) if self.graphs.sample_in_graph and self.rank == 0 \
                 else None
-            f32, seeds, steps = in_graph if in_graph is not None else (None, np.zeros(n, np.int64), np.zeros(n, np.int64))
+            if in_graph is not None:
+                f32, seeds, steps, top_ks = in_graph.f32, in_graph.seeds, in_graph.steps, in_graph.top_ks
+            else:
+                f32, seeds = None, np.zeros(n, np.int64)
+                steps = top_ks = seeds
             i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows,
-                            arrays.order])
+                            arrays.order, top_ks])
             greedy = in_graph is not None or self.rank != 0 or all_greedy(seqs)
             sampling = None if greedy else prepare_sampling(seqs, self.uploader)
         with self.timer.phase("forward"):
             prev = None if self.prev_in_graph else self.prev_tokens
-            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables, prev, deltas)
+            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables, prev, deltas,
+                                                       filtered=in_graph is not None and in_graph.filtered)
             logits = None if in_graph is not None else self.model.compute_logits(hidden)
         with self.timer.phase("sample"):
             if in_graph is not None:

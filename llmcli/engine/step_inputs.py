@@ -212,65 +212,77 @@ class SamplingTensors:
     use_filters: bool
 
 
+@dataclass
+class GraphSampling:
+    """A decode step's sampling rows for the sampler inside the decode graph (``DecodeGraphs.staged_replay``)."""
+
+    f32: np.ndarray  # float32 [temperatures, min_ps, top_ps] (cuda_graphs.F32_ROWS), one column per row
+    top_ks: np.ndarray  # int64; <= 0: off
+    seeds: np.ndarray
+    steps: np.ndarray  # index of the token being generated
+    filtered: bool  # some sampling (not greedy) row has top-k or top-p: the graph with the threshold kernel
+
+
+def _graph_sampling(f32: np.ndarray, top_ks: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> GraphSampling:
+    sampling = f32[0] > 0
+    if not sampling.any():  # all greedy: no noise, so no keys, and no filter changes an argmax
+        n = f32.shape[1]
+        return GraphSampling(f32, top_ks, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), False)
+    filtered = bool((sampling & ((top_ks > 0) | (f32[2] < 1))).any())
+    return GraphSampling(f32, top_ks, seeds, steps, filtered)
+
+
 class RowSampling:
-    """The one-pass sampler's settings (temperature, min-p, seed, prompt length) of the sequence holding each
-    block-table row, refreshed only when a row changes hands (a new ``table_id``): a decode step gathers its
-    rows' settings with a few array lookups instead of reading every sequence's parameters."""
+    """The sampling settings (temperature, min-p, top-p, top-k, seed, prompt length) of the sequence holding
+    each block-table row, refreshed only when a row changes hands (a new ``table_id``): a decode step gathers
+    its rows' settings with a few array lookups instead of reading every sequence's parameters."""
 
     def __init__(self, rows: int = 64) -> None:
         self.owner = np.full(rows, -1, dtype=np.int64)
-        self.f32 = np.zeros((2, rows), dtype=np.float32)  # temperatures, min_ps
+        self.f32 = np.zeros((3, rows), dtype=np.float32)  # temperatures, min_ps, top_ps
+        self.top_k = np.zeros(rows, dtype=np.int64)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.prompt = np.zeros(rows, dtype=np.int64)
-        self.full = np.zeros(rows, dtype=bool)  # needs a setting only the full sampler applies (top-k, top-p)
 
     def _grow(self, rows: int) -> None:
         old = self.owner.shape[0]
         self.owner = np.concatenate([self.owner, np.full(rows - old, -1, dtype=np.int64)])
-        self.f32 = np.concatenate([self.f32, np.zeros((2, rows - old), dtype=np.float32)], axis=1)
+        self.f32 = np.concatenate([self.f32, np.zeros((3, rows - old), dtype=np.float32)], axis=1)
+        self.top_k = np.concatenate([self.top_k, np.zeros(rows - old, dtype=np.int64)])
         self.seed = np.concatenate([self.seed, np.zeros(rows - old, dtype=np.int64)])
         self.prompt = np.concatenate([self.prompt, np.zeros(rows - old, dtype=np.int64)])
-        self.full = np.concatenate([self.full, np.zeros(rows - old, dtype=bool)])
 
-    def gather(self, seqs: list[Sequence], arrays: DecodeArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """``one_pass_sampling`` of a decode step whose ``decode_arrays`` are ``arrays``."""
+    def gather(self, seqs: list[Sequence], arrays: DecodeArrays) -> GraphSampling:
+        """``graph_sampling`` of a decode step whose ``decode_arrays`` are ``arrays``."""
         rows, ids = arrays.rows, arrays.table_ids
         if ids is None:
-            return one_pass_sampling(seqs)
+            return graph_sampling(seqs)
         if int(rows.max()) >= self.owner.shape[0]:
             self._grow(max(2 * self.owner.shape[0], int(rows.max()) + 1))
         for i in np.flatnonzero(self.owner[rows] != ids).tolist():
             row, seq = int(rows[i]), seqs[i]
             p = seq.params
             self.owner[row] = ids[i]
-            self.f32[:, row] = (p.temperature, p.min_p)
-            self.seed[row], self.prompt[row] = seq.seed, seq.num_prompt_tokens
-            self.full[row] = p.top_k > 0 or p.top_p < 1
-        if self.full[rows].any():
-            return None
-        f32 = self.f32[:, rows]
-        n = len(rows)
-        if not f32[0].any():  # all greedy: no noise, so no keys
-            return f32, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        return f32, self.seed[rows], arrays.lens - self.prompt[rows]
+            self.f32[:, row] = (p.temperature, p.min_p, p.top_p)
+            self.top_k[row], self.seed[row], self.prompt[row] = p.top_k, seq.seed, seq.num_prompt_tokens
+        return _graph_sampling(self.f32[:, rows], self.top_k[rows], self.seed[rows], arrays.lens - self.prompt[rows])
 
 
-def one_pass_sampling(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(float32 [temperatures, min_ps], seeds, steps) for the one-pass sampler inside the decode graph; None when
-    some sequence needs a setting only the full sampler applies (top-k, top-p; any new per-request setting of
-    the sampling path belongs in this test too, and in ``RowSampling``)."""
+def graph_sampling(seqs: list[Sequence]) -> GraphSampling:
+    """The sampling rows of a decode step for the sampler inside the decode graph, read from the sequences
+    (any new per-request setting of the sampling path belongs here too, and in ``RowSampling``; one the
+    graph's sampler cannot apply sends the step through ``ModelRunner.launch``'s eager path, as penalties,
+    logprobs and token masks do)."""
     params = [s.params for s in seqs]
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        return None
     n = len(seqs)
-    f32 = np.zeros((2, n), dtype=np.float32)
+    f32 = np.zeros((3, n), dtype=np.float32)
     f32[0] = np.fromiter((p.temperature for p in params), np.float32, n)
-    if not f32[0].any():  # all greedy: no noise, so no keys
-        return f32, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     f32[1] = np.fromiter((p.min_p for p in params), np.float32, n)
+    f32[2] = np.fromiter((p.top_p for p in params), np.float32, n)
+    top_ks = np.fromiter((p.top_k for p in params), np.int64, n)
     seeds = np.fromiter((s.seed for s in seqs), np.int64, n)
     steps = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, n)
-    return f32, seeds, steps
+    return _graph_sampling(f32, top_ks, seeds, steps)
 
 
 def all_greedy(seqs: list[Sequence]) -> bool:
