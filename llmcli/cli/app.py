@@ -219,8 +219,10 @@ def generate(
     frequency_penalty: Annotated[Optional[float], typer.Option(
         help="Subtract this times its count from each generated token's logit, -2 to 2. \\[default: 0, off]",
         show_default=False, rich_help_panel=SAMPLING)] = None,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens generated per completion.",
-                                            rich_help_panel=SAMPLING)] = 256,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        help="Most tokens generated per completion. \\[default: OpenAI chat lines run until they stop or the "
+             "context is full, OpenAI completions lines 16 (OpenAI's defaults), other records 256]",
+        show_default=False, rich_help_panel=SAMPLING)] = None,
     stop: Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable); not included in the text.",
                                                       metavar="TEXT",
                                                       show_default=False, rich_help_panel=SAMPLING)] = None,

@@ -26,7 +26,7 @@ from llmcli.cli.io.fingerprint import Fingerprint, write_sidecar
 from llmcli.cli.io.index import InputIndex, index_input
 from llmcli.cli.io.lock import OutputLock, OutputLocked
 from llmcli.cli.io.output_checks import describe_write_failure
-from llmcli.cli.io.prepare import Preparer, PreparedRequest
+from llmcli.cli.io.prepare import OPENAI_COMPLETIONS_MAX_TOKENS, PLAIN_MAX_TOKENS, Preparer, PreparedRequest
 from llmcli.cli.io.reasoning import choose_parser
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.resume import ResumeState
@@ -353,7 +353,14 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
             # The progress display's clock stopped with the last record: its final rates are these.
             wall_s=time.perf_counter() - started, generate_s=progress.state.elapsed_s,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            preemptions=stats.num_preemptions, interrupted=counts.interrupted)))
+            preemptions=stats.num_preemptions, interrupted=counts.interrupted,
+            default_limited=counts.default_limited)))
+        if counts.default_limited:
+            limit = (f"--max-tokens {opts.sampling['max_tokens']}" if "max_tokens" in opts.sampling else
+                     f"the default max_tokens: {PLAIN_MAX_TOKENS} for plain records, "
+                     f"{OPENAI_COMPLETIONS_MAX_TOKENS} for OpenAI completions, the context for OpenAI chat")
+            say(console, f"{counts.default_limited} records stopped at a length limit they do not set ({limit}); "
+                         "give max_tokens in a record, or --max-tokens, to let them run longer")
     if counts.interrupted:
         say(console, f"interrupted ({counts.signal_name}): {writer.written} records written; "
                      "run the same command with --resume to finish")

@@ -50,6 +50,7 @@ class BudgetGuess:
 class RunCounts:
     answered: int = 0
     failed: int = 0
+    default_limited: int = 0  # answered records cut at a length limit they did not set themselves
     interrupted: bool = False
     signal_name: str = ""
 
@@ -197,6 +198,8 @@ class Runner:
                 include_metrics=self.include_metrics, reasoning=self.reasoning)
             self.writer.put(position, make, group)
             self.counts.answered += 1
+            if not item.limit_set and any(o.finish_reason == "length" for o in group):
+                self.counts.default_limited += 1
             self.progress.advance(1)
 
     def _budget(self, item: PreparedRequest) -> list[int]:

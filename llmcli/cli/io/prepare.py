@@ -12,6 +12,18 @@ from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
 
+# max_tokens of a record that sets none, when --max-tokens is not given either. OpenAI lines follow OpenAI's
+# API: a chat request runs until it stops or the context is full, a completions request stops at 16.
+PLAIN_MAX_TOKENS = 256
+OPENAI_COMPLETIONS_MAX_TOKENS = 16
+
+
+def default_max_tokens(rec: InputRecord) -> int | None:
+    """The built-in max_tokens of a record that sets none (None: until stop or the context is full)."""
+    if rec.openai is None:
+        return PLAIN_MAX_TOKENS
+    return None if rec.openai.chat else OPENAI_COMPLETIONS_MAX_TOKENS
+
 
 @dataclass
 class PreparedRequest:
@@ -20,6 +32,7 @@ class PreparedRequest:
     record: InputRecord
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # n entries, each with n=1 (the i-th seeded seed+i)
+    limit_set: bool = True  # max_tokens came from the record; False: from --max-tokens or the built-in default
 
 
 class Preparer:
@@ -79,7 +92,7 @@ class Preparer:
                 if rec.kind == "prompt_token_ids":
                     ids = self._check_ids(rec)
                     self._check_length(rec, ids)
-                    out[i] = PreparedRequest(rec, ids, params)
+                    out[i] = PreparedRequest(rec, ids, params, self._limit_set(rec))
                     continue
                 if self.tokenizer is None:
                     raise FieldProblem(rec.prompt_field(), "the model has no tokenizer; give prompt_token_ids instead")
@@ -99,7 +112,7 @@ class Preparer:
             except FieldProblem as problem:
                 rec.fail(problem.field, problem.message)
                 continue
-            out[i] = PreparedRequest(rec, ids, params)
+            out[i] = PreparedRequest(rec, ids, params, self._limit_set(rec))
         return out
 
     # -- sampling ---------------------------------------------------------------
@@ -107,7 +120,7 @@ class Preparer:
         # Most records carry the same sampling fields (often none): build their settings (and compile-check
         # their constraint) once. The engine only reads SamplingParams, so records may share them.
         try:
-            key = (rec.openai is not None, rec.structured_field,
+            key = (rec.openai.url if rec.openai is not None else None, rec.structured_field,
                    orjson.dumps(rec.sampling, option=orjson.OPT_SORT_KEYS))
         except TypeError:  # not serializable as is: built for this record alone
             return self._build_params(rec)
@@ -125,7 +138,7 @@ class Preparer:
         return found
 
     def _build_params(self, rec: InputRecord) -> list[SamplingParams]:
-        merged = {**self.defaults, **rec.sampling}
+        merged = {"max_tokens": default_max_tokens(rec), **self.defaults, **rec.sampling}
         if merged.get("structured_outputs") == NO_CONSTRAINT:
             merged["structured_outputs"] = None
         elif "structured_outputs" in rec.sampling:
@@ -140,6 +153,10 @@ class Preparer:
         seeds = [None if base.seed is None else base.seed + i for i in range(base.n)]
         # replace() keeps unset fields unset: the engine fills them from the model's generation config
         return [base.replace(n=1, seed=seed) for seed in seeds]
+
+    @staticmethod
+    def _limit_set(rec: InputRecord) -> bool:
+        return "max_tokens" in rec.sampling
 
     # -- prompt -----------------------------------------------------------------
     def _check_ids(self, rec: InputRecord) -> list[int]:

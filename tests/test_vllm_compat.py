@@ -1,0 +1,76 @@
+"""Moving a vLLM or OpenAI batch job over (issue 29): OpenAI's defaults, vLLM's field names and flags."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from llmcli.cli.app import app
+from llmcli.cli.io.prepare import Preparer
+from llmcli.cli.io.records import parse_line
+from llmcli.cli.io.source import RawLine
+from llmcli.models.hub import load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_cli import engine_args, read_jsonl, write_jsonl  # noqa: E402
+
+runner = CliRunner()
+HI = [{"role": "user", "content": "hi"}]
+
+
+def rec_of(obj, number: int = 1):
+    return parse_line(RawLine(number, orjson.dumps(obj)))
+
+
+def chat_line(cid: str, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {"messages": HI, **body}}
+
+
+def completions_line(cid: str, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hello", **body}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return load_tokenizer(tiny_model)
+
+
+def prepared(tokenizer, obj, defaults=None, max_model_len=64):
+    rec = rec_of(obj)
+    req = Preparer(tokenizer, max_model_len, 640, defaults or {}).prepare(rec)
+    assert req is not None, rec.error
+    return req
+
+
+# -- item 1: max_tokens defaults ------------------------------------------------------
+def test_default_max_tokens_follow_the_record_kind(tokenizer):
+    # OpenAI: chat runs until it stops or the context is full; completions stop at 16
+    assert prepared(tokenizer, chat_line("c")).params[0].max_tokens is None
+    assert prepared(tokenizer, completions_line("d")).params[0].max_tokens == 16
+    assert prepared(tokenizer, {"prompt": "hi"}).params[0].max_tokens == 256
+    req = prepared(tokenizer, chat_line("c", max_completion_tokens=7))
+    assert req.params[0].max_tokens == 7 and req.limit_set
+    # --max-tokens is every record's default, OpenAI lines included, but not a limit the record set
+    req = prepared(tokenizer, chat_line("c"), {"max_tokens": 9})
+    assert req.params[0].max_tokens == 9 and not req.limit_set
+
+
+def test_summary_counts_records_cut_at_a_default_limit(tiny_model, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [chat_line("chat"), completions_line("cmpl"), {"prompt": "x"},
+                                              {"prompt": "y", "max_tokens": 3}])
+    out = tmp_path / "out.jsonl"
+    args = [a if a != "256" else "48" for a in engine_args(tiny_model)]  # --max-model-len 48
+    result = runner.invoke(app, ["generate", str(inp), "-o", str(out), *args, "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    chat, cmpl, plain, capped = read_jsonl(out)
+    usage = chat["response"]["body"]["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 48  # the context is full
+    assert cmpl["response"]["body"]["usage"]["completion_tokens"] == 16
+    assert plain["usage"]["prompt_tokens"] + plain["usage"]["completion_tokens"] == 48
+    assert capped["usage"]["completion_tokens"] == 3
+    assert re.search(r"cut at a default length limit\s*│?\s*3\b", result.stderr), result.stderr
+    assert "3 records stopped at a length limit they do not set" in result.stderr
