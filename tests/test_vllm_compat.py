@@ -74,3 +74,47 @@ def test_summary_counts_records_cut_at_a_default_limit(tiny_model, tmp_path):
     assert capped["usage"]["completion_tokens"] == 3
     assert re.search(r"cut at a default length limit\s*│?\s*3\b", result.stderr), result.stderr
     assert "3 records stopped at a length limit they do not set" in result.stderr
+
+
+# -- items 2 and 3: vLLM's structured_outputs, guided_* in OpenAI bodies ----------------
+@pytest.mark.parametrize("wrap", [lambda so: {"prompt": "x", "structured_outputs": so},
+                                  lambda so: chat_line("c", structured_outputs=so)])
+def test_structured_outputs_field_is_read(wrap):
+    for so, kind in (({"json": {"type": "object"}}, "json"), ({"regex": "a+", "json": None}, "regex"),
+                     ({"choice": ["a", "b"]}, "choice"), ({"grammar": 'start: "a"'}, "grammar"),
+                     ({"json_object": True, "disable_fallback": True}, "json_object")):
+        r = rec_of(wrap(so))
+        assert r.error is None and r.unknown == [] and r.sampling["structured_outputs"].kind == kind
+
+
+@pytest.mark.parametrize("so, field, words", [
+    ({"structural_tag": '{"type": "structural_tag"}'}, "structured_outputs.structural_tag", "not supported"),
+    ({"json": {}, "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern", "not supported"),
+    ({"regex": "a", "choice": ["a"]}, "structured_outputs", "exactly one"),
+    ({"regx": "a"}, "structured_outputs.regx", "unknown constraint"),
+    ("a+", "structured_outputs", "must be an object"),
+])
+def test_structured_outputs_that_cannot_be_honoured_are_input_errors(so, field, words):
+    r = rec_of({"prompt": "x", "structured_outputs": so})
+    assert r.error is not None and r.error.field == field and words in r.error.message, r.error
+    r = rec_of(chat_line("c", structured_outputs=so))
+    assert r.error is not None and r.error.field == "body." + field
+
+
+def test_guided_fields_in_an_openai_body_are_used_not_reported_unknown():
+    r = rec_of(chat_line("c", guided_choice=["a", "b"], guided_decoding_backend="xgrammar"))
+    assert r.error is None and r.sampling["structured_outputs"].choice == ("a", "b")
+    assert r.unknown == ["body.guided_decoding_backend"]
+
+
+def test_cli_honours_structured_outputs(tiny_model, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "choice", "prompt": "Mood:", "structured_outputs": {"choice": ["happy", "sad"]}, "seed": 1},
+        chat_line("regex", structured_outputs={"regex": "[0-9]{3}-[0-9]{2}"}, seed=2),
+    ])
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["generate", str(inp), "-o", str(out), *engine_args(tiny_model), "--strict"])
+    assert result.exit_code == 0, result.output
+    choice, regex = read_jsonl(out)
+    assert choice["text"] in ("happy", "sad")
+    assert re.fullmatch("[0-9]{3}-[0-9]{2}", regex["response"]["body"]["choices"][0]["message"]["content"])

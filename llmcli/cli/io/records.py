@@ -194,13 +194,14 @@ def _check_text(text: Any, name: str) -> str:
 
 
 # constraint fields, parsed by cli/io/structured_fields.py
-STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 def _known(openai_body: bool) -> set[str]:
     # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
     if openai_body:
-        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", "response_format", *OPENAI_BODY_EXTRA,
+        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *STRUCTURED_FIELDS, *OPENAI_BODY_EXTRA,
                 *_SAMPLING_CHECKS}
     return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS}
 
