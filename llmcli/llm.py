@@ -40,9 +40,12 @@ class LLM:
         """One RequestOutput per prompt, in prompt order, each with ``n`` completions in ``.outputs``."""
         if _is_single(prompts):
             prompts = [prompts]
+        # As vLLM's LLM.generate: the model's generation_config.json values apply only when no sampling
+        # params are given; given ones run as written (their unset fields take the neutral values).
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        params = [p.with_defaults({}) for p in params]
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         texts, token_ids = [], []
@@ -53,7 +56,7 @@ class LLM:
         # Every prompt is checked before any is queued, so a rejected one leaves the engine untouched.
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             try:
-                self.engine.check_fits(ids, p.with_defaults(self.engine.config.sampling_defaults))
+                self.engine.check_fits(ids, p)
             except RequestRejected as exc:
                 raise RequestRejected(f"prompt {i}: {exc}") from None
             except GrammarError as exc:

@@ -77,9 +77,11 @@ class SamplingParams:
     request reproducible whatever it is batched with.
 
     ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` left
-    unset (``None``) take the model's generation_config.json values when the engine
-    runs with ``generation_config="auto"``, else the neutral values above; reading them
-    before that gives the neutral value. ``logprobs=k`` / ``prompt_logprobs=k`` (0-20)
+    unset (``None``) take the neutral values above in ``LLM.generate`` (as in vLLM, the
+    model's generation_config.json values apply there only when no SamplingParams are
+    given: ``LLM.get_default_sampling_params()``); a request added to the engine directly,
+    as the command line adds each record, takes the model's values for them when the
+    engine runs with ``generation_config="auto"``. Reading them gives the neutral value. ``logprobs=k`` / ``prompt_logprobs=k`` (0-20)
     return each generated / prompt token's log probability and the k likeliest
     alternatives, from the model's raw distribution (before penalties and temperature).
     ``repetition_penalty`` scales the logits of tokens seen in the prompt or output
