@@ -71,7 +71,7 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How one request is decoded.
 
-    ``temperature=0`` is greedy (argmax) and deterministic. ``top_k=-1`` and
+    ``temperature=0`` is greedy (argmax) and deterministic. ``top_k=-1`` (or 0) and
     ``top_p=1`` and ``min_p=0`` switch those filters off. ``max_tokens=None``
     generates until EOS, a stop condition or ``max_model_len``. ``seed`` makes a
     request reproducible whatever it is batched with.
@@ -116,6 +116,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if type(self.top_k) is int and self.top_k == 0:
+            self.top_k = -1  # vLLM and HF read 0 as off too; one spelling for the sampler
         self.unset = frozenset(name for name in MODEL_DEFAULTABLE if getattr(self, name) is None)
         for name in self.unset:
             setattr(self, name, MODEL_DEFAULTABLE[name])
@@ -160,7 +162,7 @@ class SamplingParams:
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", "must be -1 (off) or an integer >= 1")
+            raise bad("top_k", "must be -1 or 0 (off) or an integer >= 1")
         if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):

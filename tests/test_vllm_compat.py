@@ -118,3 +118,14 @@ def test_cli_honours_structured_outputs(tiny_model, tmp_path):
     choice, regex = read_jsonl(out)
     assert choice["text"] in ("happy", "sad")
     assert re.fullmatch("[0-9]{3}-[0-9]{2}", regex["response"]["body"]["choices"][0]["message"]["content"])
+
+
+# -- item 5: top_k 0 is off ------------------------------------------------------------
+def test_top_k_zero_means_off(tokenizer):
+    from llmcli import SamplingParams
+
+    assert SamplingParams(top_k=0).top_k == -1 and "top_k" not in SamplingParams(top_k=0).unset
+    assert prepared(tokenizer, {"prompt": "hi", "top_k": 0}).params[0].top_k == -1
+    assert prepared(tokenizer, chat_line("c", top_k=0)).params[0].top_k == -1
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
