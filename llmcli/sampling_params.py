@@ -87,6 +87,13 @@ class SamplingParams:
     ``repetition_penalty`` scales the logits of tokens seen in the prompt or output
     (HF semantics); ``presence_penalty`` / ``frequency_penalty`` subtract from tokens
     generated so far (OpenAI semantics).
+
+    ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and stop strings do not
+    end the completion, before this many tokens. ``logit_bias`` ({token id: -100 to 100})
+    is added to the logits, ``allowed_token_ids`` keeps only those tokens, ``bad_words``
+    bans words that are one token (with or without a leading space; a longer one is an
+    error: banning it would need the previous tokens). ``truncate_prompt_tokens=k`` keeps
+    the last k prompt tokens (-1: as many as leave room for one generated token).
     """
 
     temperature: float | None = None
@@ -107,6 +114,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured_outputs: StructuredOutputsParams | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +126,12 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            # JSON objects (OpenAI's logit_bias) have string keys
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if type(self.top_k) is int and self.top_k == 0:
@@ -138,6 +156,11 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         values.update(chosen)
         return SamplingParams(**values)
+
+    @property
+    def has_token_bias(self) -> bool:
+        """Whether the request changes logits token by token (logit_bias, allowed_token_ids, bad_words)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def has_penalties(self) -> bool:
@@ -185,6 +208,25 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_number(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, "must be a number from -2 to 2 (0 is off)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(not is_int(k) or k < 0 for k in self.logit_bias):
+                raise bad("logit_bias", "must map token ids (integers >= 0) to numbers")
+            if any(not is_number(v) or not -100 <= v <= 100 for v in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be numbers from -100 to 100")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens) or (
+                self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for what max_model_len allows")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 

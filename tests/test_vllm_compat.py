@@ -129,3 +129,90 @@ def test_top_k_zero_means_off(tokenizer):
     assert prepared(tokenizer, chat_line("c", top_k=0)).params[0].top_k == -1
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-2)
+
+
+# -- item 6: vLLM's request fields, on the device --------------------------------------
+KW = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=128, max_num_seqs=8,
+          max_model_len=256)
+PROMPT = [5, 17, 42, 99, 123, 7, 64, 300]
+A_IDS = (67, 261)  # the tiny tokenizer's "a" and " a": one token each
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    from llmcli import LLM
+
+    return LLM(str(tiny_model), **KW)
+
+
+def greedy(**kw):
+    from llmcli import SamplingParams
+
+    return SamplingParams(**{"temperature": 0, "max_tokens": 6, "ignore_eos": True, **kw})
+
+
+def test_logit_bias_allowed_and_bad_words_in_a_mixed_batch(llm, tokenizer):
+    from llmcli import SamplingParams
+
+    assert [tokenizer.encode(w, add_special_tokens=False) for w in ("a", " a")] == [[A_IDS[0]], [A_IDS[1]]]
+    plain = llm.generate([PROMPT], greedy())[0].token_ids
+    outs = llm.generate([PROMPT] * 5, [
+        greedy(logit_bias={"300": 100}),  # OpenAI's string keys
+        greedy(allowed_token_ids=[11, 12]),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=[11, 12]),
+        greedy(logit_bias={A_IDS[0]: 50, A_IDS[1]: 50}, bad_words=["a"]),
+        greedy(),
+    ])
+    assert outs[0].token_ids == [300] * 6
+    assert set(outs[1].token_ids) <= {11, 12} and set(outs[2].token_ids) <= {11, 12}
+    assert not set(outs[3].token_ids) & set(A_IDS)
+    biased = llm.generate([PROMPT], greedy(logit_bias={A_IDS[0]: 50, A_IDS[1]: 50}))[0].token_ids
+    assert set(biased) <= set(A_IDS)  # without the ban the bias wins: the ban is what changed it
+    assert outs[4].token_ids == plain  # rows of biased requests leave the others alone
+
+
+def test_min_tokens_holds_back_eos(llm):
+    from llmcli import SamplingParams
+
+    eos = llm.engine.eos_token_ids[0]
+    at_once = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 100})
+    assert len(llm.generate([PROMPT], at_once)[0].token_ids) == 1
+    (out,) = llm.generate([PROMPT], at_once.replace(min_tokens=5), use_tqdm=False)
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_end(llm):
+    long = (PROMPT * 40)[:300]  # longer than max_model_len=256
+    (out,) = llm.generate([long], greedy(truncate_prompt_tokens=-1))
+    assert out.prompt_token_ids == long[-255:]
+    (ref,) = llm.generate([long[-255:]], greedy(max_tokens=1))
+    assert out.token_ids == ref.token_ids and out.outputs[0].finish_reason == "length"
+    (out,) = llm.generate([long], greedy(truncate_prompt_tokens=10))
+    assert out.prompt_token_ids == long[-10:]
+    assert out.token_ids == llm.generate([long[-10:]], greedy())[0].token_ids
+
+
+def test_request_fields_reach_sampling_params(tokenizer):
+    req = prepared(tokenizer, chat_line("c", min_tokens=2, include_stop_str_in_output=True,
+                                        skip_special_tokens=False, logit_bias={"5": -100}, bad_words=["a"],
+                                        allowed_token_ids=[1, 2], truncate_prompt_tokens=4, seed=7))
+    p = req.params[0]
+    assert (p.min_tokens, p.include_stop_str_in_output, p.skip_special_tokens, p.logit_bias, p.bad_words,
+            p.allowed_token_ids, p.truncate_prompt_tokens, p.seed) == (2, True, False, {5: -100}, ["a"], [1, 2], 4, 7)
+    assert len(req.prompt_token_ids) == 4
+    assert rec_of({"prompt": "x", "min_tokens": 1}).unknown == []
+
+
+@pytest.mark.parametrize("fields, field, words", [
+    ({"bad_words": ["the"]}, "bad_words", "is 2 tokens"),
+    ({"logit_bias": {"9999": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "-100 to 100"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "must not exceed max_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
+])
+def test_request_fields_that_cannot_be_honoured_are_errors(tokenizer, fields, field, words):
+    rec = rec_of({"prompt": "hi", **fields})
+    assert Preparer(tokenizer, 64, 640, {}).prepare(rec) is None
+    assert rec.error.field == field and words in rec.error.message, rec.error

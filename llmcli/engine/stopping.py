@@ -45,7 +45,9 @@ class StopChecker:
         # Only text near the end can hold a stop string that was not there a token ago; the small margin
         # covers characters that change when a multi-byte character is completed.
         start = max(0, seq.stop_scan_pos - 4)
-        found = [(pos, s) for s in seq.params.stop if (pos := text.find(s, start)) >= 0]
+        # before min_tokens no stop string ends the completion (as in vLLM), nor is found later
+        early = index + 1 - seq.num_prompt_tokens < seq.params.min_tokens
+        found = [] if early else [(pos, s) for s in seq.params.stop if (pos := text.find(s, start)) >= 0]
         if not found:
             seq.stop_scan_pos = max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)
             return False

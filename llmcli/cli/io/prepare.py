@@ -10,6 +10,8 @@ import orjson
 from llmcli.cli.io.records import FieldProblem, InputRecord
 from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
+from llmcli.engine.admission import bad_word_ids, truncate_prompt
+from llmcli.engine.sequence import RequestRejected
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
 
 # max_tokens of a record that sets none, when --max-tokens is not given either. OpenAI lines follow OpenAI's
@@ -90,8 +92,7 @@ class Preparer:
             try:
                 params = self._params(rec)
                 if rec.kind == "prompt_token_ids":
-                    ids = self._check_ids(rec)
-                    self._check_length(rec, ids)
+                    ids = self._check_length(rec, self._check_ids(rec))
                     out[i] = PreparedRequest(rec, ids, params, self._limit_set(rec))
                     continue
                 if self.tokenizer is None:
@@ -108,7 +109,7 @@ class Preparer:
         for (i, params), ids in zip(waiting, self._encode_texts(texts)):
             rec = recs[i]
             try:
-                self._check_length(rec, ids)
+                ids = self._check_length(rec, ids)
             except FieldProblem as problem:
                 rec.fail(problem.field, problem.message)
                 continue
@@ -150,6 +151,15 @@ class Preparer:
             name = match.group(1) if match else None
             why = str(exc).split(": ", 1)[-1]
             raise FieldProblem(rec.field_name(name) if name else None, why) from None
+        for name, ids in (("logit_bias", base.logit_bias or ()), ("allowed_token_ids", base.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise FieldProblem(rec.field_name(name), f"token id {bad} is outside the vocabulary [0, "
+                                                         f"{self.vocab_size})")
+        try:
+            bad_word_ids(self.tokenizer, base.bad_words)
+        except RequestRejected as exc:
+            raise FieldProblem(rec.field_name("bad_words"), str(exc).removeprefix("bad_words: ")) from None
         seeds = [None if base.seed is None else base.seed + i for i in range(base.n)]
         # replace() keeps unset fields unset: the engine fills them from the model's generation config
         return [base.replace(n=1, seed=seed) for seed in seeds]
@@ -166,13 +176,17 @@ class Preparer:
             raise FieldProblem(rec.prompt_field(), f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def _check_length(self, rec: InputRecord, ids: list[int]) -> None:
+    def _check_length(self, rec: InputRecord, ids: list[int]) -> list[int]:
+        """``ids`` as the engine will run them (cut by truncate_prompt_tokens), checked against max_model_len."""
+        ids = truncate_prompt(ids, self._params(rec)[0], self.max_model_len)
         name = rec.prompt_field()
         if not ids:
             raise FieldProblem(name, "encodes to zero tokens")
         if len(ids) >= self.max_model_len:
             raise FieldProblem(name, f"prompt is {len(ids)} tokens, too long for max_model_len={self.max_model_len} "
-                                     "(it must leave room for one generated token)")
+                                     "(it must leave room for one generated token; truncate_prompt_tokens: -1 "
+                                     "keeps its end)")
+        return ids
 
     def _byte_limit(self) -> int:
         # No token stands for more bytes than its own vocabulary entry spells, so text longer than
@@ -187,13 +201,16 @@ class Preparer:
             return sum(len(m["content"].encode()) for m in rec.prompt)
         return len(rec.prompt.encode())
 
+    def _truncated(self, rec: InputRecord) -> bool:
+        return {**self.defaults, **rec.sampling}.get("truncate_prompt_tokens") is not None
+
     def _fits_in_bytes(self, rec: InputRecord) -> bool:
-        return self._text_bytes(rec) <= self._byte_limit()
+        return self._truncated(rec) or self._text_bytes(rec) <= self._byte_limit()
 
     def _check_bytes(self, rec: InputRecord) -> None:
         """Refuse text that can never fit before tokenizing it (a 10 MB prompt takes seconds and GBs to encode)."""
         size = self._text_bytes(rec)
-        if size > self._byte_limit():
+        if size > self._byte_limit() and not self._truncated(rec):
             raise FieldProblem(rec.prompt_field(),
                                f"prompt is {size} bytes, too long for max_model_len={self.max_model_len} "
                                f"at any tokenization (no token is longer than {self._longest_token} bytes)")

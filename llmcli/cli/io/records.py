@@ -124,6 +124,14 @@ _SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "repetition_penalty": (_is_number, "a number"),
     "presence_penalty": (_is_number, "a number"),
     "frequency_penalty": (_is_number, "a number"),
+    "min_tokens": (_is_int, "an integer"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "true or false"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "logit_bias": (lambda v: v is None or (isinstance(v, dict) and all(_is_number(x) for x in v.values())),
+                   "an object of token id: number"),
+    "bad_words": (lambda v: v is None or _is_stop(v), "a string or a list of strings"),
+    "allowed_token_ids": (lambda v: v is None or _is_int_list(v), "a list of integers or null"),
+    "truncate_prompt_tokens": (lambda v: v is None or _is_int(v), "an integer or null"),
 }
 SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
 
