@@ -216,3 +216,28 @@ def test_request_fields_that_cannot_be_honoured_are_errors(tokenizer, fields, fi
     rec = rec_of({"prompt": "hi", **fields})
     assert Preparer(tokenizer, 64, 640, {}).prepare(rec) is None
     assert rec.error.field == field and words in rec.error.message, rec.error
+
+
+# -- item 7: logprobs shapes -----------------------------------------------------------
+def test_chat_logprob_bytes_are_each_tokens_own(tokenizer):
+    from llmcli.cli.io.logprobs_format import TokenBytes, chat_logprobs
+    from llmcli.engine.outputs import Logprob
+
+    text = "naïve € 😀 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert any("\ufffd" in p for p in pieces)  # some token holds part of a character
+    positions = [{t: Logprob(-0.5, 1, p)} for t, p in zip(ids, pieces)]
+    content = chat_logprobs(ids, positions, 0, TokenBytes(tokenizer))["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
+
+
+def test_completions_top_logprobs_hold_the_sampled_token():
+    from llmcli.cli.io.logprobs_format import completion_logprobs
+    from llmcli.engine.outputs import Logprob
+
+    position = {7: Logprob(-3.0, 4, "x"), 1: Logprob(-0.1, 1, "a"), 2: Logprob(-0.5, 2, "b")}
+    top = completion_logprobs([7], [position], 2)["top_logprobs"][0]
+    assert top == {"x": -3.0, "a": -0.1, "b": -0.5}  # up to logprobs+1
+    position = {1: Logprob(-0.1, 1, "a"), 2: Logprob(-0.5, 2, "b")}
+    assert completion_logprobs([1], [position], 2)["top_logprobs"][0] == {"a": -0.1, "b": -0.5}

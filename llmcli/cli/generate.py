@@ -25,6 +25,7 @@ from llmcli.cli.io.background_writer import BackgroundWriter
 from llmcli.cli.io.fingerprint import Fingerprint, write_sidecar
 from llmcli.cli.io.index import InputIndex, index_input
 from llmcli.cli.io.lock import OutputLock, OutputLocked
+from llmcli.cli.io.logprobs_format import TokenBytes
 from llmcli.cli.io.output_checks import describe_write_failure
 from llmcli.cli.io.prepare import OPENAI_COMPLETIONS_MAX_TOKENS, PLAIN_MAX_TOKENS, Preparer, PreparedRequest
 from llmcli.cli.io.reasoning import choose_parser
@@ -331,7 +332,8 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
                                                   started=gen_started) as progress:
             runner = Runner(engine, writer, progress, model=opts.engine["model"], max_model_len=config.max_model_len,
                             include_token_ids=opts.include_token_ids, window=window, stop=stop,
-                            include_metrics=opts.include_metrics, reasoning=run.reasoning, guess=guess)
+                            include_metrics=opts.include_metrics, reasoning=run.reasoning, guess=guess,
+                            token_bytes=TokenBytes(getattr(engine, "tokenizer", None)))
             counts = runner.run(items)
     except BrokenPipeError:
         say(console, "output closed before every record was written")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
-from llmcli.cli.io.logprobs_format import plain_logprobs, plain_prompt_logprobs
+from llmcli.cli.io.logprobs_format import Bytes, plain_logprobs, plain_prompt_logprobs
 from llmcli.cli.io.openai_format import openai_error, openai_result
 from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
@@ -36,12 +36,14 @@ def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bo
 
 
 def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str, include_token_ids: bool = False,
-                  include_metrics: bool = False, reasoning: str | None = None) -> dict[str, Any]:
+                  include_metrics: bool = False, reasoning: str | None = None,
+                  token_bytes: Bytes | None = None) -> dict[str, Any]:
     """The output line for ``rec``; ``outputs`` are its n completions in index order.
 
-    ``reasoning`` names the reasoning parser (None: the text is left whole)."""
+    ``reasoning`` names the reasoning parser (None: the text is left whole); ``token_bytes`` gives chat
+    logprobs' ``bytes`` (None: the UTF-8 of each token's text)."""
     if rec.openai is not None:
-        return openai_result(rec, outputs, model, reasoning=reasoning)
+        return openai_result(rec, outputs, model, reasoning=reasoning, token_bytes=token_bytes)
     line: dict[str, Any] = {"id": rec.out_id}
     k = rec.sampling.get("logprobs")
     if len(outputs) == 1:
