@@ -16,7 +16,7 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
           "float": torch.float32}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-GENERATION_CONFIGS = ("auto", "ignore")
+GENERATION_CONFIGS = ("auto", "ignore", "vllm")  # "vllm": vLLM's name for "ignore" (its own neutral defaults)
 DECODE_GEMMS = ("cublas", "triton-silu", "triton")  # layers.linear.DECODE_GEMMS (config sits above the layers)
 
 
@@ -68,6 +68,8 @@ class Config:
                                        resolve_model_path)
 
         self._check_simple_fields()
+        if self.generation_config == "vllm":
+            self.generation_config = "ignore"
         self.device = self._resolve_device()
         self.attention_backend = self._resolve_backend()
         self._check_block_size()
@@ -113,7 +115,8 @@ class Config:
             raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
-                                                  "for fields a request leaves unset) or 'ignore'")
+                                                  "for fields a request leaves unset) or 'ignore' (or vLLM's "
+                                                  "name for it, 'vllm')")
         for name in ("mixed_steps", "sample_in_graph", "prefill_graphs", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise self._fail(name, "must be true or false")

@@ -241,3 +241,23 @@ def test_completions_top_logprobs_hold_the_sampled_token():
     assert top == {"x": -3.0, "a": -0.1, "b": -0.5}  # up to logprobs+1
     position = {1: Logprob(-0.1, 1, "a"), 2: Logprob(-0.5, 2, "b")}
     assert completion_logprobs([1], [position], 2)["top_logprobs"][0] == {"a": -0.1, "b": -0.5}
+
+
+# -- item 8: vLLM's flag spellings ------------------------------------------------------
+def test_vllm_flag_spellings(tiny_model, tmp_path):
+    from llmcli.config import Config
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi", "max_tokens": 2}])
+    out = tmp_path / "out.jsonl"
+    args = ["--" + a[2:].replace("-", "_") if a.startswith("--") else a for a in engine_args(tiny_model)]
+    assert "--max_model_len" in args and "--num_kvcache_blocks" in args
+    result = runner.invoke(app, ["generate", "--input-file", str(inp), "--output_file", str(out), *args,
+                                 "--max_tokens=2", "--trust-remote-code", "--generation-config", "vllm"])
+    assert result.exit_code == 0, result.output
+    assert len(read_jsonl(out)) == 1
+    assert "--trust-remote-code is not needed" in result.stderr
+    assert "generation_config.json sets" not in result.stderr  # vllm: the neutral defaults, as ignore
+    assert Config(str(tiny_model), device="cpu", generation_config="vllm").sampling_defaults == {}
+    # an underscore spelling of no flag is still an error, and values are left alone
+    result = runner.invoke(app, ["generate", str(inp), "--max_nothing", "3", *engine_args(tiny_model)])
+    assert result.exit_code == 2

@@ -33,6 +33,19 @@ class Command(typer.core.TyperCommand):
         super().__init__(*args, **kwargs)
         self.rich_markup_mode = None
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """vLLM also takes flags spelled with underscores (``--max_model_len``): read them as the dashed flag."""
+        known = {opt for param in self.get_params(ctx) for opt in (*param.opts, *getattr(param, "secondary_opts", ()))}
+        out = []
+        for i, arg in enumerate(args):
+            if arg == "--":  # what follows is arguments, not flags
+                out += args[i:]
+                break
+            name, eq, value = arg.partition("=")
+            dashed = name.replace("_", "-")
+            out.append(dashed + eq + value if name.startswith("--") and "_" in name and dashed in known else arg)
+        return super().parse_args(ctx, out)
+
     def get_params(self, ctx: Any) -> list[Any]:
         params = _plain_metavars(super().get_params(ctx))
         for param in params:
@@ -152,8 +165,9 @@ def _guarded(run: Callable[[], int]) -> None:
 def generate(
     input: Annotated[Optional[str], typer.Argument(help="Input JSONL file, or - for stdin (or give it as -i).",
                                                    metavar="IN", show_default=False)] = None,
-    input_option: Annotated[Optional[str], typer.Option("--input", "-i", help="Input JSONL file (as vLLM's "
-                                                        "run-batch takes it), instead of IN.", metavar="IN",
+    input_option: Annotated[Optional[str], typer.Option("--input", "-i", "--input-file", help="Input JSONL file "
+                                                        "(-i and --input-file as vLLM's run-batch takes it), "
+                                                        "instead of IN.", metavar="IN",
                                                         show_default=False, rich_help_panel=INPUT)] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Unknown record fields are input errors "
                                          "(default: one warning per field name, and ignored).",
@@ -274,9 +288,9 @@ def generate(
 
     def run() -> int:
         if input is None and input_option is None:
-            raise UsageError("no input file: give IN (- for stdin) or -i/--input")
+            raise UsageError("no input file: give IN (- for stdin) or -i/--input-file")
         if input is not None and input_option is not None:
-            raise UsageError("the input file is given twice (IN and -i/--input); give one")
+            raise UsageError("the input file is given twice (IN and -i/--input-file); give one")
         from llmcli.cli.io.structured_fields import default_constraint
 
         constraint = default_constraint(response_format, json_schema)

@@ -80,8 +80,9 @@ ENGINE_KNOBS = (
     Knob("tokenizer", str, "Tokenizer folder or hub id, when it is not the model's.", "the model's"),
     Knob("generation_config", str, "auto: sampling fields that neither a record nor a flag sets take the model's "
                                    "generation_config.json values (temperature, top_p, top_k, min_p, "
-                                   "repetition_penalty), as vLLM does; ignore: llmcli's neutral defaults.", "auto",
-         choices=("auto", "ignore")),
+                                   "repetition_penalty), as vLLM's server does; ignore (or vLLM's name for it, "
+                                   "vllm): llmcli's neutral defaults.", "auto",
+         choices=("auto", "ignore", "vllm")),
 )
 
 
@@ -166,6 +167,10 @@ ConfigOption = Annotated[Optional[Path], typer.Option(
                      "applies to that command only). Flags given on the command line win.",
     is_eager=True, callback=load_toml_defaults, exists=True, dir_okay=False, rich_help_panel=ENGINE_PANEL)]
 
+TrustRemoteCodeOption = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Accepted for vLLM's command lines; not needed: llmcli runs no code from the "
+                                "model folder.", rich_help_panel=ENGINE_PANEL)]
+
 ModelOption = Annotated[str, typer.Option(
     "--model", "-m", help="Model folder (config.json, *.safetensors, tokenizer) or Hugging Face hub id.",
     metavar="MODEL",
@@ -209,11 +214,16 @@ def with_engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     added = [
         inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOption),
         inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, default=..., annotation=ModelOption),
+        inspect.Parameter("trust_remote_code", inspect.Parameter.KEYWORD_ONLY, default=False,
+                          annotation=TrustRemoteCodeOption),
     ] + [_knob_parameter(k) for k in ENGINE_KNOBS]
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         kwargs.pop("config", None)
+        if kwargs.pop("trust_remote_code") and not kwargs.get("quiet"):
+            print("note: --trust-remote-code is not needed: llmcli runs no code from the model folder",
+                  file=sys.stderr)
         engine = {"model": kwargs.pop("model")}
         for knob in ENGINE_KNOBS:
             value = kwargs.pop(knob.param)
