@@ -56,7 +56,7 @@ class StubRunner(ModelRunner):
         if hasattr(self, "init_host_state"):
             self.init_host_state(config, torch.device("cpu"), num_blocks)
         else:  # a commit from before init_host_state (to measure the old code with this script)
-            from llmcli.engine.step_inputs import Uploader
+            from llmcli.engine.uploader import Uploader
             from llmcli.layers.sampler import Sampler
 
             self.config, self.device, self.num_blocks, self.rank, self.world = config, torch.device("cpu"), num_blocks, 0, 1

@@ -17,7 +17,6 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GENERATION_CONFIGS = ("auto", "ignore", "vllm")  # "vllm": vLLM's name for "ignore" (its own neutral defaults)
-DECODE_GEMMS = ("cublas", "triton-silu", "triton")  # layers.linear.DECODE_GEMMS (config sits above the layers)
 
 
 class ConfigError(ValueError):
@@ -52,9 +51,6 @@ class Config:
     generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
     mixed_steps: bool = True  # decode rows ride along with prompt chunks in one step (False: prefill first)
     sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
-    prefill_graphs: bool = False  # CUDA: prefill/mixed steps replay graphs per token bucket, attention eager between
-    decode_gemm: str = "cublas"  # GEMMs of decode-sized batches: cublas, triton-silu (gate/up + SiLU fused), triton
-    pdl: bool = False  # CUDA, Hopper+: Triton kernels use programmatic dependent launch (llmcli.kernels.pdl)
 
     # Filled in by __post_init__ (not user knobs).
     hf_config: Any = field(default=None, repr=False)
@@ -73,8 +69,6 @@ class Config:
         self.device = self._resolve_device()
         self.attention_backend = self._resolve_backend()
         self._check_block_size()
-        if self.decode_gemm != "cublas" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise self._fail("decode_gemm", "Triton GEMMs need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         self._check_tensor_parallel()
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = load_hf_config(self.model_path)
@@ -109,15 +103,13 @@ class Config:
             raise self._fail("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.decode_gemm not in DECODE_GEMMS:
-            raise self._fail("decode_gemm", f"must be one of {', '.join(DECODE_GEMMS)}")
         if self.load_format not in LOAD_FORMATS:
             raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
                                                   "for fields a request leaves unset) or 'ignore' (or vLLM's "
                                                   "name for it, 'vllm')")
-        for name in ("mixed_steps", "sample_in_graph", "prefill_graphs", "pdl"):
+        for name in ("mixed_steps", "sample_in_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise self._fail(name, "must be true or false")
         if not isinstance(self.seed, int):

@@ -9,7 +9,7 @@ import torch
 from llmcli.engine.block_manager import BlockManager
 from llmcli.engine.block_tables import BlockTables, table_rows
 from llmcli.engine.sequence import Sequence
-from llmcli.engine.step_inputs import Uploader
+from llmcli.engine.uploader import Uploader
 from llmcli.sampling_params import SamplingParams
 
 BS = 4

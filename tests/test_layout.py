@@ -1,7 +1,8 @@
-"""The folder plan stays true: imports inside llmcli only run downwards (ARCHITECTURE.md).
+"""The folder plan stays true: imports inside llmcli only run downwards (ARCHITECTURE.md), and no modules import
+each other in a circle.
 
-Every import in every module counts, the ones inside functions too: a lazy import
-is still a dependency.
+Every import in every module counts, the ones inside functions and under ``if TYPE_CHECKING:`` too: a lazy
+import is still a dependency, and a type-only one still ties the two modules together for a reader.
 """
 from __future__ import annotations
 
@@ -63,10 +64,15 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, imported llmcli module) for every import statement in the file."""
+    return imports_of_text(path.read_text(), path)
+
+
+def imports_of_text(text: str, path: Path) -> list[tuple[int, str]]:
+    """(line, imported llmcli module) for every import statement in ``text``, the source of ``path``;
+    ``from llmcli.x import y`` names the module ``llmcli.x.y`` where y is one."""
     found = []
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(text, str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "llmcli"]
         elif isinstance(node, ast.ImportFrom):
@@ -76,11 +82,58 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             else:
                 target = node.module or ""
             if target.split(".")[0] == "llmcli":
-                found.append((node.lineno, target))
+                found += [(node.lineno, f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target)
+                          for a in node.names]
     return found
 
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
+MODULES = {module_name(path) for path in SOURCES}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a path back to its start) per strongly connected group of modules: Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set(stack[stack.index(v):])
+            del stack[stack.index(v):]
+            if len(group) > 1 or v in graph.get(v, ()):
+                cycles.append(_path_around(graph, v, group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _path_around(graph: dict[str, set[str]], start: str, group: set[str]) -> list[str]:
+    """The shortest path from ``start`` back to itself inside ``group`` (breadth first)."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ()) & group):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is in a group without a cycle")
 
 
 def test_every_module_has_a_layer():
@@ -105,3 +158,33 @@ def test_the_rule_catches_a_violation(tmp_path):
     assert not allowed("layers", layer_of("llmcli.parallel.tp_runner"))
     assert allowed("layers", layer_of("llmcli.parallel"))
     assert not allowed("models", layer_of("llmcli.engine.sequence"))
+
+
+def test_no_import_cycles():
+    graph = {module_name(p): {t for _, t in imports_of(p) if t != module_name(p)} for p in SOURCES}
+    cycles = find_cycles(graph)
+    assert not cycles, "modules importing each other in a circle (move the shared piece into a lower module):\n" + \
+        "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_names_every_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}, "g": {"g"}, "h": {"a"}}
+    assert sorted(find_cycles(graph)) == [["a", "b", "c", "a"], ["e", "f", "e"], ["g", "g"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_type_only_and_submodule_imports_count():
+    text = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llmcli.engine.model_runner import X\n"
+            "from llmcli.kernels import backend\n")
+    found = sorted(t for _, t in imports_of_text(text, PACKAGE / "engine" / "warmup.py"))  # a real path: its package
+    assert found == ["llmcli.engine.model_runner", "llmcli.kernels.backend"]
+
+
+def test_cli_io_sits_below_the_commands():
+    # the JSONL io serves the commands: it may reach the CLI only for the shared error type (cli/usage_error.py)
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+           for path in SOURCES if module_name(path).startswith("llmcli.cli.io")
+           for line, target in imports_of(path)
+           if target.startswith("llmcli.cli") and not target.startswith("llmcli.cli.io")
+           and target != "llmcli.cli.usage_error"]
+    assert not bad, "cli/io importing the commands above it:\n" + "\n".join(bad)

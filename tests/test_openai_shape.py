@@ -1,4 +1,4 @@
-"""OpenAI batch output lines, as llmcli writes them and as the README shows them, match OpenAI's published shape.
+"""OpenAI batch output lines, as llmcli writes them and as docs/cli.md shows them, match OpenAI's published shape.
 
 The schema below is written from OpenAI's batch API reference (the output file's line: id, custom_id,
 response {status_code, request_id, body}, error) and its chat completion / completion objects (choices,
@@ -81,8 +81,8 @@ INPUT = [
 ]
 
 
-def readme_batch_lines() -> list[dict]:
-    text = (REPO / "README.md").read_text()
+def documented_batch_lines() -> list[dict]:
+    text = (REPO / "docs" / "cli.md").read_text()
     lines = []
     for block in re.findall(r"```json\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
@@ -92,7 +92,7 @@ def readme_batch_lines() -> list[dict]:
 
 
 def test_the_schema_rejects_what_openai_would_not_write():
-    good = readme_batch_lines()[0]
+    good = documented_batch_lines()[0]
     jsonschema.validate(good, BATCH_LINE)
     broken = orjson.loads(orjson.dumps(good))
     del broken["response"]["body"]["usage"]["total_tokens"]
@@ -100,8 +100,8 @@ def test_the_schema_rejects_what_openai_would_not_write():
         jsonschema.validate(broken, BATCH_LINE)
 
 
-def test_readme_examples_have_openais_shape():
-    lines = readme_batch_lines()
+def test_documented_examples_have_openais_shape():
+    lines = documented_batch_lines()
     assert len(lines) >= 2
     for line in lines:
         jsonschema.validate(line, BATCH_LINE)

@@ -38,7 +38,8 @@ from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLa
 from llmcli.parallel.tp_group import Group
 from llmcli.parallel.tp_runner import TensorParallelError
 from llmcli.engine.sequence import Sequence
-from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
+from llmcli.engine.step_inputs import prepare_decode, prepare_prefill
+from llmcli.engine.uploader import Uploader
 
 from processes import child_processes, wait_gone
 from tiny_qwen3 import write_tiny_qwen3

@@ -22,7 +22,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     # triton picks interpreter vs compiler when a kernel is decorated: redo it if imported earlier
     for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend",
-                  "triton_sample", "triton_logprobs", "triton_gemm"):
+                  "triton_sample", "triton_logprobs"):
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 
@@ -629,63 +629,6 @@ def test_carried_decode_arrays_are_the_ones_built_from_the_sequences(tiny_model,
     assert len(carried) >= 20 and len(set(carried)) > 1, carried  # carried at several batch sizes
 
 
-def eager_prefill_graphs(runner, buckets):
-    """``PrefillGraphs`` with its CUDA part (capture, replay) replaced: each step runs the model eagerly at the
-    bucket's padded size from the static buffers, every attention call through ``attend`` on the real rows,
-    and the padding rows' attention output NaN (a NaN reaching a real row would show in the tokens); every
-    layer's q/k/v through the one shared buffer, as in capture."""
-    from llmcli.engine.prefill_graphs import PrefillGraphs
-    from llmcli.layers.linear import QKVParallelLinear
-
-    class EagerPrefillGraphs(PrefillGraphs):
-        def _capture(self, t):
-            self.pieces[t], self.calls[t], self.outputs[t] = [], [], None
-
-        def run(self, input_ids, positions):
-            n = input_ids.shape[0]
-            t = next(b for b in self.buckets if b >= n)
-            self.input_ids[:n].copy_(input_ids)
-            self.positions[:n].copy_(positions)
-
-            def forward(q, k, v, k_cache, v_cache, qk_norm=None):
-                out = torch.full_like(q, float("nan"))
-                self.attend(q, k, v, k_cache, v_cache, qk_norm, out, n)
-                return out
-            self.backend.forward = forward
-            QKVParallelLinear.static_out = self.qkv_buffer()
-            try:
-                return self.model(self.input_ids[:t], self.positions[:t])[:n]
-            finally:
-                del self.backend.forward
-                QKVParallelLinear.static_out = None
-
-    return EagerPrefillGraphs(runner.model, runner.backend, buckets, runner.device)
-
-
-@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; benchmarks/prefill_graphs_gpu.py there")
-@pytest.mark.parametrize("mixed_steps", [True, False])
-def test_prefill_graphs_pad_to_buckets_and_attend_on_real_rows(tiny_model, hf_oracle, run_factory, monkeypatch,
-                                                               mixed_steps):
-    """Prefill and mixed steps through the prefill graphs' step logic (static inputs padded to a token bucket,
-    the attention backend on the real rows, its output written in place): HF's greedy tokens through chunked
-    prefill, prefix-cache hits and decode rows beside prompt chunks."""
-    from llmcli.engine.prefill_graphs import token_buckets
-
-    run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
-                      max_num_batched_tokens=48, mixed_steps=mixed_steps)
-    runner = run.llm.engine.model_runner
-    runner.prefill_graphs = eager_prefill_graphs(runner, [16, 32, 48])
-    used = []
-    original = runner.prefill_graphs.attend
-    monkeypatch.setattr(runner.prefill_graphs, "attend", lambda *a: used.append(a[-1]) or original(*a))
-    prefix = random_prompts([20], seed=415)[0]
-    prompts = [prefix + t for t in random_prompts([30, 3], seed=416)] + random_prompts([11, 60], seed=417)
-    check_against_hf(run, hf_oracle, prompts, max_new=8)
-    assert used and any(n not in (16, 32, 48) for n in used), "steps should have been padded to a bucket"
-    assert run.llm.engine.stats.prefix_cache_hit_tokens > 0
-    assert token_buckets(16384) == [512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384]
-
-
 def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_model, hf_oracle, run_factory,
                                                                         monkeypatch):
     """The triton backend's one kernel for q/k norm + rotary + KV store against the q/k kernel and then store_kv,
@@ -766,120 +709,6 @@ def test_sampling_inside_the_decode_graph_draws_what_the_sampler_draws(tiny_mode
         outs[in_graph] = [list(o["token_ids"]) for o in run.llm.generate(prompts, params)]
     same = sum(a == b for x, y in zip(outs[False], outs[True]) for a, b in zip(x, y))
     assert same >= 0.8 * sum(len(x) for x in outs[False]), outs
-
-
-# -- thin-M GEMMs (decode_gemm = triton / triton-silu) ----------------------------------------------------
-# (5, 200, 130), (3, 1000, 80), (16, 2048, 64) and (1, 3072, 256) cut K into 2-8 splits (remainder tiles too)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (5, 200, 130), (33, 128, 64), (70, 256, 192), (3, 1000, 80),
-                                   (16, 2048, 64), (1, 3072, 256)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_thin_gemm_and_fused_silu_mul_match_torch(m, k, n, dtype):
-    if ON_GPU and dtype == torch.float32:
-        pytest.skip("float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
-    from llmcli.kernels import triton_gemm
-    from llmcli.kernels.triton_gemm import linear, silu_mul_linear
-    from llmcli.layers.activation import silu_and_mul
-
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    w = (torch.randn(2 * n, k, device=DEVICE) / k ** 0.5).to(dtype)
-    ref = (x.float() @ w.float().T).to(dtype)  # rounded to the model dtype, as cuBLAS's output is
-    out = linear(x, w)
-    assert rel_err(out, ref) <= TOL[dtype]
-    fused = silu_mul_linear(x, w)
-    assert rel_err(fused, silu_and_mul(ref)) <= 2 * TOL[dtype]
-    # split partials are summed in split order, and the last program of a tile resets its counter: a second
-    # launch on the same scratch gives the same bits
-    assert torch.equal(linear(x, w), out) and torch.equal(silu_mul_linear(x, w), fused)
-    assert not triton_gemm._device_state(x.device)[1].any()
-
-
-@pytest.mark.parametrize("max_block_m,num_warps", [(128, 4), (256, 8)])
-@pytest.mark.parametrize("m,k", [(70, 256), (200, 1024), (130, 4352)])
-def test_thin_gemm_with_wide_row_tiles_matches_torch(m, k, max_block_m, num_warps):
-    """``GemmTuning.max_block_m`` above 64 (experimental: batch 128-256 in one or two row tiles): the same
-    products, split or not (k 4352 at batch 130 cuts K in two), and the counters left at zero."""
-    from dataclasses import replace
-
-    from llmcli.kernels import triton_gemm
-    from llmcli.kernels.triton_gemm import DEFAULT_TUNING, linear, silu_mul_linear
-    from llmcli.layers.activation import silu_and_mul
-
-    dtype = torch.float16 if not ON_GPU else torch.bfloat16
-    tuning = replace(DEFAULT_TUNING, max_block_m=max_block_m, num_warps=num_warps)
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    w = (torch.randn(192, k, device=DEVICE) / k ** 0.5).to(dtype)
-    ref = (x.float() @ w.float().T).to(dtype)
-    assert rel_err(linear(x, w, tuning), ref) <= TOL[dtype]
-    assert rel_err(silu_mul_linear(x, w, tuning), silu_and_mul(ref)) <= 2 * TOL[dtype]
-    assert not triton_gemm._device_state(x.device)[1].any()
-    if k == 4352 and not ON_GPU:  # (on the CPU the state says 8 SMs)
-        block_m = triton_gemm._block_m(m, max_block_m)
-        assert triton_gemm.choose_splits(m, 96, k, block_m, 64, 128, 8, 2)[0] > 1
-
-
-def test_thin_gemm_splits_k_for_few_output_tiles_and_caps_partial_traffic():
-    from llmcli.kernels.triton_gemm import choose_splits
-
-    # 0.6B's o projection at batch 16: 16 output tiles on 132 SMs -> split K (2048 = 16 tiles of 128) 8 ways,
-    # the most that keeps the partials' bytes (8 x splits x 16 x 1024) under a quarter of the weights'
-    assert choose_splits(16, 1024, 2048, 16, 64, 128, 132) == (8, 2)  # (splits, K tiles per split)
-    # batch 1 may split further: 16 tiles of K, 2 programs per SM wanted -> 16 splits of one tile
-    assert choose_splits(1, 1024, 2048, 16, 64, 128, 132) == (16, 1)
-    # batch 256 (four row tiles of 64): the partials would cost more than they save -> no split
-    assert choose_splits(256, 1024, 2048, 64, 64, 128, 132) == (1, 16)
-    assert choose_splits(1, 1024, 2048, 16, 64, 128, 132, programs_per_sm=0) == (1, 16)  # splitting off
-    # enough output tiles already (8B's gate/up at batch 128: 192 x 2 tiles for 264 wanted programs): no split
-    assert choose_splits(128, 12288, 4096, 64, 64, 128, 132, parts=2)[0] == 1
-    assert choose_splits(64, 12288, 4096, 64, 64, 128, 132, parts=2)[0] == 2  # 192 tiles: two splits
-
-
-@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later")
-def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_plain_launches():
-    """Every kernel of a dependent chain (GEMM -> add+RMSNorm -> SiLU GEMM -> GEMM -> SiLU-and-mul, layer after
-    layer) reads its predecessor's output: a PDL kernel reading before its wait would show as different bits."""
-    from llmcli.kernels import pdl
-    from llmcli.kernels.triton_gemm import linear, silu_mul_linear
-
-    torch.manual_seed(5)
-    dev, dt, m, h, i = DEVICE, torch.bfloat16, 16, 1024, 3072
-    layers = [dict(a=torch.randn(h, h, device=dev).to(dt) / 32, gu=torch.randn(2 * i, h, device=dev).to(dt) / 32,
-                   d=torch.randn(h, i, device=dev).to(dt) / 55, nw=torch.rand(h, device=dev).to(dt) + 0.5)
-              for _ in range(6)]
-    x0 = torch.randn(m, h, device=dev).to(dt)
-
-    def forward():
-        x, res = x0, torch.zeros_like(x0)
-        for lw in layers:
-            x, res = te.add_rms_norm(linear(x, lw["a"]), res, lw["nw"], 1e-6)
-            x = linear(silu_mul_linear(x, lw["gu"]), lw["d"])
-            x = te.silu_and_mul(torch.cat([x, x], dim=-1))
-        return x
-
-    outs = {}
-    try:
-        for on in (False, True):
-            assert pdl.enable(on, dev) == on
-            forward()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = forward()
-            graph.replay()
-            torch.cuda.synchronize()
-            outs[on] = out.clone()
-    finally:
-        pdl.enable(False, dev)
-    assert torch.isfinite(outs[False]).all() and outs[False].abs().sum() > 0
-    assert torch.equal(outs[True], outs[False])
-
-
-@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
-@pytest.mark.parametrize("mode", ["triton-silu", "triton"])
-def test_engine_with_triton_decode_gemms_matches_hf(tiny_model, hf_oracle, run_factory, mode):
-    """Every GEMM of at most 256 rows (decode, short prefill chunks) through the Triton thin-M kernels."""
-    prompts = random_prompts([3, 45, 20, 300], seed=404)
-    run = run_factory(tiny_model, decode_gemm=mode, max_num_batched_tokens=64)
-    check_against_hf(run, hf_oracle, prompts, max_new=8)
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")

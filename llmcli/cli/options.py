@@ -60,13 +60,6 @@ ENGINE_KNOBS = (
                               "(off: a step is all prefill or all decode, prefill first).", "on"),
     Knob("sample_in_graph", bool, "CUDA: run the lm_head and the sampler inside the decode CUDA graph (once the "
                                   "one-pass sampler passed its start-up check).", "on"),
-    Knob("prefill_graphs", bool, "CUDA, experimental: prefill and mixed steps replay CUDA graphs captured per "
-                                 "token count, with attention run eagerly between them.", "off"),
-    Knob("decode_gemm", str, "GEMMs of decode-sized batches: triton-silu fuses SiLU-and-mul into the gate/up "
-                             "GEMM; triton runs every one of them in llmcli's Triton kernel.", "cublas",
-         choices=("cublas", "triton-silu", "triton")),
-    Knob("pdl", bool, "CUDA, Hopper or later: llmcli's Triton kernels launch with programmatic dependent launch, "
-                      "so each may start while the previous one finishes (no effect elsewhere).", "off"),
     Knob("device", str, "Where the engine runs.", "auto: cuda if visible, else cpu",
          choices=("auto", "cuda", "cpu")),
     Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",

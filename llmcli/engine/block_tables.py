@@ -7,13 +7,12 @@ batch 256 that is about one block per decode step, instead of the whole padded t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from llmcli.engine.step_inputs import Uploader
+from llmcli.engine.uploader import Uploader
 
 
 class BlockTables:
@@ -42,7 +41,7 @@ class BlockTables:
             table[:old].copy_(self.table)
             self.table = table
 
-    def sync(self, seqs: Seq[Any], rows: np.ndarray, uploader: "Uploader", ids: np.ndarray | None = None,
+    def sync(self, seqs: Seq[Any], rows: np.ndarray, uploader: Uploader, ids: np.ndarray | None = None,
              defer: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """Bring rows ``rows`` up to date with the block tables of ``seqs`` (the same order); ``ids``: their
         ``table_id``s, if the caller has them already. With ``defer``, the device copy's deltas are returned
@@ -82,7 +81,7 @@ class BlockTables:
             self.upload(index, block_ids, uploader)
         return None
 
-    def upload(self, index: np.ndarray, block_ids: np.ndarray, uploader: "Uploader") -> None:
+    def upload(self, index: np.ndarray, block_ids: np.ndarray, uploader: Uploader) -> None:
         """Send deltas (``sync(defer=True)``'s) to the device copy."""
         index_t, = uploader.upload(torch.int64, index)
         values_t, = uploader.upload(torch.int32, block_ids)
@@ -106,7 +105,7 @@ def table_rows(seqs: Seq[Any]) -> np.ndarray:
     return np.fromiter((s.table_row for s in seqs), np.int64, len(seqs))
 
 
-def scratch_tables(seqs: Seq[Any], device: torch.device, uploader: "Uploader") -> tuple[BlockTables, np.ndarray]:
+def scratch_tables(seqs: Seq[Any], device: torch.device, uploader: Uploader) -> tuple[BlockTables, np.ndarray]:
     """Tables for sequences that no block manager gave rows (tests, a worker's first look): row i for seq i."""
     width = max([len(s.block_table) for s in seqs] + [1])
     tables = BlockTables(width, device, rows=max(len(seqs), 1))

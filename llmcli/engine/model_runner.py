@@ -18,12 +18,12 @@ from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs,
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.warmup import compile_variants, measure_activation_peak
-from llmcli.engine.step_inputs import (DecodeCarry, RowSampling, StepInputs, Uploader, all_greedy, decode_arrays,
-                                       prepare_decode, prepare_prefill, prepare_sampling)
-from llmcli.kernels import make_backend, pdl
+from llmcli.engine.step_inputs import (DecodeCarry, RowSampling, StepInputs, all_greedy, decode_arrays, prepare_decode,
+                                       prepare_prefill, prepare_sampling)
+from llmcli.engine.uploader import Uploader
+from llmcli.kernels import make_backend
 from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.penalties import PenaltyTables
-from llmcli.layers.linear import use_thin_gemm
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model
@@ -99,7 +99,6 @@ class ModelRunner:
         self.device = torch.device("cuda", self.rank) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        pdl.enable(config.pdl, self.device)  # before any kernel compiles: PDL is a compile-time option too
         self.head_dim = head_dim_of(hf)
         if config.tensor_parallel_size != self.world:
             raise RuntimeError(f"this process already belongs to a group of {self.world} tensor-parallel ranks; "
@@ -119,9 +118,8 @@ class ModelRunner:
             with clock.phase("probe"):
                 activation_peak = measure_activation_peak(self)
                 per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
-                # prefill graphs keep a forward's activations in their own pool, beside the eager ones
-                reserve = activation_peak * (2 if self._wants_prefill_graphs() else 1)
-                self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes, reserve)
+                self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
+                                                   activation_peak)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
             if self.num_blocks == 0:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
@@ -148,32 +146,19 @@ class ModelRunner:
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
             log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
                      clock.seconds["graphs"])
-            if self._wants_prefill_graphs():
-                from llmcli.engine.prefill_graphs import PrefillGraphs, token_buckets
-
-                with clock.phase("graphs"):
-                    self.prefill_graphs = PrefillGraphs(self.model, self.backend,
-                                                        token_buckets(config.max_num_batched_tokens), self.device)
-                self.memory_report.cuda_graph_bytes += self.prefill_graphs.pool_bytes
-                log.info("captured prefill graphs for %d token counts", len(self.prefill_graphs.buckets))
-
-    def _wants_prefill_graphs(self) -> bool:
-        return (self.config.prefill_graphs and self.device.type == "cuda" and not self.config.enforce_eager
-                and self.world == 1 and self.backend.name != "torch")
 
     def _start_side_compile(self):
-        """Worker threads compiling the sampler, logprobs and thin-GEMM kernels (llmcli.engine.side_compile);
+        """Worker threads compiling the sampler, logprobs and attention kernels (llmcli.engine.side_compile);
         None on CPU, with tensor parallelism, or with LLMCLI_SIDE_COMPILE=0."""
         if self.device.type != "cuda" or self.world > 1 or os.environ.get("LLMCLI_SIDE_COMPILE") == "0":
             return None
         from llmcli.engine.cuda_graphs import graph_batch_sizes
-        from llmcli.engine.side_compile import SideCompile, attention_tasks, kernel_tasks, thin_gemm_block_rows
+        from llmcli.engine.side_compile import SideCompile, attention_tasks, kernel_tasks
 
         cfg = self.config
-        rows = thin_gemm_block_rows(list(range(1, cfg.max_num_seqs + 1)))
         tasks = attention_tasks(self.backend, cfg.torch_dtype, self.device, cfg.max_model_len,
                                 cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs))
-        tasks += kernel_tasks(self.model, cfg.hf_config.vocab_size, cfg.torch_dtype, self.device, rows)
+        tasks += kernel_tasks(cfg.hf_config.vocab_size, cfg.torch_dtype, self.device)
         return SideCompile(tasks, self.device)
 
     @property
@@ -185,7 +170,7 @@ class ModelRunner:
         self.config, self.device, self.num_blocks = config, device, num_blocks
         self.rank, self.world = getattr(self, "rank", 0), getattr(self, "world", 1)
         self.sampler = Sampler()
-        self._sampler_checked = False  # the one-pass sampler's start-up check (warmup.check_sampler) ran
+        self.sampler_checked = False  # the one-pass sampler's start-up check (warmup.check_sampler) ran
         self.uploader = Uploader(device)
         self.readback = ReadbackRing() if device.type == "cuda" else None  # the sampled tokens' host buffers
         self.row_sampling = RowSampling(config.max_num_seqs + 1)
@@ -198,7 +183,6 @@ class ModelRunner:
         self.prev_in_graph = False  # they are in the decode graphs' own token buffer already
         self.timer = StepTimer()
         self.graphs = None
-        self.prefill_graphs = None  # llmcli.engine.prefill_graphs.PrefillGraphs when config.prefill_graphs
 
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""
@@ -223,7 +207,6 @@ class ModelRunner:
                 model = build_model(cfg.hf_config, self.backend)
         finally:
             torch.set_default_dtype(default_dtype)
-        use_thin_gemm(model, cfg.decode_gemm)
         if cfg.load_format == "dummy":
             load_dummy(model, cfg.seed)
         else:
@@ -350,10 +333,9 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
                 module.k_cache = module.v_cache = None
-        for graphs in (self.graphs, self.prefill_graphs):
-            if graphs is not None:
-                graphs.release()
-        self.graphs = self.prefill_graphs = None
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
         self.kv_cache = None
         for param in self.model.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -368,8 +350,6 @@ class ModelRunner:
             self.prev_in_graph = False  # the replay may leave other tokens in the graphs' token buffer
             return self.graphs.replay(inputs)
         self.backend.prepare(meta)
-        if meta.is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(inputs.input_ids.numel()):
-            return self.prefill_graphs.run(inputs.input_ids, inputs.positions)
         return self.model(inputs.input_ids, inputs.positions)
 
     def _logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
 Triton compiles a kernel variant the first time a launch needs it, and on a fresh machine most of that time
 is spent waiting for ptxas subprocesses; start-up used to meet the variants one after another. The sampler,
-row-key, logprobs, thin-GEMM and attention kernels need only tensors of the right shapes, strides and dtypes,
+row-key, logprobs and attention kernels need only tensors of the right shapes, strides and dtypes,
 so worker threads launch each once on small dummies while the main thread runs the memory probe and the
 prefill variants; on a warm cache each launch just loads its kernel. Best effort by design: whatever the
 threads miss or fail on, the main thread's own passes (``warmup.compile_variants``, graph capture)
@@ -16,24 +16,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
-from torch import nn
 
-from llmcli.kernels import MAX_THIN_M
-from llmcli.layers.linear import LinearBase
 
 log = logging.getLogger("llmcli")
 Task = Callable[[], object]
-
-
-def thin_gemm_block_rows(batch_sizes: list[int]) -> list[int]:
-    """One decode batch size per row tile of the thin GEMM that these batch sizes will use."""
-    from llmcli.kernels.triton_gemm import _block_m
-
-    seen: dict[int, int] = {}
-    for b in batch_sizes:
-        if b <= MAX_THIN_M:
-            seen.setdefault(_block_m(b), b)
-    return sorted(seen.values())
 
 
 def _dummy_logits(rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -42,10 +28,8 @@ def _dummy_logits(rows: int, vocab_size: int, device: torch.device) -> torch.Ten
     return torch.sin(ids * 0.618) * 4
 
 
-def kernel_tasks(model: nn.Module, vocab_size: int, dtype: torch.dtype, device: torch.device,
-                 decode_rows: list[int]) -> list[Task]:
-    """Launches that compile the kernels a decode step and the sampler use, on dummies of the real shapes."""
-    from llmcli.kernels.triton_gemm import linear, silu_mul_linear
+def kernel_tasks(vocab_size: int, dtype: torch.dtype, device: torch.device) -> list[Task]:
+    """Launches that compile the sampler and logprobs kernels, on dummies of the real shapes."""
     from llmcli.kernels.triton_logprobs import token_logprobs_triton
     from llmcli.kernels.triton_sample import row_keys, sample_unfiltered
 
@@ -69,21 +53,6 @@ def kernel_tasks(model: nn.Module, vocab_size: int, dtype: torch.dtype, device: 
         return run
 
     tasks += [logprobs(1), logprobs(5)]
-    shapes: dict[tuple, tuple[torch.Tensor, bool]] = {}
-    for module in model.modules():
-        if isinstance(module, LinearBase) and module.thin_gemm:
-            shapes.setdefault((tuple(module.weight.shape), False), (module.weight, False))
-        if getattr(module, "fused_silu_gemm", False) and hasattr(module, "gate_up_proj"):
-            weight = module.gate_up_proj.weight
-            shapes.setdefault((tuple(weight.shape), True), (weight, True))
-
-    def gemm(weight: torch.Tensor, silu: bool, m: int) -> Task:
-        def run() -> object:
-            x = torch.zeros(m, weight.shape[1], dtype=weight.dtype, device=device)
-            return silu_mul_linear(x, weight) if silu else linear(x, weight)
-        return run
-
-    tasks += [gemm(w, silu, m) for w, silu in shapes.values() for m in decode_rows]
     return tasks
 
 

@@ -2,21 +2,33 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from llmcli.kernels.backend import AttentionMetadata
+from llmcli.config import Config
+from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
 from llmcli.layers.logprobs import token_logprobs
-
-if TYPE_CHECKING:
-    from llmcli.engine.model_runner import ModelRunner
+from llmcli.layers.sampler import Sampler
 
 log = logging.getLogger("llmcli")
 CPU_WARMUP_TOKENS = 256
 
 
-def prefill_metadata(runner: ModelRunner, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None,
+class WarmupTarget(Protocol):
+    """What these passes use of the model runner (it calls them while it starts, so they cannot import it)."""
+
+    config: Config
+    device: torch.device
+    backend: AttentionBackend
+    model: nn.Module
+    sampler: Sampler
+    num_blocks: int
+    sampler_checked: bool  # the one-pass sampler's start-up check ran
+
+
+def prefill_metadata(runner: WarmupTarget, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None,
                      ) -> AttentionMetadata:
     """A prefill step of chunks with these query and key counts, storing nothing (slots -1)."""
     dev = runner.device
@@ -31,7 +43,7 @@ def prefill_metadata(runner: ModelRunner, q_lens: list[int], k_lens: list[int], 
     )
 
 
-def prefill_dummy(runner: ModelRunner, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None = None,
+def prefill_dummy(runner: WarmupTarget, q_lens: list[int], k_lens: list[int], tables: list[list[int]] | None = None,
                   ) -> torch.Tensor:
     """The hidden states of a forward over such a prefill step, on token 0 (``prefill_metadata``)."""
     runner.backend.prepare(prefill_metadata(runner, q_lens, k_lens, tables))
@@ -40,7 +52,7 @@ def prefill_dummy(runner: ModelRunner, q_lens: list[int], k_lens: list[int], tab
 
 
 @torch.inference_mode()
-def measure_activation_peak(runner: ModelRunner) -> int:
+def measure_activation_peak(runner: WarmupTarget) -> int:
     """Run the largest prefill the scheduler may send (no cache yet) and return its activation peak."""
     cfg, device = runner.config, runner.device
     tokens = cfg.max_num_batched_tokens if device.type == "cuda" else min(cfg.max_num_batched_tokens,
@@ -69,17 +81,17 @@ def measure_activation_peak(runner: ModelRunner) -> int:
     return peak
 
 
-def check_sampler(runner: ModelRunner, vocab_size: int) -> None:
+def check_sampler(runner: WarmupTarget, vocab_size: int) -> None:
     """Once, on CUDA: the one-pass Triton sampler against the torch path; off for good if it fails."""
-    if runner.device.type != "cuda" or runner._sampler_checked:
+    if runner.device.type != "cuda" or runner.sampler_checked:
         return
-    runner._sampler_checked = True
+    runner.sampler_checked = True
     failure = runner.sampler.check_one_pass(vocab_size, runner.device)
     if failure:
         log.warning("the one-pass Triton sampler is off (%s); sampling uses the torch path", failure)
 
 
-def sample_dummy(runner: ModelRunner, logits: torch.Tensor, use_filters: bool) -> torch.Tensor:
+def sample_dummy(runner: WarmupTarget, logits: torch.Tensor, use_filters: bool) -> torch.Tensor:
     """One sampler call over ``logits`` with every sampling knob set (top-k/top-p only with ``use_filters``)."""
     b, dev = logits.shape[0], runner.device
     ones = torch.ones(b, device=dev)
@@ -89,7 +101,7 @@ def sample_dummy(runner: ModelRunner, logits: torch.Tensor, use_filters: bool) -
 
 
 @torch.inference_mode()
-def compile_variants(runner: ModelRunner) -> None:
+def compile_variants(runner: WarmupTarget) -> None:
     """Run every kernel variant a step can need once now, so no real step stops to compile one.
 
     Triton compiles one kernel per combination of compile-time choices (paged or not, the tile size

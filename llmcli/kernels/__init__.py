@@ -3,11 +3,6 @@ from __future__ import annotations
 
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
 
-# Decode GEMMs of at most this many rows may go to kernels/triton_gemm.py (above it the step is a prefill:
-# cuBLAS's large tiles win). Here, not there: importing a Triton kernel module fixes whether its kernels are
-# compiled or interpreted (TRITON_INTERPRET), so the layers import those modules only when they use them.
-MAX_THIN_M = 256
-
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int) -> AttentionBackend:
@@ -23,4 +18,4 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, sc
     return cls(num_heads, num_kv_heads, head_dim, scale, block_size)
 
 
-__all__ = ["MAX_THIN_M", "AttentionBackend", "AttentionMetadata", "make_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "make_backend"]

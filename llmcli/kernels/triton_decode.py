@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from llmcli.kernels import pdl
 
 BLOCK_N = 64  # keys per tile: 64 x 128 bf16 = 16 KiB per K (and V) tile
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
@@ -91,12 +90,9 @@ def _decode_partition_kernel(
     stride_bt, stride_ob, stride_oh,
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HEADS_FASTEST: tl.constexpr = False, row_order_ptr=None,
 ):
-    if PDL:  # llmcli.kernels.pdl: q comes from the previous kernel; the next may launch once we are past this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if HEADS_FASTEST:  # a row's KV heads are launched together, rows in the order row_order gives
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -169,12 +165,9 @@ def _decode_partition_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr,
 ):
     """Combines the split partials: grid (batch, num_heads), one head's partials per program."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS_PAD)
@@ -255,15 +248,13 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * math.log2(math.e), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=split, PDL=pdl.enabled(),
+        SPLIT=split,
         HEADS_FASTEST=tuning.heads_fastest, row_order_ptr=row_order,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
-        **pdl.options(),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps, PDL=pdl.enabled(),
-            **pdl.options(),
+            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps,
         )
     return out

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from llmcli.kernels import pdl
 
 # Rows of an RMSNorm handled by one program: enough elements per program for wide loads and few programs.
 _NORM_ELEMENTS = 2048
@@ -34,20 +33,10 @@ _SILU_BLOCK = 1024
 _UNFUSED = {"enable_fp_fusion": False}
 
 
-@triton.jit
-def _wait_for_previous(PDL: tl.constexpr):
-    """Under programmatic dependent launch (llmcli.kernels.pdl): wait until the previous kernel is done, then let
-    the next one launch (it waits in turn before reading anything we write)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, x_stride, res_stride, out_stride,
                      res_out_stride, eps, N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    _wait_for_previous(PDL)
+                     HAS_RESIDUAL: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -81,7 +70,7 @@ def _launch_norm(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tens
         x2, res2 if has_res else x2, weight, out, res_out if has_res else out, m, x2.stride(0),
         res2.stride(0) if has_res else 0, out.stride(0), res_out.stride(0) if has_res else 0, eps,
         N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=has_res, num_warps=8 if block_n >= 4096 else 4,
-        PDL=pdl.enabled(), **_UNFUSED, **pdl.options())
+        **_UNFUSED)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,8 +95,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 @triton.jit(do_not_specialize=["M"])
 def _silu_and_mul_kernel(x_ptr, out_ptr, M, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr,
-                         LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
-    _wait_for_previous(PDL)
+                         LIBDEVICE_EXP: tl.constexpr):
     blocks_per_row = (N + BLOCK - 1) // BLOCK  # constexpr arithmetic: folded at compile time
     pid = tl.program_id(0).to(tl.int64)
     row = pid // blocks_per_row
@@ -138,7 +126,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if m:
         _silu_and_mul_kernel[(m * triton.cdiv(n, block),)](x2, out, m, x2.stride(0), out.stride(0), N=n,
                                                            BLOCK=block, LIBDEVICE_EXP=_LIBDEVICE_EXP, num_warps=4,
-                                                           PDL=pdl.enabled(), **_UNFUSED, **pdl.options())
+                                                           **_UNFUSED)
     return out.view(*x.shape[:-1], n)
 
 
@@ -180,8 +168,7 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
                            kc_row_stride, kc_head_stride, vc_block_stride, vc_row_stride, vc_head_stride,
                            HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
-    _wait_for_previous(PDL)
+                           BLOCK_SIZE: tl.constexpr):
     HALF = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -253,7 +240,7 @@ def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weig
         k.stride(1), cos.stride(0), sin.stride(0), eps, v, slots, k_cache, v_cache, *v_strides, *cache_strides,
         HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk, BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d,
         BLOCK_HALF=triton.next_power_of_2(d // 2), STORE=store is not None, BLOCK_SIZE=block_size, num_warps=4,
-        PDL=pdl.enabled(), **_UNFUSED, **pdl.options())
+        **_UNFUSED)
     return q_out, k_out
 
 

@@ -5,8 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmcli.kernels import MAX_THIN_M
-
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
 
@@ -20,7 +18,6 @@ class LinearBase(nn.Module):
     """y = x W^T (+ b). ``tp_dim`` is the weight dimension split across ranks (None: replicated)."""
 
     tp_dim: int | None = None
-    thin_gemm = False  # set by use_thin_gemm: few-row inputs go through llmcli's Triton GEMM instead of cuBLAS
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -46,11 +43,6 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.thin_gemm and x.shape[0] <= MAX_THIN_M:
-            from llmcli.kernels.triton_gemm import linear as thin_linear
-
-            y = thin_linear(x.contiguous(), self.weight)
-            return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
 
 
@@ -87,18 +79,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (num_heads + 2 * num_kv_heads) * head_dim
         super().__init__(hidden_size, out, bias)
 
-    # Set only while llmcli.engine.prefill_graphs captures: every layer's q/k/v land in this one flat buffer (the
-    # GEMM writes it directly), so that the eager attention call between two captured pieces reads a fixed
-    # address that no piece's memory pool has to keep alive for it.
-    static_out: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = QKVParallelLinear.static_out
-        if out is None or self.bias is not None or x.dim() != 2:
-            return super().forward(x)
-        m, n = x.shape[0], self.weight.shape[0]
-        return torch.mm(x, self.weight.t(), out=out[:m * n].view(m, n))
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
@@ -117,18 +97,3 @@ class RowParallelLinear(LinearBase):
         y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)
 
-
-DECODE_GEMMS = ("cublas", "triton-silu", "triton")
-
-
-def use_thin_gemm(model: nn.Module, mode: str) -> None:
-    """Route GEMMs of at most MAX_THIN_M rows (decode steps) through Triton: ``triton-silu`` only the gate/up
-    projection with SiLU-and-mul fused in (models that support it: a ``fused_silu_gemm`` attribute on their MLP),
-    ``triton`` that and every other linear layer; ``cublas`` none."""
-    if mode not in DECODE_GEMMS:
-        raise ValueError(f"decode GEMM {mode!r} is not one of {', '.join(DECODE_GEMMS)}")
-    for module in model.modules():
-        if hasattr(module, "fused_silu_gemm"):
-            module.fused_silu_gemm = mode != "cublas"
-        if isinstance(module, LinearBase):
-            module.thin_gemm = mode == "triton"

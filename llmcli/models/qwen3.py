@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from llmcli.kernels.backend import AttentionBackend, QKNormRotary
-from llmcli.kernels import MAX_THIN_M
 from llmcli.layers.activation import SiluAndMul
 from llmcli.layers.attention import Attention
 from llmcli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -54,13 +53,8 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size])
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(size, config.hidden_size)
-        self.fused_silu_gemm = False  # layers.linear.use_thin_gemm: SiLU-and-mul as the gate/up GEMM's epilogue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_silu_gemm and x.shape[0] <= MAX_THIN_M:
-            from llmcli.kernels.triton_gemm import silu_mul_linear
-
-            return self.down_proj(silu_mul_linear(x.contiguous(), self.gate_up_proj.weight))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

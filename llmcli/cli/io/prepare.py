@@ -7,7 +7,8 @@ from typing import Any
 
 import orjson
 
-from llmcli.cli.io.records import FieldProblem, InputRecord
+from llmcli.cli.io.field_problem import FieldProblem
+from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
 from llmcli.engine.admission import bad_word_ids, truncate_prompt

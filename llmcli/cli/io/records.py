@@ -6,20 +6,12 @@ from typing import Any, Callable
 
 import orjson
 
+from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.source import RawLine
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-
-
-class FieldProblem(ValueError):
-    """A record field is missing or wrong; carries the dotted field name."""
-
-    def __init__(self, field_name: str | None, message: str) -> None:
-        super().__init__(message)
-        self.field = field_name
-        self.message = message
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmcli.cli.io.records import FieldProblem
+from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -101,7 +101,7 @@ def default_constraint(response_format_file: Any, json_schema_file: Any) -> Stru
     """The constraint of ``--response-format FILE`` or ``--json-schema FILE``, checked (UsageError if bad)."""
     import orjson
 
-    from llmcli.cli.generate import UsageError
+    from llmcli.cli.usage_error import UsageError
 
     if response_format_file is not None and json_schema_file is not None:
         raise UsageError("--response-format and --json-schema: give only one")
