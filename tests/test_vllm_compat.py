@@ -261,3 +261,65 @@ def test_vllm_flag_spellings(tiny_model, tmp_path):
     # an underscore spelling of no flag is still an error, and values are left alone
     result = runner.invoke(app, ["generate", str(inp), "--max_nothing", "3", *engine_args(tiny_model)])
     assert result.exit_code == 2
+
+
+# -- item 10: a pipe's reader leaving ------------------------------------------------
+def test_closed_pipe_stops_at_once_and_quietly(tiny_model, tmp_path):
+    import subprocess
+    import time
+
+    from processes import env
+
+    records = [{"prompt_token_ids": PROMPT, "max_tokens": 1}]
+    records += [{"prompt_token_ids": PROMPT, "max_tokens": 240, "ignore_eos": True, "seed": i} for i in range(40)]
+    inp = write_jsonl(tmp_path / "in.jsonl", records)
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "generate", str(inp), "-o", "-", "--unordered",
+                             "--temperature", "1", *engine_args(tiny_model)],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = orjson.loads(proc.stdout.readline())
+    assert first["id"] == 0
+    proc.stdout.close()  # what `| head -1` does once it has its line
+    closed = time.monotonic()
+    rc = proc.wait(timeout=120)
+    stderr = proc.stderr.read().decode()
+    assert rc == 141, stderr
+    assert time.monotonic() - closed < 20  # not after the other 40 x 240 tokens
+    assert "Traceback" not in stderr and "output closed" not in stderr and "error" not in stderr.lower()
+
+
+# -- item 12: small things ---------------------------------------------------------------
+def test_stdout_run_does_not_speak_of_answered_records(tiny_model, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi", "max_tokens": 1}] * 2)
+    result = runner.invoke(app, ["generate", str(inp), "-o", "-", *engine_args(tiny_model)])
+    assert result.exit_code == 0, result.output
+    assert "2 records to run" in result.stderr.splitlines()  # and no "(0 already answered in OUT)"
+
+
+# -- item 11: CPU threads ---------------------------------------------------------------
+def test_cpu_thread_rule(monkeypatch):
+    from llmcli.engine import cpu_threads as ct
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(ct.os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    assert ct.cpu_threads(hidden_size=4096) == 6 and ct.cpu_threads(hidden_size=4096, ranks=4) == 1
+    assert ct.cpu_threads(hidden_size=64) == 1  # too small for threads to pay
+    assert ct.replica_budget(3) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert ct.cpu_threads(hidden_size=64) == 4 and ct.cpu_threads(hidden_size=4096, ranks=2) == 2
+    assert ct.replica_budget(2) == 2
+
+
+def test_cpu_engine_sets_its_threads(tiny_model, monkeypatch):
+    import torch
+
+    from llmcli.engine.llm_engine import LLMEngine
+    from llmcli.config import Config
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        LLMEngine(Config(str(tiny_model), **KW))
+        assert torch.get_num_threads() == 1  # the tiny model: one thread, whatever torch had
+    finally:
+        torch.set_num_threads(before)

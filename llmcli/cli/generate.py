@@ -9,6 +9,7 @@ records to a writer thread (``cli/io/background_writer.py``).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 from collections import deque
@@ -43,6 +44,7 @@ from llmcli.models.hub import load_tokenizer
 __all__ = ["GenerateOptions", "UsageError", "run_generate"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool that stopped because its reader left
 # Records prepared (tokenized, length-checked) before the first token: with --on-error fail a problem among
 # them still means exit 2 and nothing generated. Later records are checked when the stream reaches them.
 CHECK_AHEAD = int(os.environ.get("LLMCLI_CHECK_AHEAD", "16384"))
@@ -285,7 +287,12 @@ def _report_input(opts: GenerateOptions, console: Console, config: Any, index: I
             say(console, f"reasoning parser {run.reasoning}: the chat template uses <think>, so thinking goes to "
                          "reasoning_content (--reasoning-parser none keeps it in the text)")
         earlier = f", {run.resumed.errors} of them by error records" if run.resumed.errors else ""
-        say(console, f"{len(index)} records to run ({run.skipped} already answered in OUT{earlier})")
+        # stdout is never resumed: nothing in it can be answered already
+        answered = f" ({run.skipped} already answered in OUT{earlier})" if opts.output != "-" else ""
+        say(console, f"{len(index)} records to run{answered}")
+        if opts.output == "-" and opts.ordered and _is_pipe(run.stdout):
+            say(console, "stdout is a pipe: records come in input order, each once every earlier one is done "
+                         "(--unordered writes each the moment it finishes)")
         applied = {k: v for k, v in config.sampling_defaults.items() if k not in opts.sampling}
         if applied:
             say(console, "the model's generation_config.json sets " + ", ".join(f"{k}={v}" for k, v in applied.items())
@@ -294,6 +301,13 @@ def _report_input(opts: GenerateOptions, console: Console, config: Any, index: I
         _start_output(opts, run.fp)
         return EXIT_FAILED if run.resumed.errors else EXIT_OK
     return None
+
+
+def _is_pipe(stream: Any) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _report_startup(console: Console, engine: Any, tokenizer_s: float, input_s: float, ready_s: float) -> None:
@@ -336,8 +350,8 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
                             token_bytes=TokenBytes(getattr(engine, "tokenizer", None)))
             counts = runner.run(items)
     except BrokenPipeError:
-        say(console, "output closed before every record was written")
-        return EXIT_FAILED
+        # The reader has what it wanted (| head): stop at once and quietly, as Unix tools do (128 + SIGPIPE).
+        return EXIT_PIPE_CLOSED
     except OutputWriteError as exc:
         failure = exc
     finally:

@@ -130,6 +130,7 @@ class Runner:
                     continue
                 for out in self.engine.step():
                     self._collect(out)
+                self.writer.check()  # a pipe's reader gone (| head): stop now, not when the next record is done
                 self.progress.update(self.engine.stats, self._pending_seqs)
         except KeyboardInterrupt:
             self.stop.requested, self.stop.signal_name = True, "SIGINT"
