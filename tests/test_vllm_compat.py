@@ -323,3 +323,14 @@ def test_cpu_engine_sets_its_threads(tiny_model, monkeypatch):
         assert torch.get_num_threads() == 1  # the tiny model: one thread, whatever torch had
     finally:
         torch.set_num_threads(before)
+
+
+def test_config_key_typos_get_a_hint(tiny_model, tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('max_num_seq = 4\n[generate]\ntemprature = 0\n')
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    result = runner.invoke(app, ["generate", str(inp), "--config", str(toml), "--model", str(tiny_model)],
+                           env={"COLUMNS": "400"})
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert 'max_num_seq (did you mean "max-num-seqs"?)' in text and 'temprature (did you mean "temperature"?)' in text

@@ -121,23 +121,33 @@ def _toml_defaults(path: Path, data: dict[str, Any], command: str, own: Any, com
             theirs = _flag_to_param(commands[key])
             bad = [k for k in item if theirs.get(k.replace("-", "_")) in (None, "config")]
             if bad:
-                raise typer.BadParameter(f"{path}: unknown key(s) in [{key}]: {', '.join(sorted(bad))}")
+                raise typer.BadParameter(f"{path}: unknown key(s) in [{key}]: "
+                                         + ", ".join(_with_hint(k, theirs) for k in sorted(bad)))
             continue
         name = known.get(key.replace("-", "_"))
         if name is None or name == "config":
-            unknown.append(key)
+            unknown.append(_with_hint(key, known))
         else:
             defaults[name] = item
     section = data.get(command, {})
     for key, item in (section.items() if isinstance(section, dict) else ()):
         name = known.get(key.replace("-", "_"))
         if name is None or name == "config":
-            unknown.append(f"[{command}] {key}")
+            unknown.append(f"[{command}] {_with_hint(key, known)}")
         else:
             defaults[name] = item
     if unknown:
         raise typer.BadParameter(f"{path}: unknown key(s) for `llmcli {command}`: {', '.join(sorted(unknown))}")
     return defaults
+
+
+def _with_hint(key: str, known: dict[str, str]) -> str:
+    """``key``, with the closest known key when one is close (a typo)."""
+    import difflib
+
+    names = sorted(k.replace("_", "-") for k, param in known.items() if param != "config")
+    match = difflib.get_close_matches(key.replace("_", "-"), names, n=1, cutoff=0.75)
+    return f'{key} (did you mean "{match[0]}"?)' if match else key
 
 
 def load_toml_defaults(ctx: typer.Context, value: Optional[Path]) -> Optional[Path]:
