@@ -334,3 +334,25 @@ def test_config_key_typos_get_a_hint(tiny_model, tmp_path):
     assert result.exit_code == 2
     text = " ".join(result.output.split())
     assert 'max_num_seq (did you mean "max-num-seqs"?)' in text and 'temprature (did you mean "temperature"?)' in text
+
+
+# -- item 9: output shape ---------------------------------------------------------------
+def test_one_plain_shape_whatever_n_and_openai_errors_keep_openai_shape():
+    from llmcli.cli.io.output import error_record, result_record
+    from llmcli.engine.outputs import RequestOutput
+
+    def out(text, reason):
+        return RequestOutput.single(request_id="0.0", prompt_token_ids=[1, 2], token_ids=[3], text=text,
+                                    finish_reason=reason)
+
+    rec = rec_of({"prompt": "a", "id": "q"})
+    one = result_record(rec, [out("hi", "length")], model="m")
+    two = result_record(rec, [out("hi", "length"), out("yo", "stop")], model="m")
+    assert (one["text"], one["finish_reason"]) == (two["text"], two["finish_reason"]) == ("hi", "length")
+    assert [c["text"] for c in two["choices"]] == ["hi", "yo"]
+    bad = rec_of({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}}, 3)
+    line = error_record(bad)
+    assert line["custom_id"] == 7 and line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"]["param"] == "custom_id"
+    from llmcli.cli.io.records import output_key
+    assert output_key(line) == bad.key  # --resume knows it is answered

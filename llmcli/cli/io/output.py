@@ -46,9 +46,10 @@ def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str,
         return openai_result(rec, outputs, model, reasoning=reasoning, token_bytes=token_bytes)
     line: dict[str, Any] = {"id": rec.out_id}
     k = rec.sampling.get("logprobs")
-    if len(outputs) == 1:
-        line.update(_completion(outputs[0], include_token_ids, include_metrics, reasoning, k))
-    else:
+    # One shape whatever n is: the first completion at the top level (``jq .text`` works for any n), and
+    # with n > 1 every completion in ``choices`` as well.
+    line.update(_completion(outputs[0], include_token_ids, include_metrics, reasoning, k))
+    if len(outputs) > 1:
         line["choices"] = [{"index": i, **_completion(o, include_token_ids, include_metrics, reasoning, k)}
                            for i, o in enumerate(outputs)]
     if include_token_ids:

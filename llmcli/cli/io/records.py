@@ -328,10 +328,12 @@ def parse_line(raw: RawLine) -> InputRecord:
     try:
         if "custom_id" in obj or "body" in obj:
             custom_id = obj.get("custom_id")
-            if not isinstance(custom_id, str) or not custom_id:
-                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
+            # Even a bad custom_id is an OpenAI line: its error line keeps the batch output's shape (and
+            # names it as written, so --resume finds it).
             rec.openai = OpenAIRequest(custom_id=custom_id, url="")
             rec.out_id, rec.key = custom_id, record_key(custom_id, openai=True)
+            if not isinstance(custom_id, str) or not custom_id:
+                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
             _parse_openai(rec, obj)
         else:
             if "id" in obj:
