@@ -19,7 +19,7 @@ What it does, in order (every section is guarded: a failure prints a FAILED line
     python benchmarks/bench_vs_hf.py                          # the real benchmark (GPU): both models
     python benchmarks/bench_vs_hf.py --models configs/Qwen3-0.6B                # split in two: 0.6B + transformers
     python benchmarks/bench_vs_hf.py --models configs/Qwen3-8B --skip-hf        #   then 8B, llmcli only
-    python benchmarks/bench_vs_hf.py --device cpu --tiny      # seconds on a CPU: a tiny random Qwen3
+    python benchmarks/bench_vs_hf.py --smoke                  # seconds on a CPU: a tiny random Qwen3
 
 Exit status 0 when every section passed, 1 when any printed FAILED. See benchmarks/README.md.
 The parts live in benchmarks/harness/, one job a module; this file holds the options and the order of the
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="model dtype (default bfloat16; float32 with --tiny)")
+    g.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny")
     g.add_argument("--tiny", action="store_true",
                    help="a tiny random Qwen3 (temp dir), 8 requests of 8..32 tokens, small ceilings: a smoke test")
     g.add_argument("--cpu-threads", type=int, default=None,
@@ -117,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     h.add_argument("--hf-cb-kwargs", default="", help="JSON of ContinuousBatchingConfig fields")
     h.add_argument("--hf-warmup-requests", type=int, default=4)
     args = ap.parse_args(argv)
-
+    if args.smoke:
+        args.device, args.tiny = "cpu", True
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():

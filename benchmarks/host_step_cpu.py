@@ -111,11 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6, help="as the default bench workload (0: greedy)")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object too")
-    p.add_argument("--preset", type=int, default=0, help="a prefill-heavy-shaped job of this many prompts instead")
+    p.add_argument("--smoke", action="store_true", help="the CI smoke test: batch 16, 20 steps")
     p.add_argument("--paths", nargs="+", default=["eager", "graph", "graph+sample"],
                    help="decode paths: eager (no CUDA graphs: prepare_decode + forward), graph (the CUDA-graph "
                         "path's staging, replays stubbed), graph+sample (sample_in_graph)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch, args.steps, args.warmup_steps = 16, 20, 5
+    return args
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
@@ -156,51 +159,9 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     return row
 
 
-def measure_preset(args: argparse.Namespace) -> tuple[float, dict[str, dict[str, float]]]:
-    """(wall s, per step kind: median ms of each host phase, and the step count) of a preset-shaped job."""
-    config = Config(str(TINY), device="cpu", dtype="float32", max_num_seqs=1024, max_num_batched_tokens=16384,
-                    kvcache_block_size=args.block_size, num_kvcache_blocks=1100 * -(-(600 + 32) // args.block_size),
-                    max_model_len=2048)
-    StubEngine.graph_mode = "graph+sample"
-    engine = StubEngine(config)
-    timer = engine.step_timer = engine.model_runner.timer
-    rng = random.Random(0)
-    for _ in range(args.preset):
-        prompt = [rng.randrange(3, 600) for _ in range(rng.randint(540, 600))]
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    per_kind: dict[str, list[dict[str, float]]] = {}
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        before = dict(timer.seconds)
-        engine.step()
-        phases = {name: timer.seconds[(timer.kind, name)] - before.get((timer.kind, name), 0.0)
-                  for name in HOST_PHASES}
-        per_kind.setdefault(timer.kind, []).append(phases)
-    wall = time.perf_counter() - start
-    rows = {}
-    for kind, steps in per_kind.items():
-        row = {name: 1000 * statistics.median(s[name] for s in steps) for name in HOST_PHASES}
-        row["host"] = 1000 * statistics.median(sum(s.values()) for s in steps)
-        row["steps"] = len(steps)
-        rows[kind] = row
-    return wall, rows
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    if args.preset:
-        wall, rows = measure_preset(args)
-        print(f"host time per step, {args.preset} prompts of 540-600 tokens x 32 greedy tokens, mixed steps, "
-              f"1024 sequences (stub forward; ms per step, median step); job wall {wall:.2f} s")
-        names = list(HOST_PHASES) + ["host", "steps"]
-        print("| step | " + " | ".join(names) + " |")
-        print("|---|" + "---:|" * len(names))
-        for kind, row in rows.items():
-            print(f"| {kind} | " + " | ".join(f"{row[n]:.3f}" if n != "steps" else str(row[n]) for n in names) + " |")
-        if args.json:
-            print(json.dumps({"preset": args.preset, "wall_s": wall, **rows}))
-        return 0
     rows = []
     for path in args.paths:
         args.path = path

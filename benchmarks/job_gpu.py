@@ -34,6 +34,9 @@ import orjson
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+from benchmarks.harness.workload import write_requests_jsonl  # noqa: E402
+from llmcli.cli.bench import Workload, make_requests  # noqa: E402
 from synth_tokenizer import vocabulary, words, write_model_dir  # noqa: E402
 
 # Prompt words per record: the synthetic tokenizer spends ~3.3 tokens a word, so this range gives the issue's
@@ -78,12 +81,8 @@ def write_label_job(path: Path, n: int, seed: int = 0) -> None:
 
 
 def write_bench_job(path: Path, n: int, vocab_size: int, lo_hi: tuple[int, int], seed: int = 0) -> None:
-    from llmcli.cli.bench import Workload, make_requests
-
     w = Workload(num_prompts=n, input_len=lo_hi, output_len=lo_hi, prefix_len=0, temperature=0.6, seed=seed, warmup=0)
-    with open(path, "wb") as f:
-        for ids, n_out in make_requests(w, vocab_size, avoid=set()):
-            f.write(orjson.dumps({"prompt_token_ids": ids, "max_tokens": n_out}) + b"\n")
+    write_requests_jsonl(path, make_requests(w, vocab_size, avoid=set()))
 
 
 def engine_flags(engine: dict) -> list[str]:
@@ -126,17 +125,6 @@ def run_api(model: Path, inp: Path, engine: dict, sampling: dict) -> dict:
     return dict(result, wall_s=wall)
 
 
-def run_probe(model: Path, engine: dict, extra_env: dict[str, str]) -> dict:
-    """``probe-memory --json``: start-up alone, with its phases."""
-    cmd = [sys.executable, "-m", "llmcli", "probe-memory", "--model", str(model), "--json", *engine_flags(engine)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, timeout=600, env={**os.environ, **extra_env})
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"probe-memory failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
-    return dict(wall_s=wall, startup_s=orjson.loads(proc.stdout)["startup_s"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, small counts")
@@ -144,9 +132,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=20_000, help="records of the labelling job")
     ap.add_argument("--bench-records", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--jobs", default="label,bench",
-                    help="label, bench, and probe (start-up alone through probe-memory: the default graph sizes, "
-                         "then LLMCLI_GRAPH_SIZES=every16 and pow2)")
+    ap.add_argument("--jobs", default="label,bench", help="label, bench or both")
     ap.add_argument("--prepare-only", action="store_true", help="write the model folder and the inputs, then stop")
     ap.add_argument("--work", default=None, help="folder for the model copy and the inputs (default: a temp dir)")
     args = ap.parse_args()
@@ -154,7 +140,7 @@ def main() -> None:
     bench_len = (100, 1024)
     if args.smoke:
         args.config = str(REPO / "examples" / "tiny-qwen3")
-        args.records, args.bench_records, args.repeat = min(args.records, 200), min(args.bench_records, 8), 1
+        args.records, args.bench_records, args.repeat = min(args.records, 16), min(args.bench_records, 4), 1
         engine.update(device="cpu", max_model_len=2048)
         bench_len = (16, 64)
     work = Path(args.work or tempfile.mkdtemp(prefix="llmcli-job-"))
@@ -177,11 +163,6 @@ def main() -> None:
     if args.prepare_only:
         print(f"inputs in {work}: {', '.join(str(j[0]) for j in jobs.values())}; model folder {model}")
         return
-    if "probe" in args.jobs:
-        for label, extra in (("graphs: spaced (default)", {}), ("graphs: every16", {"LLMCLI_GRAPH_SIZES": "every16"}),
-                             ("graphs: pow2", {"LLMCLI_GRAPH_SIZES": "pow2"})):
-            probe = run_probe(model, engine, extra)
-            print(f"[probe, {label}] wall {probe['wall_s']:.1f} s, start-up phases {probe['startup_s']}", flush=True)
     env_note = os.environ.get("TOKENIZERS_PARALLELISM")
     print(f"TOKENIZERS_PARALLELISM={env_note}", flush=True)
     rows = []

@@ -62,14 +62,14 @@ def run_once(model: str, engine: dict, env: dict[str, str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, one run each")
-    ap.add_argument("--runs", default="0.6B:3,0.6B+cold:1,0.6B+cold+serial:1,0.6B@every16:1,0.6B@pow2:1,8B:2",
+    ap.add_argument("--runs", default="0.6B:3,0.6B+cold:1,0.6B+cold+serial:1,8B:2",
                     help="MODEL[@GRAPH_SIZES][+cold][+serial]:COUNT,... (MODEL: a folder under configs/ without "
                          "'Qwen3-', or a path)")
     args = ap.parse_args()
     engine: dict = {"load_format": "dummy"}
     if args.smoke:
         engine.update(device="cpu", num_kvcache_blocks=64)
-        args.runs = "tiny:1,tiny@pow2+cold+serial:1"
+        args.runs = "tiny:1,tiny+cold+serial:1"
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="llmcli-startup-"))
     for item in args.runs.split(","):

@@ -23,6 +23,27 @@ class ConfigError(ValueError):
     """An engine setting is invalid; the message names the field and what to do."""
 
 
+# ``attention_backend="auto"`` on CUDA: the backend measured fastest, by a rule keyed by (compute capability
+# major, head dim), each entry with the measurement behind it. A GPU generation or head size nobody measured
+# gets llmcli's own Triton kernels, the backend every GPU session tests; flash-attn is chosen only where it was
+# measured faster, is installed and suits the KV block size. It stays selectable by name wherever it runs.
+MEASURED_BACKENDS: dict[tuple[int, int], str] = {
+    # H200 (sm_90), Qwen3-0.6B and Qwen3-8B (head dim 128), the default bench (256 requests, in/out 100-1024,
+    # bf16), 2026-12-02, issue 28: flash-attn 22,881 vs triton 26,028 output tok/s on 0.6B (-12%), 8,876 vs
+    # 9,749 on 8B (-9%). benchmarks/real_path_gpu.py re-measures both with the flash-attn wheel installed.
+    (9, 128): "triton",
+}
+UNMEASURED_BACKEND = "triton"
+
+
+def fastest_backend(capability: tuple[int, int], head_dim: int, flash_available: bool, block_size: int) -> str:
+    """'triton' or 'flash-attn' for a GPU of ``capability`` and a model of ``head_dim``."""
+    choice = MEASURED_BACKENDS.get((capability[0], head_dim), UNMEASURED_BACKEND)
+    if choice == "flash-attn" and (not flash_available or block_size % 256):
+        return "triton"
+    return choice
+
+
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -68,10 +89,14 @@ class Config:
             self.generation_config = "ignore"
         self.device = self._resolve_device()
         self.attention_backend = self._resolve_backend()
-        self._check_block_size()
+        if self.attention_backend != "auto":
+            self._check_block_size()
         self._check_tensor_parallel()
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = load_hf_config(self.model_path)
+        if self.attention_backend == "auto":  # the rule needs the model's head size
+            self.attention_backend = self._fastest_backend()
+            self._check_block_size()
         self.eos_token_ids = load_generation_eos(self.model_path, self.hf_config)
         if self.generation_config == "auto":
             self.sampling_defaults = load_generation_defaults(self.model_path)
@@ -125,9 +150,7 @@ class Config:
     def _resolve_backend(self) -> str:
         backend = self.attention_backend
         if backend == "auto":
-            if self.device == "cpu":
-                return "torch"
-            return "flash-attn" if flash_attn_available() else "triton"
+            return "torch" if self.device == "cpu" else "auto"
         if backend == "flash-attn":
             if self.device != "cuda":
                 raise self._fail("attention_backend", "flash-attn runs on CUDA only; use 'torch' on CPU")
@@ -136,6 +159,12 @@ class Config:
         if backend == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise self._fail("attention_backend", "triton kernels need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         return backend
+
+    def _fastest_backend(self) -> str:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash_attn_available(),
+                               self.kvcache_block_size)
 
     def _check_block_size(self) -> None:
         bs = self.kvcache_block_size
@@ -165,11 +194,22 @@ class Config:
         return native if native in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def _check_model_len(self) -> None:
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        from llmcli.models.hub import supported_positions
+
+        try:  # architecture and rotary: refused here, before any worker starts or weight loads
+            limit = supported_positions(self.hf_config, None)
+        except ValueError as exc:
+            raise self._fail("model", str(exc)) from None
         if self.max_model_len is None:
             self.max_model_len = min(limit or 4096, 40960)
         elif limit is not None and self.max_model_len > limit:
-            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_embeddings)")
+            stretched = limit != getattr(self.hf_config, "max_position_embeddings", limit)
+            raise self._fail("max_model_len", f"the model allows at most {limit} positions (max_position_"
+                                              f"embeddings{' times its rope scaling factor' if stretched else ''})")
+        try:  # what depends on the length too (a sliding window)
+            supported_positions(self.hf_config, self.max_model_len)
+        except ValueError as exc:
+            raise self._fail("model", str(exc)) from None
 
     @classmethod
     def knob_names(cls) -> list[str]:

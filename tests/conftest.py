@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints and the HuggingFace oracle.
+"""Shared fixtures: tiny random checkpoints (Qwen3, and one of every other family) and the HuggingFace oracle.
 
 HF oracle convention (``hf_greedy``): greedy decoding with ``do_sample=False``,
 one prompt at a time (batch of one, so no padding), and EOS *disabled*
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_qwen3 import write_tiny_qwen3  # noqa: E402
+from tiny_qwen3 import write_tiny_model, write_tiny_qwen3  # noqa: E402
 
 # Tiny models: one thread avoids OpenMP hand-off stalls that dominate on a busy 2-core machine.
 torch.set_num_threads(1)
@@ -80,6 +80,33 @@ def tiny_model_tied(tmp_path_factory) -> Path:
 def tiny_model_sharded(tmp_path_factory) -> Path:
     """Untied tiny Qwen3 split over several shards plus model.safetensors.index.json."""
     return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_sharded"), sharded=True, seed=2)
+
+
+# Every family but plain Qwen3 (the fixtures above), each with what sets it apart (tests/tiny_qwen3.py FAMILIES):
+# Qwen3 + YaRN run past max_position_embeddings, Llama with llama3 rope scaling, biases and derived head_dim,
+# Qwen2 with q/k/v bias and tied embeddings, Mistral v0.3-style, Qwen3-MoE (top-2 of 8 unnormalised, top-8 of 16
+# normalised, each with dense layers mixed in).
+OTHER_FAMILIES = ("qwen3-yarn", "llama", "qwen2", "mistral", "qwen3-moe-top2", "qwen3-moe-top8")
+FAMILIES = ("qwen3", *OTHER_FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tiny_model):
+    """``tiny_checkpoint(family) -> Path``: one tiny checkpoint per family, written once per session."""
+    made = {"qwen3": tiny_model}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = write_tiny_model(tmp_path_factory.mktemp(f"tiny_{family}"), family, seed=3)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(params=FAMILIES)
+def family_model(request, tiny_checkpoint) -> Path:
+    """The tiny checkpoint of each family in turn (tests that take it run once per family)."""
+    return tiny_checkpoint(request.param)
 
 
 # --------------------------------------------------------------------------

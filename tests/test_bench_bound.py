@@ -55,3 +55,46 @@ def test_decode_steps_with_fewer_slots_than_requests() -> None:
     assert b["weights_read_bytes"] == 15 * 1000 * 2
     assert physical_bound(FACTS, prompts, outs, CEILINGS, elem_bytes=2)["decode_steps"] == 3  # all at once
     assert physical_bound(FACTS, [[7], [7]], [40, 1], CEILINGS, elem_bytes=2, max_concurrent=4)["decode_steps"] == 40
+
+
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3-0.6B", "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-7B",
+                                  "Qwen2.5-0.5B", "Mistral-7B-v0.3", "Qwen3-30B-A3B", "Qwen3-235B-A22B"])
+def test_model_facts_count_what_transformers_builds(name) -> None:
+    """The bound's parameter count and shapes for every family's published config (head_dim derived or given,
+    biases, tied embeddings) against the transformers model built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.harness.workload import REPO, model_facts
+
+    folder = REPO / "configs" / name
+    facts = model_facts(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+    assert facts["params"] == sum(p.numel() for p in model.parameters())  # tied weights counted once
+    attn = model.model.layers[0].self_attn
+    assert facts["head_dim"] == attn.head_dim and facts["kv_heads"] * facts["head_dim"] == attn.k_proj.out_features
+    if facts.get("experts"):  # a token multiplies by k of the E experts' weights, and by everything else
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+        outside = facts["params"] - facts["params_non_embedding"]
+        k, e = facts["experts_per_tok"], facts["experts"]
+        assert facts["params_active_non_embedding"] == facts["params"] - outside - experts + experts * k // e
+
+
+# the same model with 4 experts of 10 parameters in each of its 2 layers, 2 per token: 80 of its 1,000 parameters
+MOE_FACTS = {**FACTS, "experts": 4, "experts_per_tok": 2, "sparse_layers": 2, "expert_params": 10,
+             "params_active_non_embedding": 560}
+
+
+def test_moe_reads_the_dense_weights_and_the_experts_a_batch_touches() -> None:
+    """Batches of 2, 1, 1, 1 requests over the 4 decode steps; a token picks 2 of 4 experts, so a batch of B
+    touches 4 (1 - 0.5^B) of them per layer: 3, 2, 2, 2."""
+    b = physical_bound(MOE_FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    assert b["dense_weight_bytes"] == (1000 - 80) * 2 and b["expert_bytes"] == 20
+    assert b["experts_touched"] == pytest.approx(2 * (3 + 2 + 2 + 2))
+    assert b["weights_read_bytes"] == pytest.approx(4 * 1840 + 18 * 20)
+    assert b["prefill_linear_flops"] == 2 * 560 * 5  # the active parameters only
+    assert b["decode_flops_info"] == pytest.approx(2 * 560 * 5 + 4 * 2 * 4 * 16 * 17)
+    # one request at a time: 4 steps of the first, then 1 of the second, each a batch of 1
+    one = physical_bound(MOE_FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, max_concurrent=1)
+    assert one["weights_read_bytes"] == pytest.approx(5 * 1840 + 2 * 5 * 2 * 20)

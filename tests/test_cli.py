@@ -282,9 +282,12 @@ def test_bench_json(tiny_model, tmp_path):
     result = runner.invoke(app, ["bench", *engine_args(tiny_model), "--load-format", "dummy", "--num-prompts", "6",
                                  "--input-len", "8:24", "--output-len", "4", "--prefix-len", "16", "--warmup", "1",
                                  # prefill first, so that every token after a request's first is a decode step's
-                                 "--no-mixed-steps", "--json", "--output", str(saved)])
+                                 "--no-mixed-steps", "--sampling", "mixed", "--json", "--output", str(saved)])
     assert result.exit_code == 0, result.output
     data = orjson.loads(result.stdout)
+    assert data["workload"]["sampling"] == "mixed"
+    # every prompt is run through the model but for its cached blocks; a perfect cache runs the unique tokens
+    assert data["unique_prompt_tokens"] <= data["prompt_tokens_computed"] < data["input_tokens"]
     assert set(data) >= BENCH_KEYS and orjson.loads(saved.read_bytes()) == data
     assert data["num_requests"] == 6 and data["output_tokens"] == 24
     assert set(data["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and data["tpot_ms"]["p50"] > 0

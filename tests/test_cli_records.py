@@ -226,7 +226,7 @@ def test_probe_hint_says_which_knob_and_how_much():
 
 
 def test_bench_workload_helpers():
-    from llmcli.cli.bench import Workload, make_requests, parse_length, percentiles
+    from llmcli.cli.bench import Workload, make_requests, parse_length, percentiles, request_params, unique_prompt_tokens
     from llmcli.cli.generate import UsageError
 
     assert parse_length("100:1024", "--input-len") == (100, 1024) and parse_length("7", "x") == (7, 7)
@@ -240,6 +240,14 @@ def test_bench_workload_helpers():
     assert len({tuple(ids[:2]) for ids, _ in reqs}) == 1  # the shared prefix
     p = percentiles([1.0, 2.0, 3.0, 4.0])
     assert p["mean"] == 2.5 and p["p50"] == 2.5 and 3.9 < p["p99"] <= 4.0
+    # a perfect prefix cache's work: every distinct prefix of every prompt once
+    prefixes = {tuple(ids[:j]) for ids, _ in reqs + reqs[:3] for j in range(1, len(ids) + 1)}
+    assert unique_prompt_tokens(reqs + reqs[:3]) == len(prefixes)
+    # --sampling: Qwen3's filters on every request, on every other one, or on none
+    for mode, filtered in (("plain", []), ("qwen3-defaults", [0, 1, 2, 3]), ("mixed", [0, 2])):
+        params = [request_params(Workload(sampling=mode), i, 5) for i in range(4)]
+        assert [i for i, sp in enumerate(params) if (sp.top_k, sp.top_p) == (20, 0.95)] == filtered
+        assert all((sp.top_k, sp.top_p) == (-1, 1.0) for i, sp in enumerate(params) if i not in filtered)
 
 
 def test_every_engine_knob_is_a_flag():

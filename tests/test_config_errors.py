@@ -176,3 +176,31 @@ def test_flash_backend_without_the_package_says_how_to_install():
 
     with pytest.raises(ImportError, match=r"llmcli\[flash\]"):
         make_backend("flash-attn", 8, 2, 64, 0.125, 256)
+
+
+@pytest.mark.parametrize("capability, flash, want", [
+    ((9, 0), True, "triton"),  # flash-attn installed: the old rule took it
+    ((9, 0), False, "triton"),
+    ((8, 0), True, "triton"),  # (the tiny model's head size is unmeasured anywhere: llmcli's own kernels)
+])
+def test_auto_attention_backend_follows_the_measured_rule(tiny_model, monkeypatch, capability, flash, want):
+    """``auto`` on CUDA is the rule's pick for the GPU and head size, not whatever is installed (Config resolves
+    it; the CUDA queries are stood in for on this CPU machine)."""
+    import llmcli.config as config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(config, "flash_attn_available", lambda: flash)
+    cfg = config.Config(model=str(tiny_model), device="cuda", load_format="dummy")
+    assert cfg.attention_backend == want
+
+
+def test_auto_picks_flash_attn_only_where_measured_faster_and_usable(monkeypatch):
+    from llmcli import config
+
+    monkeypatch.setitem(config.MEASURED_BACKENDS, (10, 64), "flash-attn")  # a hypothetical measurement
+    assert config.fastest_backend((10, 0), 64, True, 256) == "flash-attn"
+    assert config.fastest_backend((10, 0), 64, False, 256) == "triton"  # not installed
+    assert config.fastest_backend((10, 0), 64, True, 64) == "triton"  # flash-attn needs 256-token blocks
+    assert config.fastest_backend((9, 0), 128, True, 256) == "triton"  # the H200 measurement

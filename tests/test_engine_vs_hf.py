@@ -1,7 +1,7 @@
 """llmcli against HuggingFace transformers (the oracle), greedy, float32, CPU.
 
 Every test runs llmcli and ``transformers`` on the same tiny random Qwen3
-checkpoint and compares the generated token ids, token for token, for every
+checkpoint (the matrix's core, ``family_model``: one of every family, conftest.FAMILIES) and compares the generated token ids, token for token, for every
 prompt. The HF side is ``conftest.HFOracle``: one prompt at a time, no
 padding, EOS disabled, so exactly ``max_new_tokens`` come out; llmcli runs with
 ``ignore_eos=True`` for the same reason (except in the EOS tests).
@@ -142,19 +142,19 @@ def check_against_hf(run: Run, hf_oracle, prompts, max_new: int = MAX_NEW, **sp)
 # tests
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_mixed_lengths_batch(tiny_model, hf_oracle, run_factory, block_size):
+def test_mixed_lengths_batch(family_model, hf_oracle, run_factory, block_size):
     """(d) a batch of very different lengths at two block sizes, everything in one prefill step."""
     prompts = random_prompts(MIXED_LENGTHS, seed=100)
     num_blocks = 1024 if block_size == 16 else 64
-    run = run_factory(tiny_model, kvcache_block_size=block_size, num_kvcache_blocks=num_blocks)
+    run = run_factory(family_model, kvcache_block_size=block_size, num_kvcache_blocks=num_blocks)
     check_against_hf(run, hf_oracle, prompts)
 
 
-def test_chunked_prefill(tiny_model, hf_oracle, run_factory):
+def test_chunked_prefill(family_model, hf_oracle, run_factory):
     """(a) max_num_batched_tokens=64 is far below the longest prompts: prefill goes in chunks."""
     prompts = random_prompts(MIXED_LENGTHS, seed=100)
     assert max(map(len, prompts)) > 64
-    run = run_factory(tiny_model, max_num_batched_tokens=64)
+    run = run_factory(family_model, max_num_batched_tokens=64)
     check_against_hf(run, hf_oracle, prompts)
 
 
@@ -220,14 +220,14 @@ def test_prefix_cache_within_one_call(tiny_model, hf_oracle, run_factory):
     assert grown >= need, f"prefix_cache_hit_tokens grew by {grown}; expected >= {need}"
 
 
-def test_prefix_cache_concurrent_batch_with_chunking(tiny_model, hf_oracle, run_factory):
+def test_prefix_cache_concurrent_batch_with_chunking(family_model, hf_oracle, run_factory):
     """(b) one batch sharing a prefix, run concurrently with a small token budget (some requests
     are admitted while others are still prefilling); whatever is shared must give HF's tokens."""
     bs = 16
     prefix = random_prompts([7 * bs + 3], seed=220)[0]
     prompts = [prefix + t for t in random_prompts([1, 12, 29, 64, 100, 5], seed=221)]
     prompts.append(list(prompts[2]))  # a duplicate request in the same batch
-    run = run_factory(tiny_model, kvcache_block_size=bs, max_num_batched_tokens=48)
+    run = run_factory(family_model, kvcache_block_size=bs, max_num_batched_tokens=48)
     check_against_hf(run, hf_oracle, prompts)
     # Run the same batch again: now everything shared is in the cache.
     before = run.llm.engine.stats.prefix_cache_hit_tokens
@@ -246,10 +246,10 @@ def test_preemption(tiny_model, hf_oracle, run_factory, prefix_caching):
     assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
 
 
-def test_preemption_with_chunked_prefill(tiny_model, hf_oracle, run_factory):
+def test_preemption_with_chunked_prefill(family_model, hf_oracle, run_factory):
     """(a)+(c) preemption while prompts are prefilled in chunks of 24 tokens."""
     prompts = random_prompts([50, 75, 99, 120, 8, 64], seed=310)
-    run = run_factory(tiny_model, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
+    run = run_factory(family_model, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
                       max_num_batched_tokens=24)
     check_against_hf(run, hf_oracle, prompts, max_new=40)
     assert run.llm.engine.stats.num_preemptions > 0

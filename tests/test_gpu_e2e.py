@@ -1,7 +1,9 @@
-"""End to end on a GPU in bfloat16: llmcli (triton and torch backends) against transformers.
+"""End to end on a GPU in bfloat16: llmcli (triton, torch and, when installed, flash-attn backends) against transformers.
 
 A random-weight Qwen3-0.6B checkpoint (the published config, weights drawn
-here) is written as safetensors; 16 prompts x 64 greedy tokens are compared.
+here) is written as safetensors; 16 prompts x 64 greedy tokens are compared. The same
+for Llama-3.2-1B (llama3 rope scaling, no q/k norm: the fused kernel's rotary-only
+form, tied embeddings): ``-k Llama`` runs that one alone.
 
 Random weights make bf16 near-ties common (about a fifth of transformers' own
 greedy steps have two logits within 2% of the largest), and free-running
@@ -19,6 +21,7 @@ Skipped without CUDA.
 """
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 
@@ -30,15 +33,19 @@ from tiny_qwen3 import write_random_published
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "Qwen3-0.6B" / "config.json"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NUM_PROMPTS, NEW_TOKENS = 16, 64
 
 
-@pytest.fixture(scope="module")
-def random_qwen3_06b(tmp_path_factory) -> Path:
-    out = write_random_published(CONFIG, tmp_path_factory.mktemp("qwen3_06b_random"))
+@pytest.fixture(scope="module", params=["Qwen3-0.6B", "Llama-3.2-1B"])
+def random_published(request, tmp_path_factory) -> tuple[Path, int]:
+    """(checkpoint, vocab size) of a random-weight published config."""
+    config = CONFIGS / request.param / "config.json"
+    out = write_random_published(config, tmp_path_factory.mktemp(f"{request.param}_random"))
     torch.cuda.empty_cache()
-    return out
+    import json
+
+    return out, json.loads(config.read_text())["vocab_size"]
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -107,9 +114,9 @@ class Llmcli:
         torch.cuda.empty_cache()
 
 
-def test_bf16_greedy_matches_transformers(random_qwen3_06b):
-    path = random_qwen3_06b
-    prompts = _prompts(151936)
+def test_bf16_greedy_matches_transformers(random_published):
+    path, vocab = random_published
+    prompts = _prompts(vocab)
     hf = _hf_greedy(path, prompts)
     hf_eager = _hf_greedy(path, prompts, attn="eager")
     step_logits = _hf_step_logits(path, prompts, hf)
@@ -132,12 +139,25 @@ def test_bf16_greedy_matches_transformers(random_qwen3_06b):
     finally:
         engine.close()
 
+    flash = flash_tf = None
+    if importlib.util.find_spec("flash_attn") is not None:  # the wheel in .whl/, when the session installed it
+        engine = Llmcli(path, "flash-attn")
+        try:
+            flash, flash_tf = engine.greedy(prompts), engine.teacher_forced(prompts, hf)
+        finally:
+            engine.close()
+
     teacher = {"triton vs transformers": agreement(triton_tf, hf), "torch vs transformers": agreement(torch_tf, hf),
                "triton (chunked, 16-token blocks) vs transformers": agreement(chunked_tf, hf),
                "triton vs torch": agreement(triton_tf, torch_tf)}
     free = {"triton vs transformers": agreement(triton, hf), "torch vs transformers": agreement(torch_ref, hf),
             "triton vs torch": agreement(triton, torch_ref),
             "control: transformers eager vs sdpa": agreement(hf_eager, hf)}
+    if flash is not None:
+        teacher["flash-attn vs transformers"] = agreement(flash_tf, hf)
+        free["flash-attn vs transformers"] = agreement(flash, hf)
+    else:
+        print("\nflash_attn is not installed: the flash-attn backend was not compared")
     total = NUM_PROMPTS * NEW_TOKENS
     print(f"\ntransformers' greedy steps with a top-2 near-tie (within {TIE_TOL:.0%}): {near_ties}/{total} "
           f"({near_ties / total:.1%})")
@@ -149,9 +169,14 @@ def test_bf16_greedy_matches_transformers(random_qwen3_06b):
         print(f"  {name:52s} {rate:.2%}")
 
     bad = []
-    for name, ours in (("triton", triton_tf), ("torch", torch_tf), ("triton chunked", chunked_tf)):
+    forced = [("triton", triton_tf), ("torch", torch_tf), ("triton chunked", chunked_tf)]
+    running = [("triton", triton), ("torch", torch_ref)]
+    if flash is not None:
+        forced.append(("flash-attn", flash_tf))
+        running.append(("flash-attn", flash))
+    for name, ours in forced:
         bad += [f"{name} teacher-forced: {m}" for m in non_tie_mismatches(step_logits, ours, hf, first_only=False)]
-    for name, ours in (("triton", triton), ("torch", torch_ref)):
+    for name, ours in running:
         bad += [f"{name} free-running: {m}" for m in non_tie_mismatches(step_logits, ours, hf, first_only=True)]
     print("mismatches that are not near-ties:", bad or "none")
     assert not bad

@@ -38,8 +38,7 @@ from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLa
 from llmcli.parallel.tp_group import Group
 from llmcli.parallel.tp_runner import TensorParallelError
 from llmcli.engine.sequence import Sequence
-from llmcli.engine.step_inputs import prepare_decode, prepare_prefill
-from llmcli.engine.uploader import Uploader
+from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
 
 from processes import child_processes, wait_gone
 from tiny_qwen3 import write_tiny_qwen3
@@ -282,19 +281,33 @@ def test_head_counts_not_divisible_fail_at_start_up(tmp_path, tp_model):
         make_llm(model, 2, load_format="dummy")
 
 
+def test_expert_size_not_divisible_fails_at_start_up(tmp_path, tiny_checkpoint):
+    """Every expert's intermediate dimension is split like the dense MLP's: an odd one is refused by name."""
+    model = tmp_path / "moe_odd"
+    shutil.copytree(tiny_checkpoint("qwen3-moe-top2"), model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 33
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size=33 is not divisible by 2.*may be one of 1$"):
+        make_llm(model, 2, load_format="dummy")
+
+
 # --------------------------------------------------------------------------
 # TP=2 == TP=1 == transformers
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("which", ["untied_odd_vocab", "tied"])
-def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, hf_oracle):
-    model = tp_model if which == "untied_odd_vocab" else tp_model_tied
+@pytest.mark.parametrize("which", ["untied_odd_vocab", "tied", "llama", "qwen2", "qwen3-moe-top2"])
+def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, tiny_checkpoint, hf_oracle):
+    """llama: q/k/v, o_proj and MLP biases (q/k/v and gate/up split like their weight rows, o_proj and down_proj
+    added once, on rank 0); qwen2: q/k/v bias and tied embeddings; qwen3-moe-top2: each rank holds half of every
+    expert's intermediate dimension (and of the dense layer's MLP), the router on both."""
+    model = {"untied_odd_vocab": tp_model, "tied": tp_model_tied}.get(which) or tiny_checkpoint(which)
     prefix = random_prompts([5 * BLOCK], seed=20)[0]
     first = random_prompts([1, 9, 17, 70, 130], seed=21) + [prefix + t for t in random_prompts([3, 30], seed=22)]
     second = [prefix + t for t in random_prompts([1, 16, 45], seed=23)] + [list(first[-1])]
     assert max(map(len, first)) > 48  # chunked prefill: the budget is 48 tokens
 
     results = {}
-    for tp in (1, 2) if which == "untied_odd_vocab" else (2,):  # tied: TP=1 vs HF is test_engine_vs_hf's job
+    for tp in (1, 2) if which == "untied_odd_vocab" else (2,):  # others: TP=1 vs HF is test_engine_vs_hf's job
         llm = make_llm(model, tp)
         try:
             if tp == 2:

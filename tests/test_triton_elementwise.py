@@ -89,8 +89,10 @@ def test_silu_and_mul_matches_eager(dtype, m, inter):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 9])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (6, 2, 64), (5, 3, 128), (4, 1, 64)])
-def test_qk_norm_rotary_matches_eager(dtype, m, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,norm", [
+    (16, 8, 128, True), (6, 2, 64, True), (5, 3, 128, True), (4, 1, 64, True), (16, 8, 128, False), (4, 1, 64, False)])
+def test_qk_norm_rotary_matches_eager(dtype, m, heads, kv_heads, head_dim, norm):
+    """``norm=False``: the rotary-only form Llama, Qwen2 and Mistral run (no q/k weights)."""
     rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
     # q and k as strided views of a fused qkv projection, as the model passes them
     qkv = randn(m, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
@@ -98,7 +100,7 @@ def test_qk_norm_rotary_matches_eager(dtype, m, heads, kv_heads, head_dim):
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(m, kv_heads, head_dim)
     positions = torch.randint(0, 4096, (m,), device=DEVICE)
     positions[0] = 4095  # the table's last row
-    qw, kw = 1 + 0.1 * randn(head_dim, dtype=dtype), 1 + 0.1 * randn(head_dim, dtype=dtype)
+    qw, kw = (1 + 0.1 * randn(head_dim, dtype=dtype), 1 + 0.1 * randn(head_dim, dtype=dtype)) if norm else (None, None)
     before = qkv.clone()
     q_out, k_out = te.qk_norm_rotary(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
     q_ref, k_ref = qk_norm_rotary.__wrapped__(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
@@ -125,13 +127,17 @@ def qk_store_case(m, heads, kv_heads, head_dim, block_size, dtype, num_blocks=No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,heads,kv_heads,head_dim,block_size", [
-    (13, 16, 8, 128, 16), (9, 6, 2, 64, 256), (7, 5, 3, 128, 64), (20, 4, 1, 64, 16), (5, 4, 2, 16, 16)])
-def test_qk_norm_rotary_store_is_the_kernel_then_store_kv(dtype, m, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("m,heads,kv_heads,head_dim,block_size,norm", [
+    (13, 16, 8, 128, 16, True), (9, 6, 2, 64, 256, True), (7, 5, 3, 128, 64, True), (20, 4, 1, 64, 16, True),
+    (5, 4, 2, 16, 16, True), (13, 16, 8, 128, 16, False), (9, 6, 2, 64, 256, False)])
+def test_qk_norm_rotary_store_is_the_kernel_then_store_kv(dtype, m, heads, kv_heads, head_dim, block_size, norm):
     """The fused kernel gives the q/k of ``qk_norm_rotary``'s kernel and leaves the KV pool as ``store_kv`` of
-    its k (and the untouched v) does: bit for bit, GQA ratios 1-5, head_dim 16-128, blocks of 16-256."""
+    its k (and the untouched v) does: bit for bit, GQA ratios 1-5, head_dim 16-128, blocks of 16-256; with the
+    q/k norm and in the rotary-only form (``norm=False``)."""
     rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
     qkv, (q, k, v), pool, slots, positions, (qw, kw) = qk_store_case(m, heads, kv_heads, head_dim, block_size, dtype)
+    if not norm:
+        qw = kw = None
     before, ref_pool = qkv.clone(), pool.clone()
     q_ref, k_ref = te.qk_norm_rotary(q, k, positions, qw, kw, EPS, rotary.cos, rotary.sin)
     store_kv(k_ref, v, ref_pool[0, 1], ref_pool[1, 1], slots)

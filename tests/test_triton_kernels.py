@@ -629,9 +629,11 @@ def test_carried_decode_arrays_are_the_ones_built_from_the_sequences(tiny_model,
     assert len(carried) >= 20 and len(set(carried)) > 1, carried  # carried at several batch sizes
 
 
-def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_model, hf_oracle, run_factory,
-                                                                        monkeypatch):
-    """The triton backend's one kernel for q/k norm + rotary + KV store against the q/k kernel and then store_kv,
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_checkpoint, hf_oracle, run_factory,
+                                                                        monkeypatch, family):
+    """The triton backend's one kernel for q/k norm + rotary + KV store (llama: its rotary-only form, after the
+    q/k/v bias, with llama3 rope scaling) against the q/k kernel and then store_kv,
     on the tiny model through chunked prefill, mixed steps, prefix-cache hits and decode (through the graph
     buffers, padding rows included): the same logits at every step, bit for bit. CPU: the interpreter in float32
     with the fusion forced on (the layers run eager on CPU otherwise) and HF's greedy tokens; GPU: bfloat16 with
@@ -657,8 +659,8 @@ def test_fused_qk_transform_and_store_give_the_separate_kernels_logits(tiny_mode
     logits, tokens = {}, {}
     for fused in (False, True):
         monkeypatch.setattr("llmcli.layers.attention.triton_kernels_on", lambda t, on=fused: on)
-        run = run_factory(tiny_model, attention_backend="triton", max_num_batched_tokens=24, max_num_seqs=3,
-                          max_model_len=64, mixed_steps=True, sample_in_graph=False, device=DEVICE.type,
+        run = run_factory(tiny_checkpoint(family), attention_backend="triton", max_num_batched_tokens=24,
+                          max_num_seqs=3, max_model_len=64, mixed_steps=True, sample_in_graph=False, device=DEVICE.type,
                           dtype="bfloat16" if ON_GPU else "float32")
         runner = run.llm.engine.model_runner
         if not ON_GPU:
@@ -735,7 +737,8 @@ def test_kernel_variant_warmup_stores_nothing(tiny_model, run_factory):
 # --------------------------------------------------------------------------
 # the one-pass sampler (no top-k/top-p) against the torch sampler
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("rows,vocab", [(1, 1000), (5, 3 * CHUNK + 17), (64, 151936 if ON_GPU else 2 * CHUNK)])
+@pytest.mark.parametrize("rows,vocab", [(1, 1000), (5, 3 * CHUNK + 17), (64, 151936 if ON_GPU else 2 * CHUNK),
+                                       (2, 151936)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
 def test_one_pass_sampler_matches_torch_sampler(rows, vocab, dtype, monkeypatch):
     g = torch.Generator().manual_seed(rows * vocab)
@@ -750,13 +753,11 @@ def test_one_pass_sampler_matches_torch_sampler(rows, vocab, dtype, monkeypatch)
     monkeypatch.setenv("LLMCLI_EAGER", "1")  # the reference: the torch sampler as plain eager code
     ref = sample(logits, temps, None, None, min_ps, seeds, steps, False)
     monkeypatch.delenv("LLMCLI_EAGER")
-    # float32 logs of the two implementations may differ in the last bit: allow a flip only at a near-tie
+    # every float operation is the same on both paths (products by 1/T, libdevice's log, nothing fused into an
+    # FMA): the same token in every row, near-ties included (the GPU run of 2026-12-02 had row 26 of 64 at
+    # vocab 151,936 differ: 19443 vs 94020)
+    assert torch.equal(ours, ref), torch.nonzero(ours != ref).flatten().tolist()
     scaled = logits.float() / torch.where(temps > 0, temps, 1.0)[:, None]
-    for r in torch.nonzero(ours != ref).flatten().tolist():
-        assert temps[r] > 0, f"greedy row {r}: {ours[r]} != argmax {ref[r]}"
-        gap = (scaled[r, ours[r]] - scaled[r, ref[r]]).abs().item()
-        assert gap < 1e-3 * scaled[r].abs().max().item() + 1.0, f"row {r}: {ours[r]} vs {ref[r]}"
-    assert (ours != ref).float().mean().item() <= 0.02
     # greedy rows take the first maximum, as torch.argmax does
     greedy = temps == 0
     assert torch.equal(ours[greedy], logits[greedy].float().argmax(-1))
@@ -882,7 +883,7 @@ def test_start_up_check_keeps_a_correct_one_pass_sampler_and_drops_a_wrong_one(m
 
 
 @triton.jit
-def _gumbel_log_near_one(bits):
+def _gumbel_log_near_one(bits, ACCURATE: tl.constexpr = False):
     """The old noise: u near 1 rounds to 1.0 and gets +inf, like the GPU's fast log one step earlier."""
     return -tl.log(-tl.log((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)))
 

@@ -1,14 +1,17 @@
-"""Build tiny random Qwen3 checkpoints for tests (and the bundled example model).
+"""Build tiny random checkpoints of every supported family for tests (and the bundled example model).
 
-``write_tiny_qwen3(path)`` writes a complete HuggingFace-style model folder:
+``write_tiny_model(path, family)`` writes a complete HuggingFace-style model folder (``write_tiny_qwen3(path)``
+is the Qwen3 one):
 
-* ``config.json``            a real ``Qwen3Config`` (``Qwen3ForCausalLM``)
-* ``model.safetensors``      seeded random weights (or several shards plus
+* ``config.json``            a real transformers config of the family (``FAMILIES``: Qwen3, Qwen3 with YaRN,
+                             Llama 3.1-style with llama3 rope scaling, biases and head_dim derived, Qwen2 with
+                             q/k/v bias and tied embeddings, Mistral v0.3-style, Qwen3-MoE top-2 and top-8)
+* ``model.safetensors``      seeded random weights, biases included (or several shards plus
                              ``model.safetensors.index.json`` with ``sharded=True``)
-* ``generation_config.json`` whose ``eos_token_id`` is a list of two ids
-* tokenizer files            a byte-level BPE trained here with ``tokenizers`` on
-                             a small built-in English corpus, wrapped in
-                             ``PreTrainedTokenizerFast`` with a ChatML template
+* ``generation_config.json`` whose ``eos_token_id`` lists the family's EOS ids (Llama 3: three)
+* tokenizer files            a byte-level BPE trained here with ``tokenizers`` on a small built-in English
+                             corpus with the family's special tokens, wrapped in ``PreTrainedTokenizerFast`` with
+                             a chat template in the family's format (written for these tests)
 
 The weights are initialised with a large ``initializer_range`` so that the
 logits are well spread: greedy decoding then varies across prompts and
@@ -16,12 +19,13 @@ positions instead of collapsing into one repeated token, and near-ties between
 the two best logits (which would make a float32 comparison with another
 implementation flaky) are rare.
 
-Command line: ``python tests/tiny_qwen3.py OUTDIR [--tied] [--sharded] [--seed N]``.
+Command line: ``python tests/tiny_qwen3.py OUTDIR [--family F] [--tied] [--sharded] [--seed N]``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,8 +85,32 @@ def training_corpus() -> list[str]:
     return list(_CORPUS_PARAGRAPHS)
 
 
-def build_tokenizer(vocab_size: int = 600):
-    """A byte-level BPE tokenizer wrapped in ``PreTrainedTokenizerFast``."""
+# Llama 3's chat format (header tokens, <|eot_id|> closing each turn), written for these tests.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+LLAMA3_SPECIAL_TOKENS = ["<|end_of_text|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                         "<|eot_id|>", "<|eom_id|>"]
+
+# Mistral's instruction format ([INST] ... [/INST], answers closed by </s>), written for these tests.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ '<s>' }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + message['content'] + '</s>' }}{% endif %}"
+    "{% endfor %}"
+)
+MISTRAL_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+
+
+def build_tokenizer(vocab_size: int = 600, special_tokens: list[str] | None = None, eos: str = "<|im_end|>",
+                    pad: str = "<|endoftext|>", chat_template: str = CHAT_TEMPLATE):
+    """A byte-level BPE tokenizer wrapped in ``PreTrainedTokenizerFast`` (ChatML and its tokens by default)."""
+    special_tokens = special_tokens or SPECIAL_TOKENS
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -92,7 +120,7 @@ def build_tokenizer(vocab_size: int = 600):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -101,30 +129,92 @@ def build_tokenizer(vocab_size: int = 600):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=eos,
+        pad_token=pad,
         unk_token=None,
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=[t for t in special_tokens if t not in (eos, pad)],
         model_max_length=1 << 20,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to write a tiny checkpoint of one family: its transformers classes, config values, tokens."""
+
+    config_class: str
+    model_class: str
+    config: dict = field(default_factory=dict)  # family-specific config values (over the shared tiny sizes)
+    special_tokens: tuple[str, ...] = tuple(SPECIAL_TOKENS)
+    eos: str = "<|im_end|>"
+    pad: str = "<|endoftext|>"
+    generation_eos: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")  # generation_config.json's eos_token_id
+    chat_template: str = CHAT_TEMPLATE
+    # config.json entries removed after writing, as published checkpoints leave them out (head_dim: derived)
+    unwritten: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM",
+                    {"head_dim": 16, "attention_bias": False, "use_sliding_window": False}),
+    # max_position_embeddings 128 stretched 4x: the tests run past position 128, where YaRN is what makes it work
+    "qwen3-yarn": Family("Qwen3Config", "Qwen3ForCausalLM",
+                         {"head_dim": 16, "attention_bias": False, "use_sliding_window": False,
+                          "max_position_embeddings": 128,
+                          "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1_000_000.0,
+                                              "original_max_position_embeddings": 128}}),
+    # Llama 3.1's rope scaling at a small original window (64, theta 10k) so that it changes short contexts;
+    # head_dim left out (derived: 64 / 4); both bias switches on so that their shards and loaders are exercised
+    "llama": Family("LlamaConfig", "LlamaForCausalLM",
+                    {"head_dim": None, "attention_bias": True, "mlp_bias": True, "bos_token_id": 1,
+                     "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                         "rope_theta": 10_000.0}},
+                    tuple(LLAMA3_SPECIAL_TOKENS), eos="<|eot_id|>", pad="<|end_of_text|>",
+                    generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+                    chat_template=LLAMA3_CHAT_TEMPLATE, unwritten=("head_dim",)),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM",
+                    {"tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": 4096,
+                     "max_window_layers": 2}),
+    # Qwen3-MoE: top-2 of 8 experts unnormalised with layer 1 of 3 dense (mlp_only_layers); top-8 of 16
+    # normalised with every other layer dense (decoder_sparse_step=2: of 2 layers, layer 0 dense, 1 sparse)
+    "qwen3-moe-top2": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             {"head_dim": 16, "attention_bias": False, "use_sliding_window": False,
+                              "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32, "norm_topk_prob": False, "mlp_only_layers": [1],
+                              "decoder_sparse_step": 1}),
+    "qwen3-moe-top8": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             {"head_dim": 16, "attention_bias": False, "use_sliding_window": False,
+                              "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 32,
+                              "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 2}),
+    "mistral": Family("MistralConfig", "MistralForCausalLM",
+                      {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
+                      tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
+                      chat_template=MISTRAL_CHAT_TEMPLATE, unwritten=("head_dim",)),
+}
+
+
+def build_family_tokenizer(family: str):
+    spec = FAMILIES[family]
+    return build_tokenizer(special_tokens=list(spec.special_tokens), eos=spec.eos, pad=spec.pad,
+                           chat_template=spec.chat_template)
 
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def write_tiny_qwen3(
+def write_tiny_model(
     path,
+    family: str = "qwen3",
     *,
-    tie_word_embeddings: bool = False,
+    tie_word_embeddings: bool | None = None,
     seed: int = 0,
     num_hidden_layers: int = 2,
     hidden_size: int = 64,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
-    head_dim: int = 16,
     intermediate_size: int = 128,
     vocab_size: int | None = None,
     max_position_embeddings: int = 2048,
@@ -132,55 +222,65 @@ def write_tiny_qwen3(
     dtype: torch.dtype = torch.float32,
     initializer_range: float = 0.2,
     rope_theta: float = 1_000_000.0,  # the real Qwen3 value, not the 10000 a reader might default to
+    **config_overrides,
 ) -> Path:
-    """Write a tiny random Qwen3 model folder at ``path`` and return it as a Path."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    """Write a tiny random model folder of ``family`` (a key of ``FAMILIES``) at ``path``; return it as a Path."""
+    import transformers
+    from transformers import GenerationConfig
 
+    spec = FAMILIES[family]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_family_tokenizer(family)
     n_tok = len(tokenizer)
     if vocab_size is None:
         vocab_size = _round_up(n_tok, 64)
     if vocab_size < n_tok:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tok} tokens)")
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    eot_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos_id = tokenizer.convert_tokens_to_ids(spec.eos)
+    pad_id = tokenizer.convert_tokens_to_ids(spec.pad)
 
-    config = Qwen3Config(
+    values = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
         hidden_act="silu",
         max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range,
         rms_norm_eps=1e-6,
         rope_theta=rope_theta,
-        attention_bias=False,
-        tie_word_embeddings=tie_word_embeddings,
+        tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=eos_id,
-        pad_token_id=eot_id,
-        use_sliding_window=False,
-        max_window_layers=num_hidden_layers,
+        pad_token_id=pad_id,
     )
-    config.architectures = ["Qwen3ForCausalLM"]
+    values.update(spec.config)
+    if "max_window_layers" in values:
+        values["max_window_layers"] = num_hidden_layers
+    if tie_word_embeddings is not None:
+        values["tie_word_embeddings"] = tie_word_embeddings
+    values.update(config_overrides)
+    if values.get("rope_parameters"):
+        values.pop("rope_theta")
+    config = getattr(transformers, spec.config_class)(**values)
+    config.architectures = [spec.model_class]
 
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-        # The RMSNorm weights start at exactly 1; jitter them so that a norm
-        # whose weight is dropped or applied to the wrong tensor shows up.
+        model = getattr(transformers, spec.model_class)(config)
         with torch.no_grad():
             for name, param in model.named_parameters():
+                # The RMSNorm weights start at exactly 1 and biases at 0; jitter them so that a norm or a bias
+                # that is dropped or applied to the wrong tensor shows up.
                 if name.endswith("norm.weight"):
                     param.mul_(1.0 + 0.1 * torch.randn_like(param))
+                elif name.endswith(".bias"):
+                    param.normal_(0.0, initializer_range)
     finally:
         torch.random.set_rng_state(state)
     model = model.to(dtype)
@@ -193,13 +293,18 @@ def write_tiny_qwen3(
         save_kwargs["max_shard_size"] = max(n_bytes // 4, 16 * 1024)
     model.save_pretrained(out, safe_serialization=True, **save_kwargs)
 
-    # config.json is left exactly as transformers writes it (transformers 5 keeps rope_theta inside
-    # rope_parameters), so the engine's reading of that form is what the tests exercise.
+    # config.json is left as transformers writes it (transformers 5 keeps rope_theta inside rope_parameters), so
+    # the engine's reading of that form is what the tests exercise; less what published checkpoints leave out
+    if spec.unwritten:
+        written = json.loads((out / "config.json").read_text())
+        for key in spec.unwritten:
+            written.pop(key, None)
+        (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
 
     gen = GenerationConfig(
-        bos_token_id=None,
-        eos_token_id=[eos_id, eot_id],
-        pad_token_id=eot_id,
+        bos_token_id=values.get("bos_token_id"),
+        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in spec.generation_eos],
+        pad_token_id=pad_id,
         do_sample=False,
     )
     gen.save_pretrained(out)
@@ -208,24 +313,30 @@ def write_tiny_qwen3(
     return out
 
 
+def write_tiny_qwen3(path, *, head_dim: int = 16, **kwargs) -> Path:
+    """Write a tiny random Qwen3 model folder at ``path`` and return it as a Path."""
+    return write_tiny_model(path, "qwen3", head_dim=head_dim, **kwargs)
+
+
 def write_random_published(config_json, path, *, norm_gain: float = 8.0, device: str = "cuda",
-                           dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A full-size random checkpoint from a published config.json (e.g. configs/Qwen3-0.6B), for GPU tests.
+                           dtype: torch.dtype = torch.bfloat16, overrides: dict | None = None) -> Path:
+    """A full-size random checkpoint of any family from a published config.json (e.g. configs/Qwen3-0.6B or
+    configs/Llama-3.2-1B), for GPU tests; ``overrides`` replace config fields (fewer layers of a large model).
 
     ``norm_gain`` scales the final norm (and so every logit) without touching the residual stream. It does
     not make bf16 near-ties rarer (rounding is relative): with random weights the logits are ~Gaussian over
     151,936 tokens, and on an H200 about a fifth of transformers' own greedy steps had their two best
     logits within 2% of the largest (benchmarks/RESULTS.md, run 4).
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(path)
-    cfg = json.loads(Path(config_json).read_text())
-    config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
-    config.architectures = ["Qwen3ForCausalLM"]
+    config = AutoConfig.from_pretrained(str(Path(config_json).parent))
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(dtype)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():
         model.model.norm.weight.fill_(norm_gain)
     model.save_pretrained(out, safe_serialization=True)
@@ -233,13 +344,15 @@ def write_random_published(config_json, path, *, norm_gain: float = 8.0, device:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a tiny random Qwen3 checkpoint.")
+    parser = argparse.ArgumentParser(description="Write a tiny random checkpoint of one family.")
     parser.add_argument("outdir")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3")
     parser.add_argument("--tied", action="store_true", help="tie lm_head to the embeddings")
     parser.add_argument("--sharded", action="store_true", help="write several safetensors shards")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    out = write_tiny_qwen3(args.outdir, tie_word_embeddings=args.tied, sharded=args.sharded, seed=args.seed)
+    out = write_tiny_model(args.outdir, args.family, tie_word_embeddings=args.tied or None, sharded=args.sharded,
+                           seed=args.seed)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"wrote {out} ({size / 1024:.0f} KiB)")
 

@@ -36,6 +36,47 @@ class Shape:
         return self.facts["params"] * self.elem_bytes
 
     @property
+    def decode_batches(self) -> list[int]:
+        """Requests decoding at each decode step, for a mixture of experts (whose bytes per step depend on the
+        batch): every request at once, each until its own output is done; with max_concurrent, requests in
+        input order, each admitted when a slot frees (then there may be more steps than ``decode_steps``)."""
+        cap = self.max_concurrent or len(self.output_lens)
+        waiting, running, batches = list(self.output_lens), [], []
+        while waiting or running:
+            while waiting and len(running) < cap:
+                running.append(waiting.pop(0))
+            batches.append(len(running))
+            running = [left - 1 for left in running if left > 1]
+        return batches
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.facts.get("expert_params", 0) * self.elem_bytes
+
+    @property
+    def dense_weight_bytes(self) -> int:
+        """What every decode step reads whatever the routing: all weights but the experts."""
+        f = self.facts
+        return (f["params"] - f.get("sparse_layers", 0) * f.get("experts", 0) * f.get("expert_params", 0)) \
+            * self.elem_bytes
+
+    @property
+    def experts_touched(self) -> float:
+        """Distinct experts read over the decode steps, summed over steps and sparse layers (expected value)."""
+        f = self.facts
+        return f.get("sparse_layers", 0) * sum(expected_experts_touched(f["experts"], f["experts_per_tok"], b)
+                                               for b in self.decode_batches) if f.get("experts") else 0.0
+
+    @property
+    def weights_read(self) -> float:
+        """Dense models: every weight each decode step. Mixtures of experts: the dense part each step plus the
+        experts the step's batch touches (expected under uniform routing, ``expected_experts_touched``), over
+        the steps of ``decode_batches``."""
+        if not self.facts.get("experts"):
+            return self.decode_steps * self.weight_bytes
+        return len(self.decode_batches) * self.dense_weight_bytes + self.experts_touched * self.expert_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
         f = self.facts
         return 2 * f["layers"] * f["kv_heads"] * f["head_dim"] * self.elem_bytes
@@ -43,6 +84,14 @@ class Shape:
     @property
     def kv_tokens_read(self) -> int:
         return sum(o * i + o * (o - 1) // 2 for i, o in zip(self.prompt_lens, self.output_lens))  # sum_{t<O} (I + t)
+
+
+def expected_experts_touched(experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch of ``batch`` tokens reads in one layer when each token picks ``top_k`` of
+    ``experts`` uniformly at random: an expert is missed by one token with probability 1 - k/E, by all of them
+    with (1 - k/E)^B, so E * (1 - (1 - k/E)^B) are read. (Real routers are skewed: fewer distinct experts, so
+    this is a bound for a balanced router, not a measured count.)"""
+    return experts * (1.0 - (1.0 - top_k / experts) ** batch)
 
 
 @dataclass(frozen=True)
@@ -83,17 +132,25 @@ class Term:
         return f"t_{self.name}_s"
 
 
+def _weights_detail(b: dict[str, Any]) -> str:
+    if not b.get("experts_touched"):
+        return (f"weights: {b['decode_steps']} x {b['weight_bytes'] / 1e9:.3f} GB = "
+                f"{b['weights_read_bytes'] / 1e12:.3f} TB")
+    return (f"weights: {b['decode_steps']} x {b['dense_weight_bytes'] / 1e9:.3f} GB dense + "
+            f"{b['experts_touched']:,.0f} experts touched (uniform routing, E(1-(1-k/E)^B) per layer and step) x "
+            f"{b['expert_bytes'] / 1e6:.2f} MB = {b['weights_read_bytes'] / 1e12:.3f} TB")
+
+
 TERMS: tuple[Term, ...] = (
-    Term("weights", "weights_read_bytes", COPY, "decode_steps x weight_bytes", "weights read",
-         lambda s: s.decode_steps * s.weight_bytes,
-         lambda b: f"weights: {b['decode_steps']} x {b['weight_bytes'] / 1e9:.3f} GB = "
-                   f"{b['weights_read_bytes'] / 1e12:.3f} TB"),
+    Term("weights", "weights_read_bytes", COPY,
+         "decode_steps x weight_bytes (MoE: steps x dense_weight_bytes + experts touched x expert_bytes)", "weights read",
+         lambda s: s.weights_read, _weights_detail),
     Term("kv", "kv_read_bytes", COPY, "KV tokens read x kv_bytes_per_token", "KV read",
          lambda s: s.kv_tokens_read * s.kv_bytes_per_token,
          lambda b: f"KV: {b['kv_tokens_read']:,} tokens x {b['kv_bytes_per_token']:,} B = "
                    f"{b['kv_read_bytes'] / 1e12:.3f} TB"),
-    Term("prefill_linear", "prefill_linear_flops", MATMUL, "2 x params_non_embedding x prompt tokens", "prefill FLOPs",
-         lambda s: 2 * s.facts["params_non_embedding"] * sum(s.prompt_lens),
+    Term("prefill_linear", "prefill_linear_flops", MATMUL, "2 x active params_non_embedding x prompt tokens",
+         "prefill FLOPs", lambda s: 2 * active_params(s.facts) * sum(s.prompt_lens),
          lambda b: f"prefill linear: {b['prefill_linear_flops'] / 1e12:.2f} TFLOP"),
     Term("prefill_attention", "prefill_attention_flops", MATMUL, "4 x layers x heads x head_dim x sum(I^2)/2",
          "prefill FLOPs",
@@ -101,6 +158,11 @@ TERMS: tuple[Term, ...] = (
          * sum(i * i for i in s.prompt_lens) / 2,
          lambda b: f"prefill attention: {b['prefill_attention_flops'] / 1e12:.2f} TFLOP"),
 )
+
+
+def active_params(facts: dict[str, Any]) -> int:
+    """Parameters outside the embeddings that one token's forward multiplies by (MoE: its k experts only)."""
+    return facts.get("params_active_non_embedding", facts["params_non_embedding"])
 
 
 def _grouped(by: Callable[[Term], Any]) -> dict[Any, list[Term]]:
@@ -122,9 +184,11 @@ def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[i
     out: dict[str, Any] = {
         "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent, "weight_bytes": s.weight_bytes,
         "kv_bytes_per_token": s.kv_bytes_per_token, "kv_tokens_read": s.kv_tokens_read,
+        **({"dense_weight_bytes": s.dense_weight_bytes, "expert_bytes": s.expert_bytes,
+            "experts_touched": s.experts_touched} if facts.get("experts") else {}),
         **{t.amount_key: t.amount(s) for t in TERMS},
         # decode compute: memory-bound, so reported beside the floor rather than in it
-        "output_tokens": sum(outs), "decode_flops_info": 2 * facts["params_non_embedding"] * sum(outs)
+        "output_tokens": sum(outs), "decode_flops_info": 2 * active_params(facts) * sum(outs)
         + 4 * L * nh * hd * s.kv_tokens_read,
     }
     rates = {t.ceiling.key: ceilings.get(t.ceiling.key) for t in TERMS}

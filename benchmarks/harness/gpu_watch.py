@@ -28,26 +28,18 @@ def gpu_memory_mib() -> dict[str, int]:
 
 
 class GpuWatch:
-    """Samples nvidia-smi while a command runs: peak memory of each GPU and of each process on it."""
+    """Samples nvidia-smi while a command runs: peak memory of each GPU."""
 
     def __init__(self, every_s: float = 0.5) -> None:
         self.every_s = every_s
-        rows = nvidia_smi("--query-gpu=index,uuid") or []
-        self.index_of = {r[1]: r[0] for r in rows if len(r) == 2}
-        self.enabled = bool(self.index_of)
+        self.enabled = bool(gpu_memory_mib())
         self.gpu_peak: dict[str, int] = {}
-        self.pid_peak: dict[int, tuple[str, int]] = {}  # pid -> (GPU index, peak MiB)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
         for gpu, mib in gpu_memory_mib().items():
             self.gpu_peak[gpu] = max(self.gpu_peak.get(gpu, 0), mib)
-        for row in nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory") or []:
-            if len(row) != 3 or not row[0].isdigit() or not row[2].isdigit():
-                continue
-            pid, gpu, mib = int(row[0]), self.index_of.get(row[1], row[1]), int(row[2])
-            self.pid_peak[pid] = (gpu, max(mib, self.pid_peak.get(pid, (gpu, 0))[1]))
 
     def __enter__(self) -> "GpuWatch":
         if self.enabled:

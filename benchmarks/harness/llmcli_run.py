@@ -60,12 +60,15 @@ def compiled_so_far() -> dict[str, int | None]:
     """
     out: dict[str, int | None] = {"triton_variants": None, "dynamo_graphs": None}
     with contextlib.suppress(Exception):
-        from llmcli.kernels import triton_decode, triton_elementwise, triton_prefill, triton_store
+        import importlib
 
-        fns = [triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel,
-               triton_prefill._prefill_kernel, triton_store._store_kv_kernel, triton_elementwise._rms_norm_kernel,
-               triton_elementwise._silu_and_mul_kernel, triton_elementwise._qk_norm_rotary_kernel]
-        out["triton_variants"] = sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
+        from triton.runtime.jit import JITFunction
+
+        modules = [importlib.import_module(f"llmcli.kernels.{name}") for name in
+                   ("triton_decode", "triton_prefill", "triton_store", "triton_elementwise", "triton_sample",
+                    "triton_logprobs")]
+        out["triton_variants"] = sum(len(c[0]) for m in modules for fn in vars(m).values()
+                                     if isinstance(fn, JITFunction) for c in fn.device_caches.values())
     with contextlib.suppress(Exception):
         from torch._dynamo.utils import counters
 

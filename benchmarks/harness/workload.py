@@ -5,7 +5,7 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from benchmarks.harness.output import log
 from llmcli.cli.bench import Workload, make_requests
@@ -36,8 +36,10 @@ def write_tiny_config() -> Path:
 
 
 def model_facts(model_dir: Path) -> dict[str, Any]:
-    """Shapes from config.json, analytic parameter count (Qwen3 layout), EOS ids."""
+    """Shapes from config.json, analytic parameter count (the family's layout: llmcli's DecoderSpec), EOS ids."""
     from transformers import AutoConfig
+
+    from llmcli.models import model_class
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     eos: list[int] = []
@@ -47,22 +49,40 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
         eos = load_generation_eos(model_dir, cfg)
     except Exception as exc:  # the workload only uses this to mirror llmcli bench
         log(f"EOS ids not read ({exc}); none avoided")
-    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
-    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or H // nh
-    inter = cfg.intermediate_size
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    bias = bool(getattr(cfg, "attention_bias", False))
+    spec = model_class(cfg).spec(cfg)
+    H, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
+    nh, nkv, hd, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     per_layer = (H * nh * hd + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
-                 + 3 * H * inter  # gate, up, down
-                 + 2 * H + 2 * hd  # input/post-attention norms, q/k norms
-                 + ((nh + 2 * nkv) * hd if bias else 0))
+                 + 2 * H  # input/post-attention norms
+                 + (2 * hd if spec.qk_norm else 0)
+                 + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0) + (H if spec.o_bias else 0))
+    mlp = 3 * H * inter + (2 * inter + H if spec.mlp_bias else 0)  # gate, up, down
+    moe = moe_facts(cfg)
+    sparse = moe.get("sparse_layers", 0)
     embed = V * H
-    head = 0 if tied else V * H
-    total = embed + head + L * per_layer + H
+    head = 0 if spec.tie_word_embeddings else V * H
+    dense = embed + head + L * per_layer + (L - sparse) * mlp + H  # every weight but the experts and routers
+    routed = sparse * moe.get("router_params", 0)
+    total = dense + routed + sparse * moe.get("experts", 0) * moe.get("expert_params", 0)
+    active = dense + routed + sparse * moe.get("experts_per_tok", 0) * moe.get("expert_params", 0) if moe else total
     return {"name": model_dir.name, "path": str(model_dir), "hidden": H, "layers": L, "heads": nh, "kv_heads": nkv,
-            "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": tied, "params": total,
-            "params_non_embedding": total - embed - head, "eos_token_ids": eos}
+            "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": spec.tie_word_embeddings,
+            "params": total, "params_non_embedding": total - embed - head,
+            "params_active_non_embedding": active - embed - head, "eos_token_ids": eos, **moe}
+
+
+def moe_facts(cfg: Any) -> dict[str, Any]:
+    """A mixture of experts' shape (empty for a dense model): the sparse layers, experts per layer and per token,
+    parameters of one expert (gate, up, down) and of one layer's router."""
+    experts = getattr(cfg, "num_experts", 0) or 0
+    if not experts:
+        return {}
+    from llmcli.models.qwen3_moe import is_sparse_layer
+
+    H = cfg.hidden_size
+    sparse = sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+    return {"experts": experts, "experts_per_tok": cfg.num_experts_per_tok, "sparse_layers": sparse,
+            "expert_params": 3 * H * cfg.moe_intermediate_size, "router_params": experts * H}
 
 
 def add_workload_args(group: Any) -> None:
@@ -97,3 +117,12 @@ def check_lengths(got: list[int], want: list[int]) -> list[str]:
     if len(got) != len(want):
         bad.insert(0, f"{len(got)} outputs for {len(want)} requests")
     return bad
+
+
+def write_requests_jsonl(path: Path, requests: Iterable[tuple[list[int], int]], **fields: Any) -> Path:
+    """(prompt ids, output length) pairs as ``llmcli generate`` input: ``prompt_token_ids``, ``max_tokens``,
+    and ``fields`` on every record."""
+    with path.open("wb") as f:
+        for ids, n_out in requests:
+            f.write(json.dumps({"prompt_token_ids": ids, "max_tokens": n_out, **fields}).encode() + b"\n")
+    return path

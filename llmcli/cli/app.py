@@ -314,6 +314,10 @@ def bench(
                                             rich_help_panel="Workload")] = 0,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 is greedy).",
                                                rich_help_panel="Workload")] = 0.6,
+    sampling: Annotated[str, typer.Option(
+        help="Sampling filters: 'plain' (temperature only), 'qwen3-defaults' (top_k 20, top_p 0.95 on every "
+             "request: what a real Qwen3 checkpoint's generation_config.json gives), 'mixed' (every other "
+             "request filtered).", rich_help_panel="Workload")] = "plain",
     seed: Annotated[int, typer.Option(help="Seed of the random workload.", rich_help_panel="Workload")] = 0,
     warmup: Annotated[int, typer.Option(help="Short requests run before timing starts.",
                                         rich_help_panel="Workload")] = 4,
@@ -329,7 +333,7 @@ def bench(
     def run() -> int:
         workload = Workload(num_prompts=num_prompts, input_len=parse_length(input_len, "--input-len"),
                             output_len=parse_length(output_len, "--output-len"), prefix_len=prefix_len,
-                            temperature=temperature, seed=seed, warmup=warmup)
+                            temperature=temperature, seed=seed, warmup=warmup, sampling=sampling)
         return run_bench_command(engine, workload, _console(), as_json=json_, output=output)
 
     _guarded(run)

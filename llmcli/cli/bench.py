@@ -27,6 +27,22 @@ class Workload:
     temperature: float = 0.6
     seed: int = 0
     warmup: int = 4
+    sampling: str = "plain"  # one of SAMPLING_MODES
+
+
+# Qwen3's generation_config.json: what a real checkpoint gives every request that does not override them
+QWEN3_FILTERS = {"top_k": 20, "top_p": 0.95}
+SAMPLING_MODES = ("plain", "qwen3-defaults", "mixed")  # mixed: every other request filtered as Qwen3's defaults
+
+
+def request_params(w: Workload, index: int, max_tokens: int) -> SamplingParams:
+    """Request ``index``'s sampling: every filter explicit, so the workload stays the same whatever
+    generation_config.json says."""
+    filters = {"top_k": -1, "top_p": 1.0}
+    if w.sampling == "qwen3-defaults" or (w.sampling == "mixed" and index % 2 == 0):
+        filters = QWEN3_FILTERS
+    return SamplingParams(temperature=w.temperature, min_p=0.0, repetition_penalty=1.0, max_tokens=max_tokens,
+                          ignore_eos=True, **filters)
 
 
 def parse_length(text: str, flag: str) -> tuple[int, int]:
@@ -60,6 +76,21 @@ def make_requests(w: Workload, vocab_size: int, avoid: set[int]) -> list[tuple[l
     return requests
 
 
+def unique_prompt_tokens(requests: list[tuple[list[int], int]]) -> int:
+    """Prompt tokens a perfect prefix cache computes: the distinct prefixes of all prompts (in sorted order,
+    each prompt adds what it does not share with the one before)."""
+    count, prev = 0, []
+    for ids in sorted(ids for ids, _ in requests):
+        common = 0
+        for a, b in zip(ids, prev):
+            if a != b:
+                break
+            common += 1
+        count += len(ids) - common
+        prev = ids
+    return count
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     """Mean and p50/p90/p99 (linear interpolation), in the unit given."""
     if not values:
@@ -82,14 +113,11 @@ def _drain(engine: Any) -> list[Any]:
     return finished
 
 
-def run_timed(engine: Any, requests: list[tuple[list[int], int]], temperature: float) -> tuple[list[Any], float]:
+def run_timed(engine: Any, requests: list[tuple[list[int], int]], w: Workload) -> tuple[list[Any], float]:
     """All requests at once, as an offline batch; returns their outputs and the wall time."""
     start = time.perf_counter()
     for i, (ids, n_out) in enumerate(requests):
-        # every filter explicit: the workload stays the same whatever generation_config.json says
-        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
-                                max_tokens=n_out, ignore_eos=True)
-        engine.add_request(ids, params, request_id=f"bench-{i}")
+        engine.add_request(ids, request_params(w, i, n_out), request_id=f"bench-{i}")
     outputs = _drain(engine)
     return outputs, time.perf_counter() - start
 
@@ -126,6 +154,8 @@ def render(result: dict[str, Any], console: Console) -> None:
                             ("output tokens/s", "output_tokens_per_s", "{:,.1f}"),
                             ("total tokens/s", "total_tokens_per_s", "{:,.1f}"),
                             ("prefix-cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),
+                            ("prompt tokens computed", "prompt_tokens_computed", "{:,d}"),
+                            ("unique prompt tokens", "unique_prompt_tokens", "{:,d}"),
                             ("preemptions", "num_preemptions", "{:d}")):
         table.add_row(label, fmt.format(result[key]))
     for label, key in (("time to first token (ms)", "ttft_ms"), ("time per output token (ms)", "tpot_ms"),
@@ -152,6 +182,8 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
                          f"{config.max_model_len}; lower --input-len/--output-len or raise --max-model-len")
     if w.num_prompts < 1 or w.warmup < 0 or w.prefix_len < 0:
         raise UsageError("--num-prompts must be >= 1, --warmup and --prefix-len >= 0")
+    if w.sampling not in SAMPLING_MODES:
+        raise UsageError(f"--sampling must be one of {', '.join(SAMPLING_MODES)}, got {w.sampling!r}")
     requests = make_requests(w, config.hf_config.vocab_size, set(config.eos_token_ids))
     say(console, f"bench: {w.num_prompts} requests, {sum(len(r[0]) for r in requests):,} prompt tokens, "
                  f"{sum(r[1] for r in requests):,} output tokens")
@@ -162,13 +194,14 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
     try:
         if w.warmup:
             # Other tokens than the timed prompts, so the warm-up leaves no prefix-cache hits behind.
-            warm = Workload(num_prompts=w.warmup, input_len=(16, 16), output_len=(4, 4), seed=w.seed + 1)
-            run_timed(engine, make_requests(warm, config.hf_config.vocab_size, set(config.eos_token_ids)), 1.0)
+            warm = Workload(num_prompts=w.warmup, input_len=(16, 16), output_len=(4, 4), temperature=1.0,
+                            seed=w.seed + 1, sampling=w.sampling)
+            run_timed(engine, make_requests(warm, config.hf_config.vocab_size, set(config.eos_token_ids)), warm)
         before = engine.stats
-        queried, hits, preempt = (before.prefix_cache_queried_tokens, before.prefix_cache_hit_tokens,
-                                  before.num_preemptions)
+        queried, hits, preempt, computed = (before.prefix_cache_queried_tokens, before.prefix_cache_hit_tokens,
+                                            before.num_preemptions, before.prefill_tokens_computed)
         engine.step_timer.reset()
-        outputs, elapsed = run_timed(engine, requests, w.temperature)
+        outputs, elapsed = run_timed(engine, requests, w)
         after = engine.stats
         steps = engine.step_timer.summary()
         report = engine.model_runner.memory_report
@@ -182,6 +215,9 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         **metrics(outputs, elapsed),
         "prefix_cache_hit_rate": (after.prefix_cache_hit_tokens - hits) / dq if dq else 0.0,
         "num_preemptions": after.num_preemptions - preempt,
+        # prompt tokens run through the model (prefix-cache hits are not; a preempted one's recompute is)
+        "prompt_tokens_computed": after.prefill_tokens_computed - computed,
+        "unique_prompt_tokens": unique_prompt_tokens(requests),
         "kv_cache": {"num_blocks": report.num_blocks, "block_size": report.block_size,
                      "cache_tokens": report.cache_tokens},
         "step_timer": steps,

@@ -64,7 +64,7 @@ ENGINE_KNOBS = (
          choices=("auto", "cuda", "cpu")),
     Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",
          choices=("auto", "float32", "bfloat16", "float16", "float", "half")),  # vLLM's names too
-    Knob("attention_backend", str, "Attention kernels.", "auto: flash-attn if installed, else triton; torch on CPU",
+    Knob("attention_backend", str, "Attention kernels.", "auto: the backend measured fastest for the GPU and head size (triton on sm_90); torch on CPU",
          choices=("auto", "torch", "triton", "flash-attn")),
     Knob("load_format", str, "dummy: random weights from config.json alone, for benchmarks.", "auto",
          choices=("auto", "safetensors", "dummy")),

@@ -26,9 +26,8 @@ from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
-from llmcli.models import build_model
+from llmcli.models import build_model, head_dim_of
 from llmcli.models.loader import load_dummy, load_safetensors
-from llmcli.models.qwen3 import head_dim_of
 
 log = logging.getLogger("llmcli")
 MaskSource = Callable[[], Any]  # returns the int32 token bitmask (host) of the step's sampled rows, or None
@@ -204,7 +203,7 @@ class ModelRunner:
         torch.set_default_dtype(cfg.torch_dtype)
         try:
             with torch.device(self.device):
-                model = build_model(cfg.hf_config, self.backend)
+                model = build_model(cfg.hf_config, self.backend, cfg.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         if cfg.load_format == "dummy":

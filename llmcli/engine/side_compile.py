@@ -32,6 +32,7 @@ def kernel_tasks(vocab_size: int, dtype: torch.dtype, device: torch.device) -> l
     """Launches that compile the sampler and logprobs kernels, on dummies of the real shapes."""
     from llmcli.kernels.triton_logprobs import token_logprobs_triton
     from llmcli.kernels.triton_sample import row_keys, sample_unfiltered
+    from llmcli.kernels.triton_sample_filter import thresholds
 
     rows = 4
     tasks: list[Task] = []
@@ -41,10 +42,11 @@ def kernel_tasks(vocab_size: int, dtype: torch.dtype, device: torch.device) -> l
             logits = _dummy_logits(rows, vocab_size, device).to(logits_dtype)
             temps = torch.ones(rows, device=device)
             keys = row_keys(torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
-            return sample_unfiltered(logits, temps, temps * 0.05, keys)
+            top_ks = torch.full((rows,), 20, dtype=torch.int64, device=device)
+            return sample_unfiltered(logits, temps, temps * 0.05, keys), thresholds(logits, temps, top_ks, temps * 0.9)
         return run
 
-    tasks += [sampler(dtype), sampler(torch.float32)]  # in the decode graph; after the top-k/top-p sort
+    tasks += [sampler(dtype), sampler(torch.float32)]  # the draw and the top-k/top-p thresholds
 
     def logprobs(k: int) -> Task:
         def run() -> object:

@@ -10,8 +10,9 @@ tensor of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; token
 ``t`` of a sequence lives in block ``block_table[t // block_size]`` at row
 ``t % block_size``; its flat slot is ``block * block_size + row``.
 
-Fusing the q/k transform with the store: a model whose q and k need a per-head RMSNorm and the rotary
-embedding before attention (Qwen3) describes that work as a ``QKNormRotary``. A backend with
+Fusing the q/k transform with the store: a model whose q and k need the rotary embedding (every family), with a
+per-head RMSNorm before it or not (Qwen3: yes; Llama, Qwen2, Mistral: no), describes that work as a
+``QKNormRotary``. A backend with
 ``fuses_qk_norm_rotary`` may be handed it with the un-normalised q and k and then does the transform and its
 KV store in one pass; the attention layer decides when (``llmcli.layers.attention``) and otherwise applies
 the transform itself, so the other backends only ever see finished q and k.
@@ -61,12 +62,13 @@ class AttentionMetadata:
 
 @dataclass
 class QKNormRotary:
-    """The transform q and k still need before attention: per-head RMSNorm (``weight * (x / rms(x)).to(dtype)``),
-    then the rotate-half rotary embedding at ``positions`` from the ``[max_position, head_dim]`` cos/sin tables."""
+    """The transform q and k still need before attention: per-head RMSNorm (``weight * (x / rms(x)).to(dtype)``;
+    none when the weights are None), then the rotate-half rotary embedding at ``positions`` from the
+    ``[max_position, head_dim]`` cos/sin tables."""
 
     positions: torch.Tensor  # [num_tokens] int64
-    q_weight: torch.Tensor  # [head_dim]
-    k_weight: torch.Tensor  # [head_dim]
+    q_weight: torch.Tensor | None  # [head_dim]; None: no q/k norm
+    k_weight: torch.Tensor | None  # [head_dim]
     eps: float
     cos: torch.Tensor  # [max_position, head_dim] float32
     sin: torch.Tensor

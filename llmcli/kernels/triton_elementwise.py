@@ -1,5 +1,6 @@
 """Hand-written Triton kernels for the model's elementwise work: RMSNorm (with the residual add), SiLU-and-mul,
-and Qwen3's per-head q/k RMSNorm fused with the rotary embedding, optionally with the KV-cache store too
+and the rotary embedding, with Qwen3's per-head q/k RMSNorm before it or not (Llama, Qwen2, Mistral), optionally
+with the KV-cache store too
 (``qk_norm_rotary_store``: the triton attention backend's one kernel per layer for what ``qk_norm_rotary`` and
 ``triton_store.store_kv`` did in two; a compile-time switch of the same kernel, so q/k are the same bits).
 
@@ -132,9 +133,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_stride, c1, c2, s1, s2, eps,
-                       H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """RMSNorm then rotary of one token's ``H`` heads, the two halves of each head kept apart (rotate-half);
-    stores them at ``dst_row`` and returns the two halves, rounded to the output dtype."""
+                       H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       NORM: tl.constexpr):
+    """RMSNorm (``NORM``; without it ``w_ptr`` is never read) then rotary of one token's ``H`` heads, the two
+    halves of each head kept apart (rotate-half); stores them at ``dst_row`` and returns the two halves, rounded
+    to the output dtype."""
     HALF = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -145,14 +148,17 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
     dtype = x1.dtype
     out_dtype = dst_ptr.dtype.element_ty
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) * (1.0 / HEAD_DIM) + eps)[:, None]
-    dmask = dims < HALF
-    w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype (this is where
-    # FP fusion would turn a product and the sum into one fma: the launch turns it off)
-    n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
-    n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) * (1.0 / HEAD_DIM) + eps)[:, None]
+        dmask = dims < HALF
+        w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype (this is
+        # where FP fusion would turn a product and the sum into one fma: the launch turns it off)
+        n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
+        n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
+    else:  # rotary only (Llama, Qwen2, Mistral): the inputs are already in the output dtype
+        n1, n2 = f1, f2
     o1 = ((n1 * c1).to(out_dtype).to(tl.float32) + (-n2 * s1).to(out_dtype).to(tl.float32)).to(out_dtype)
     o2 = ((n2 * c2).to(out_dtype).to(tl.float32) + (n1 * s2).to(out_dtype).to(tl.float32)).to(out_dtype)
     out_ptrs = dst_ptr + dst_row + heads[:, None] * HEAD_DIM + dims[None, :]
@@ -168,7 +174,7 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
                            kc_row_stride, kc_head_stride, vc_block_stride, vc_row_stride, vc_head_stride,
                            HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr):
+                           BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr):
     HALF = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -181,9 +187,9 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
     s1 = tl.load(sin_ptr + pos * sin_stride + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + pos * sin_stride + HALF + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     _norm_rotate_heads(q_ptr, q_out_ptr, qw_ptr, token * q_stride, token * (HQ * HEAD_DIM), q_head_stride,
-                       c1, c2, s1, s2, eps, HQ, BLOCK_HQ, HEAD_DIM, BLOCK_HALF)
+                       c1, c2, s1, s2, eps, HQ, BLOCK_HQ, HEAD_DIM, BLOCK_HALF, NORM)
     k1, k2 = _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM), k_head_stride,
-                                c1, c2, s1, s2, eps, HK, BLOCK_HK, HEAD_DIM, BLOCK_HALF)
+                                c1, c2, s1, s2, eps, HK, BLOCK_HK, HEAD_DIM, BLOCK_HALF, NORM)
     if STORE:  # what store_kv does with the rotated k and v: both into row ``slot`` of the paged caches
         slot = tl.load(slot_ptr + token).to(tl.int64)
         heads = tl.arange(0, BLOCK_HK)
@@ -206,12 +212,15 @@ def _head_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 else x.contiguous()
 
 
-def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
-               k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
+               k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None):
     m, hq, d = q.shape
     hk = k.shape[1]
     q, k = _head_rows(q), _head_rows(k)
+    norm = q_weight is not None
+    if not norm:  # rotary only: NORM=False compiles the weight loads away, any tensor will do
+        q_weight, k_weight = q, k
     q_dtype = torch.promote_types(q.dtype, q_weight.dtype)
     k_dtype = torch.promote_types(k.dtype, k_weight.dtype)
     if q_dtype != k_dtype or q.dtype != k.dtype:
@@ -239,14 +248,15 @@ def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weig
         q, k, positions, q_weight, k_weight, cos, sin, q_out, k_out, m, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), cos.stride(0), sin.stride(0), eps, v, slots, k_cache, v_cache, *v_strides, *cache_strides,
         HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk, BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d,
-        BLOCK_HALF=triton.next_power_of_2(d // 2), STORE=store is not None, BLOCK_SIZE=block_size, num_warps=4,
-        **_UNFUSED)
+        BLOCK_HALF=triton.next_power_of_2(d // 2), STORE=store is not None, BLOCK_SIZE=block_size, NORM=norm,
+        num_warps=4, **_UNFUSED)
     return q_out, k_out
 
 
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """Per-head RMSNorm of ``q`` [M, Hq, D] and ``k`` [M, Hk, D], then neox-style rotary at ``positions``.
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
+                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head RMSNorm of ``q`` [M, Hq, D] and ``k`` [M, Hk, D] (none when the weights are None), then neox-style
+    rotary at ``positions``.
 
     ``q`` and ``k`` may be strided views (of the fused qkv projection) as long as each head is contiguous;
     the results are new contiguous tensors. ``cos``/``sin`` are the [max_position, D] tables."""
@@ -254,8 +264,8 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_
 
 
 def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+                         q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
     """``qk_norm_rotary`` and then ``triton_store.store_kv(k_out, v, k_cache, v_cache, slot_mapping)``, in one kernel.
 
     The same q/k values as ``qk_norm_rotary`` (the same code computes them) and the same cache contents as the

@@ -1,11 +1,12 @@
-"""Sampling without top-k/top-p in one pass over the logits (Triton).
+"""The Gumbel-max draw in one pass over the logits (Triton), behind a per-row floor.
 
-The same draw as ``llmcli.layers.sampler.sample`` with no filters: greedy rows
-take the argmax; the others take ``argmax(logits / T + G)`` over the tokens
-that min-p keeps, with Gumbel noise ``G`` from the same counter-based hash of
-(seed, step, token id). Where the compiled torch version spends its time on
-64-bit integer hashing, this kernel hashes in 32-bit arithmetic (the hash only
-ever keeps 32 bits) and fuses noise, scaling, masking and the argmax.
+The same draw as ``llmcli.layers.sampler.sample``: greedy rows take the argmax; the others take
+``argmax(logits * (1/T) + G)`` over the tokens whose scaled logit is at least the row's floor (min-p's
+``max + log min_p``, raised to the top-k/top-p threshold of ``llmcli.kernels.triton_sample_filter`` when
+the row has one), with Gumbel noise ``G`` from the same counter-based hash of (seed, step, token id).
+Every float operation is the torch path's, in the same order, with libdevice's ``log`` (the one torch's
+CUDA ``log`` calls) where compiled: a seeded request draws the same token on either path, bit for bit.
+The hash runs in 32-bit arithmetic (it only ever keeps 32 bits), fused with noise, masking and argmax.
 
 Grid ``(rows, vocab chunks)``: each program writes the best (value, token) of
 its chunk; a small torch reduction then picks each row's best chunk.
@@ -15,6 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from llmcli.kernels.sample_scale import inverse_temperatures, min_p_floors
 
 CHUNK = 4096
 
@@ -29,38 +33,66 @@ def _mix32_u32(x):
 
 
 @triton.jit
-def _gumbel(bits):
+def _log(x, ACCURATE: tl.constexpr):
+    """libdevice's logf (torch's CUDA ``log``) when compiled; the interpreter has no libdevice."""
+    if ACCURATE:
+        return libdevice.log(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _mul(a, b, ACCURATE: tl.constexpr):
+    """``a * b`` rounded on its own: the compiler may not fuse it into an FMA with an add (torch never does)."""
+    if ACCURATE:
+        return libdevice.mul_rn(a, b)
+    return a * b
+
+
+@triton.jit
+def _add(a, b, ACCURATE: tl.constexpr):
+    """``a + b``, never fused with a product before it."""
+    if ACCURATE:
+        return libdevice.add_rn(a, b)
+    return a + b
+
+
+@triton.jit
+def _gumbel(bits, ACCURATE: tl.constexpr = False):
     """``llmcli.layers.sampler.gumbel_noise``: ``-log(-log u)``, ``u = (bits + 0.5) / 2**24``, with no log of a
-    number near 1 (``tl.log`` is a fast log on the GPU, accurate to an absolute 2**-22 only)."""
+    number near 1 (``tl.log`` is a fast log on the GPU, accurate to an absolute 2**-22 only). ACCURATE makes
+    it bit-equal to torch's: libdevice's log, IEEE division, every product and sum rounded on its own."""
     low = bits < 8388608
-    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # exact: no rounding to disagree on
     v = ((16777215 - bits).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    s = v / (2.0 - v)
-    s2 = s * s
-    series = 1.0 + s2 * (0.3333333333333333 + s2 * (0.2 + s2 * (0.14285714285714285 + s2 * (
-        0.1111111111111111 + s2 * (0.09090909090909091 + s2 * (0.07692307692307693 + s2 * 0.06666666666666667))))))
-    minus_log_u = tl.where(low, -tl.log(u), 2.0 * s * series)
-    return -tl.log(minus_log_u)
+    s = tl.div_rn(v, 2.0 - v) if ACCURATE else v / (2.0 - v)
+    s2 = _mul(s, s, ACCURATE)
+    series = _add(0.07692307692307693, _mul(s2, 0.06666666666666667, ACCURATE), ACCURATE)
+    series = _add(0.09090909090909091, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.1111111111111111, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.14285714285714285, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.2, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(0.3333333333333333, _mul(s2, series, ACCURATE), ACCURATE)
+    series = _add(1.0, _mul(s2, series, ACCURATE), ACCURATE)
+    minus_log_u = tl.where(low, -_log(u, ACCURATE), _mul(_mul(2.0, s, ACCURATE), series, ACCURATE))
+    return -_log(minus_log_u, ACCURATE)
 
 
 @triton.jit(do_not_specialize=["vocab"])
 def _sample_chunk_kernel(
-    logits_ptr, stride_row, row_max_ptr, temps_ptr, min_ps_ptr, row_key_ptr, part_val_ptr, part_idx_ptr,
-    vocab, CHUNK: tl.constexpr,
+    logits_ptr, stride_row, temps_ptr, inv_t_ptr, floor_ptr, row_key_ptr, part_val_ptr, part_idx_ptr,
+    vocab, CHUNK: tl.constexpr, ACCURATE: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     ids = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = ids < vocab
     logit = tl.load(logits_ptr + row.to(tl.int64) * stride_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
-    temp = tl.load(temps_ptr + row)
-    greedy = temp <= 0
-    inv_t = 1.0 / tl.where(greedy, 1.0, temp)
-    scaled = logit * inv_t
-    floor = tl.load(row_max_ptr + row) * inv_t + tl.log(tl.load(min_ps_ptr + row))
+    greedy = tl.load(temps_ptr + row) <= 0
+    scaled = _mul(logit, tl.load(inv_t_ptr + row), ACCURATE)
+    floor = tl.load(floor_ptr + row)
     row_key = tl.load(row_key_ptr + row).to(tl.uint32)
     bits = _mix32_u32(row_key ^ ids.to(tl.uint32)) >> 8  # 24 bits
-    noisy = tl.where(scaled < floor, float("-inf"), scaled + _gumbel(bits))
+    noisy = tl.where(scaled < floor, float("-inf"), _add(scaled, _gumbel(bits, ACCURATE), ACCURATE))
     cand = tl.where(greedy, logit, noisy)
     cand = tl.where(valid, cand, float("-inf"))
     best_val, best_pos = tl.max(cand, axis=0, return_indices=True, return_indices_tie_break_left=True)
@@ -90,18 +122,28 @@ def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return keys
 
 
-def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor,
+# compiled kernels take libdevice's log; Triton's interpreter (TRITON_INTERPRET, the CPU tests) has none
+_ACCURATE = isinstance(_sample_chunk_kernel, triton.runtime.jit.JITFunction)
+
+
+def sample_with_floor(logits: torch.Tensor, temperatures: torch.Tensor, inv_t: torch.Tensor, floors: torch.Tensor,
                       row_keys: torch.Tensor) -> torch.Tensor:
-    """[B] int64 tokens for [B, V] logits (any float dtype, last dimension contiguous); ``row_keys`` are
-    ``llmcli.layers.sampler.row_keys(seeds, steps)``."""
+    """[B] int64 tokens: the Gumbel-max over the tokens whose ``logits * inv_t >= floors`` (raw argmax for
+    rows with ``temperatures <= 0``); ``row_keys`` are ``llmcli.layers.sampler.row_keys(seeds, steps)``."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     chunks = triton.cdiv(vocab, CHUNK)
     part_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    row_max = logits.amax(dim=-1).float()
     _sample_chunk_kernel[(rows, chunks)](
-        logits, logits.stride(0), row_max, temperatures.float().contiguous(), min_ps.float().contiguous(),
-        row_keys.contiguous(), part_val, part_idx, vocab, CHUNK=CHUNK, num_warps=8,
+        logits, logits.stride(0), temperatures.float().contiguous(), inv_t.contiguous(), floors.contiguous(),
+        row_keys.contiguous(), part_val, part_idx, vocab, CHUNK=CHUNK, ACCURATE=_ACCURATE, num_warps=8,
     )
     return part_idx.gather(1, part_val.argmax(dim=-1, keepdim=True)).squeeze(1).long()
+
+
+def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor,
+                      row_keys: torch.Tensor) -> torch.Tensor:
+    """[B] int64 tokens for [B, V] logits (any float dtype, last dimension contiguous), min-p the only filter."""
+    inv_t = inverse_temperatures(temperatures)
+    return sample_with_floor(logits, temperatures, inv_t, min_p_floors(logits, inv_t, min_ps), row_keys)

@@ -1,7 +1,9 @@
-"""Rotary position embedding (half-rotation layout), cos/sin precomputed for every position; and Qwen3's per-head
-q/k RMSNorm followed by it (``qk_norm_rotary``)."""
+"""Rotary position embedding (half-rotation layout) with its scaling rules (default, linear, llama3, yarn), cos/sin
+precomputed for every position; and the optional per-head q/k RMSNorm before it (``qk_norm_rotary``)."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -9,6 +11,8 @@ from torch import nn
 
 from llmcli.layers.compile import compile_on_cuda, triton_on_cuda
 from llmcli.layers.norm import rms_norm
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -25,40 +29,131 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
 
 
 @triton_on_cuda("qk_norm_rotary")
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """Per-head RMSNorm of q and k, then the rotary embedding: one kernel on CUDA rather than three
-    (kernels/triton_elementwise.py; a decode step launches hundreds of tiny ones), the eager reference here.
-    The triton attention backend runs the same kernel with its KV store fused in (layers/attention.py)."""
-    q = rms_norm.__wrapped__(q, q_weight, eps)
-    k = rms_norm.__wrapped__(k, k_weight, eps)
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
+                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head RMSNorm of q and k (skipped when the weights are None: Llama, Qwen2, Mistral), then the rotary
+    embedding: one kernel on CUDA rather than three (kernels/triton_elementwise.py; a decode step launches hundreds
+    of tiny ones), the eager reference here. The triton attention backend runs the same kernel with its KV store
+    fused in (layers/attention.py)."""
+    if q_weight is not None:
+        q = rms_norm.__wrapped__(q, q_weight, eps)
+        k = rms_norm.__wrapped__(k, k_weight, eps)
     return apply_rotary.__wrapped__(positions, q, k, cos, sin)
 
 
-def rope_settings(config: Any) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) from a config of either transformers generation.
+class UnsupportedRopeError(ValueError):
+    """config.json asks for a rotary scaling llmcli does not implement."""
 
-    transformers 5 keeps ``rope_theta`` inside ``rope_parameters`` and has no top-level attribute;
-    transformers 4 has ``rope_theta`` and ``rope_scaling``.
+
+@dataclass
+class RopeSettings:
+    """What a config says about its rotary embedding, whichever transformers generation wrote it."""
+
+    theta: float
+    kind: str = "default"
+    params: dict = field(default_factory=dict)  # the scaling entries (factor, original_max_position_embeddings, ...)
+
+    def max_positions(self, max_position_embeddings: int) -> int:
+        """Positions the model is meant to reach: YaRN stretches the original window by its factor."""
+        if self.kind == "yarn" and self.params.get("original_max_position_embeddings"):
+            return max(max_position_embeddings,
+                       int(self.params["original_max_position_embeddings"] * (self.params.get("factor") or 1.0)))
+        return max_position_embeddings
+
+
+def rope_settings(config: Any) -> RopeSettings:
+    """The rotary settings of ``config``; raises ``UnsupportedRopeError`` naming the field for other scalings.
+
+    transformers 5 writes ``rope_parameters`` (``rope_theta`` and the scaling entries in one dict, no top-level
+    ``rope_theta``); transformers 4 wrote top-level ``rope_theta`` and ``rope_scaling`` (``type`` or ``rope_type``).
     """
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") or getattr(config, "rope_theta", None)
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    field_name = "rope_parameters"
+    if not params.get("rope_type") and not params.get("type"):
+        legacy = getattr(config, "rope_scaling", None)
+        if legacy:
+            params.update(legacy)
+            field_name = "rope_scaling"
+    theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None)
     if theta is None:
         raise ValueError("config.json gives no rope_theta (neither top-level nor in rope_parameters)")
-    scaling = params if params else getattr(config, "rope_scaling", None)
-    return float(theta), scaling
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedRopeError(f"config.json {field_name}.rope_type={kind!r} is not supported; llmcli supports "
+                                   f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind in ("linear", "llama3") and params.get("factor") is None:
+        raise UnsupportedRopeError(f"config.json {field_name} of type {kind!r} gives no factor")
+    return RopeSettings(float(theta), kind, params)
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, base: float, p: dict, max_position_embeddings: int):
+    """YaRN's blend of interpolated and extrapolated frequencies and its attention factor, as transformers computes
+    them (modeling_rope_utils._compute_yarn_parameters)."""
+    original = p.get("original_max_position_embeddings") or max_position_embeddings
+    factor = p.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by ``factor``, short ones kept, the band
+    between blended smoothly (as transformers' _compute_llama3_parameters)."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_frequencies(head_dim: int, rope: RopeSettings, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2], factor on cos and sin) for ``rope``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.params["factor"], 1.0
+    if rope.kind == "llama3":
+        return _llama3(inv_freq, rope.params), 1.0
+    if rope.kind == "yarn":
+        return _yarn(inv_freq, head_dim, rope.theta, rope.params, max_position_embeddings)
+    return inv_freq, 1.0
 
 
 class RotaryEmbedding(nn.Module):
-    """The cos/sin tables (buffers, so they follow the model's device); ``apply_rotary`` uses them."""
+    """The cos/sin tables (buffers, so they follow the model's device) for positions ``0 .. max_position - 1``;
+    ``apply_rotary`` uses them. YaRN's attention factor is folded into both tables, as transformers does."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, rope: RopeSettings | None = None,
+                 max_position_embeddings: int | None = None) -> None:
         super().__init__()
-        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-        if kind not in (None, "default"):
-            raise NotImplementedError(f"rope_scaling type {kind!r} is not supported yet (only the default rotary)")
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        rope = rope or RopeSettings(base)
+        inv_freq, scale = rope_frequencies(head_dim, rope, max_position_embeddings or max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)

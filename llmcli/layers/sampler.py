@@ -4,15 +4,17 @@ Randomness comes from a counter-based hash of (request seed, generation step,
 token id), turned into Gumbel noise. Each request's draws therefore depend only on
 its own seed and step, never on what it is batched with.
 
-On CUDA the draw itself is the one-pass Triton kernel (llmcli.kernels.triton_sample), after the
-sort-based top-k/top-p filter when a row asks for one; the torch code below is the CPU path, the
-fallback, and the reference. Nothing here uses torch.compile: importing Dynamo and Inductor alone
-costs seconds of start-up.
+On CUDA the draw itself is the one-pass Triton kernel (llmcli.kernels.triton_sample), behind each row's
+top-k/top-p threshold found without a sort (llmcli.kernels.triton_sample_filter); the torch code below is
+the CPU path, the fallback, and the reference (the sort-based filter defines the kept set). Nothing here
+uses torch.compile: importing Dynamo and Inductor alone costs seconds of start-up.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from llmcli.kernels.sample_scale import inverse_temperatures, min_p_floors
 
 _M32 = 0xFFFFFFFF
 
@@ -69,18 +71,26 @@ def gumbel_noise(bits: torch.Tensor) -> torch.Tensor:
     return -torch.log(minus_log_u)
 
 
-def filter_logits(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    k = torch.where(top_ks > 0, top_ks, logits.shape[-1])
-    drop = ranks[None, :] >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+def filter_logits(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """The exact, sort-based reference filter: tokens outside each row's top-k, then its top-p, set to -inf.
+
+    The rule (``llmcli.kernels.triton_sample_filter`` computes the same set without a sort): top-k keeps
+    every token at or above the k-th largest value, ties with it included (vLLM's rule); top-p then keeps
+    every token whose probability mass strictly above its value (softmax over the top-k set, in float64
+    here) is below p, so tied tokens stay or go together. ``top_ks`` <= 0 or >= V and ``top_ps`` >= 1: off.
+    """
+    vocab = scaled.shape[-1]
+    desc = scaled.sort(dim=-1, descending=True).values
+    k = torch.where((top_ks > 0) & (top_ks < vocab), top_ks, vocab).long()
+    kth = desc.gather(1, (k - 1)[:, None])
+    desc = desc.masked_fill(desc < kth, float("-inf"))
+    probs = desc.double().softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_ps[:, None]  # keeps the smallest prefix whose mass reaches top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    first_equal = torch.searchsorted(-desc, -desc)  # the first position of each value among its ties
+    above = mass_before.gather(1, first_equal)
+    kept = (above < top_ps.double()[:, None]) | (top_ps >= 1)[:, None]
+    tau = torch.where(kept, desc, float("inf")).amin(dim=-1, keepdim=True)
+    return scaled.masked_fill(scaled < torch.maximum(tau, kth), float("-inf"))
 
 
 def fused_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -93,14 +103,13 @@ def fused_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def scale_logits(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """float32 logits divided by each row's temperature (greedy rows left as they are)."""
-    logits = logits.float()
-    return logits / torch.where(temperatures <= 0, 1.0, temperatures)[:, None]
+    """float32 logits times each row's ``1 / T`` (greedy rows left as they are), as every path scales them."""
+    return logits.float() * inverse_temperatures(temperatures)[:, None]
 
 
 def draw(logits, scaled, temperatures, min_ps, seeds, steps):
     """Gumbel-max over the (filtered) scaled logits, after min-p; argmax of the raw logits for greedy rows."""
-    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps)[:, None]
+    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps.float())[:, None]
     scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     gumbel = gumbel_noise(noise_bits(seeds, steps, logits.shape[-1]))
     return torch.where(temperatures <= 0, logits.argmax(dim=-1), (scaled + gumbel).argmax(dim=-1))
@@ -122,20 +131,19 @@ def sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filte
 
 
 def sample_one_pass(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters: bool):
-    """``sample`` with the draw in the one-pass Triton kernel (llmcli.kernels.triton_sample).
-
-    With top-k/top-p the sort-based filter runs first on the scaled logits; the kernel then samples those
-    at temperature 1, min-p applying to the kept tokens as in ``draw``; greedy rows take the raw argmax.
-    """
-    from llmcli.kernels.triton_sample import sample_unfiltered
+    """``sample`` on CUDA with no sort: each row's top-k/top-p threshold from
+    ``llmcli.kernels.triton_sample_filter``, then the one-pass draw (``llmcli.kernels.triton_sample``) over
+    the tokens at or above the larger of it and min-p's floor; greedy rows take the raw argmax."""
+    from llmcli.kernels.triton_sample import sample_with_floor
 
     keys = fused_row_keys(seeds, steps)
-    if not use_filters:
-        return sample_unfiltered(logits, temperatures, min_ps, keys)
-    greedy = temperatures <= 0
-    kept = filter_logits(scale_logits(logits, temperatures), top_ks, top_ps)
-    drawn = sample_unfiltered(kept, (~greedy).float(), min_ps, keys)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    inv_t = inverse_temperatures(temperatures)
+    floors = min_p_floors(logits, inv_t, min_ps)
+    if use_filters:
+        from llmcli.kernels.triton_sample_filter import thresholds
+
+        floors = torch.maximum(floors, thresholds(logits, inv_t, top_ks, top_ps))
+    return sample_with_floor(logits, temperatures, inv_t, floors, keys)
 
 
 class Sampler(nn.Module):
@@ -166,7 +174,7 @@ class Sampler(nn.Module):
             ours = sample_unfiltered(logits, temps, min_ps, fused_row_keys(seeds, steps))
             no_k, no_p = torch.full_like(seeds, -1), torch.ones_like(temps)
             ref = sample(logits, temps, no_k, no_p, min_ps, seeds, steps, False)
-            scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+            scaled = scale_logits(logits, temps)
             scores = scaled + gumbel_noise(noise_bits(seeds, steps, vocab_size))
             scores = scores.masked_fill(scaled < scaled.amax(-1, keepdim=True) + torch.log(min_ps)[:, None],
                                         float("-inf"))
@@ -175,13 +183,17 @@ class Sampler(nn.Module):
             near_tie = gap <= 1e-4 * (1.0 + scores[rows, ref].abs())  # float32 logs differing in the last bits
             if ours[0] != ref[0] or not bool(((ours == ref) | near_tie).all()):
                 raise RuntimeError(f"tokens {ours.tolist()} != the torch sampler's {ref.tolist()}")
-            # behind top-k/top-p too (the float32 variant of the kernel): every token inside its row's kept set
+            # behind top-k/top-p too (the threshold kernel): every token inside its row's kept set
             top_ks = torch.tensor([-1, 20, 5, -1, 50, -1], device=device)
             top_ps = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 0.95], device=device)
             filtered = sample_one_pass(logits, temps, top_ks, top_ps, min_ps, seeds, steps, True)
             kept = filter_logits(scaled, top_ks, top_ps)
             if filtered[0] != ref[0] or not bool(torch.isfinite(kept[rows, filtered]).all()):
                 raise RuntimeError(f"tokens {filtered.tolist()} outside top-k/top-p")
+            # and the sort-based path's tokens (a top-p boundary within float32 rounding may flip one row)
+            sorted_path = sample(logits, temps, top_ks, top_ps, min_ps, seeds, steps, True)
+            if int((filtered != sorted_path).sum()) > 1:
+                raise RuntimeError(f"tokens {filtered.tolist()} != the sort-based filter's {sorted_path.tolist()}")
         except Exception as exc:  # noqa: BLE001 - any failure: keep the slower path that is known to work
             self.one_pass = False
             return f"{type(exc).__name__}: {exc}"

@@ -1,4 +1,5 @@
-"""Finding a model: local folder or hub id, its config.json, its EOS ids and its tokenizer."""
+"""Finding a model: local folder or hub id, its config.json (and whether llmcli can run what it describes), its
+EOS ids and its tokenizer."""
 from __future__ import annotations
 
 import json
@@ -43,6 +44,19 @@ def load_hf_config(model_path: Path) -> Any:
         return AutoConfig.from_pretrained(str(model_path))
     except Exception as exc:
         raise ModelNotFoundError(f"{model_path}/config.json could not be read: {exc}") from None
+
+
+def supported_positions(hf_config: Any, max_model_len: int | None) -> int | None:
+    """The longest sequence the model allows (max_position_embeddings, stretched by YaRN's factor); with
+    ``max_model_len`` also everything else about config.json that would stop the model (architecture, rope type,
+    sliding window), so that Config refuses it before any worker starts. Raises ``ValueError`` naming the field
+    (``models.UnsupportedModelError``, ``layers.rotary.UnsupportedRopeError``)."""
+    from llmcli.models import check_model_config, max_model_positions
+
+    limit = max_model_positions(hf_config)
+    if max_model_len is not None:
+        check_model_config(hf_config, max_model_len)
+    return limit
 
 
 def load_generation_eos(model_path: Path, hf_config: Any) -> list[int]:

@@ -36,10 +36,25 @@ def _target(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[str, obj
     return name, None
 
 
+def _stacked_names(model: nn.Module) -> dict[str, tuple[str, object]]:
+    """Checkpoint name -> (parameter name, shard) for parameters fed by many tensors (MoE experts stacked in one):
+    each such parameter lists its tensors' names, relative to its module, in ``checkpoint_shards``."""
+    out: dict[str, tuple[str, object]] = {}
+    for name, param in model.named_parameters():
+        module = name.rpartition(".")[0]
+        for relative, shard in getattr(param, "checkpoint_shards", {}).items():
+            out[f"{module}.{relative}"] = (name, shard)
+    return out
+
+
 def _expected_checkpoint_names(model: nn.Module) -> set[str]:
     mapping = getattr(model, "packed_modules_mapping", {})
-    expected = set()
+    stacked = _stacked_names(model)
+    expected = set(stacked)
+    stacked_params = {target for target, _ in stacked.values()}
     for name, _ in model.named_parameters():
+        if name in stacked_params:
+            continue
         fused = [frag for frag, (target, _) in mapping.items() if f".{target}." in name]
         if fused:
             expected.update(name.replace(f".{mapping[frag][0]}.", f".{frag}.") for frag in fused)
@@ -52,6 +67,7 @@ def load_safetensors(model: nn.Module, model_path: Path) -> None:
     """Load every tensor through its parameter's weight_loader; fail listing what does not match."""
     mapping = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
+    stacked = _stacked_names(model)
     tied = getattr(model, "tie_word_embeddings", False)
     seen, unexpected = set(), []
     for file in checkpoint_files(model_path):
@@ -59,7 +75,7 @@ def load_safetensors(model: nn.Module, model_path: Path) -> None:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target, shard = _target(name, mapping)
+                target, shard = stacked.get(name) or _target(name, mapping)
                 param = params.get(target)
                 if param is None:
                     unexpected.append(name)

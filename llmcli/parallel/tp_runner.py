@@ -77,6 +77,8 @@ def check_tensor_parallel_shapes(hf_config: Any, tp: int) -> None:
         "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
         "intermediate_size": hf_config.intermediate_size,
     }
+    if getattr(hf_config, "num_experts", 0):  # each rank holds a slice of every expert
+        dims["moe_intermediate_size"] = hf_config.moe_intermediate_size
     bad = [f"{name}={value}" for name, value in dims.items() if value % tp]
     if bad:
         heads, kv = dims["num_attention_heads"], dims["num_key_value_heads"]
@@ -85,7 +87,7 @@ def check_tensor_parallel_shapes(hf_config: Any, tp: int) -> None:
             f"Config.tensor_parallel_size={tp}: this model's {', '.join(bad)} "
             f"{'is' if len(bad) == 1 else 'are'} not divisible by {tp}. llmcli splits the attention heads "
             f"({heads}), the key/value heads ({kv}; replicating KV heads over ranks is not supported) and the MLP "
-            f"evenly over the ranks; tensor_parallel_size may be one of {', '.join(map(str, fits))}")
+            f"(every expert's, for a mixture of experts) evenly over the ranks; tensor_parallel_size may be one of {', '.join(map(str, fits))}")
 
 
 def start_tensor_parallel(config: Config) -> "TensorParallelRunner":

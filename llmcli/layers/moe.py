@@ -1,0 +1,86 @@
+"""A sparse mixture-of-experts block: a replicated router and every expert's weights stacked in two tensors.
+
+``w13`` is [E, 2*I, H] (each expert's gate rows then its up rows), ``w2`` [E, H, I]. Tensor parallelism splits
+every expert's intermediate dimension like the dense MLP's (each rank holds I/tp of all E experts: no token
+moves between ranks), so the down projection's partial sums need one all-reduce per block. The checkpoint's
+per-expert ``experts.N.gate_proj/up_proj/down_proj`` tensors reach their slices through ``weight_loader``;
+``checkpoint_shards`` tells the loader which names feed which parameter.
+
+The experts run as ``kernels/triton_moe.fused_moe`` on CUDA and as the reference loop elsewhere.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmcli.kernels.moe_reference import moe_reference, route
+from llmcli.parallel import all_reduce, tp_rank, tp_size
+
+MOE_BACKENDS = ("auto", "triton", "reference")
+SLOTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def use_fused_moe(x: torch.Tensor) -> bool:
+    """The fused kernel on CUDA, the loop elsewhere; ``LLMCLI_MOE=reference`` runs the loop on CUDA too and
+    ``LLMCLI_MOE=triton`` the kernel on the CPU too (under TRITON_INTERPRET=1): benchmarks compare the two."""
+    mode = os.environ.get("LLMCLI_MOE", "auto") or "auto"
+    if mode not in MOE_BACKENDS:
+        raise ValueError(f"LLMCLI_MOE={mode!r}: expected one of {', '.join(MOE_BACKENDS)}")
+    return mode == "triton" or (mode == "auto" and x.is_cuda)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router softmax top-k (renormalised when ``norm_topk_prob``), then each token through its k experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 normalize: bool) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
+                             f"tensor_parallel_size ({self.tp_size})")
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        self.local_inter = intermediate_size // self.tp_size
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, the same on every rank
+        self.gate.weight.requires_grad_(False)
+        self.experts = StackedExperts(num_experts, hidden_size, self.local_inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.normalize)
+        experts = self.experts
+        if use_fused_moe(x):
+            from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
+
+            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+        else:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
+                                   "cannot hold: run it with enforce_eager=True (--enforce-eager)")
+            out = moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+        return all_reduce(out)
+
+
+class StackedExperts(nn.Module):
+    """The experts' weights as two parameters, named after transformers' own stacked layout."""
+
+    def __init__(self, num_experts: int, hidden_size: int, local_inter: int) -> None:
+        super().__init__()
+        self.tp_rank, self.local_inter = tp_rank(), local_inter
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local_inter, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local_inter), requires_grad=False)
+        for param, slots in ((self.gate_up_proj, SLOTS[:2]), (self.down_proj, SLOTS[2:])):
+            param.weight_loader = self.weight_loader
+            # checkpoint name (relative to this module) -> the weight_loader's shard argument
+            param.checkpoint_shards = {f"{e}.{slot}.weight": (e, slot) for e in range(num_experts) for slot in slots}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
+        expert, slot = shard
+        n, start = self.local_inter, self.tp_rank * self.local_inter
+        if slot == "down_proj":  # [H, I]: this rank's columns
+            param.data[expert].copy_(loaded.narrow(1, start, n))
+        else:  # [I, H]: this rank's rows, into the gate or the up half
+            offset = 0 if slot == "gate_proj" else n
+            param.data[expert].narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
