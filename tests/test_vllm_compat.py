@@ -138,11 +138,19 @@ PROMPT = [5, 17, 42, 99, 123, 7, 64, 300]
 A_IDS = (67, 261)  # the tiny tokenizer's "a" and " a": one token each
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model):
+def _devices() -> list[str]:
+    import torch
+
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the device path of the token tables
+
+
+@pytest.fixture(scope="module", params=_devices())
+def llm(tiny_model, request):
     from llmcli import LLM
 
-    return LLM(str(tiny_model), **KW)
+    engine = LLM(str(tiny_model), **{**KW, "device": request.param})
+    yield engine
+    engine.shutdown()
 
 
 def greedy(**kw):

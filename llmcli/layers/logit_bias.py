@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from llmcli.layers.penalties import grow_rows
+
 
 class BiasTables:
     """The device table, grown on demand (a request without a bias never touches it)."""
@@ -22,11 +24,7 @@ class BiasTables:
         return self.bias.shape[0]
 
     def reserve(self, rows: int) -> None:
-        if rows <= self.capacity:
-            return
-        grow = max(rows, 2 * self.capacity, 8) - self.capacity
-        self.bias = torch.cat([self.bias, torch.zeros(grow, self.vocab_size, dtype=torch.float32,
-                                                      device=self.device)])
+        self.bias = grow_rows(self.bias, rows)
 
     def start(self, rows: torch.Tensor, closed: torch.Tensor, allow: tuple[torch.Tensor, torch.Tensor],
               add: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ban: tuple[torch.Tensor, torch.Tensor]) -> None:
