@@ -27,6 +27,7 @@ SMOKES = [
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
     (["real_path_gpu.py", "--smoke"], "correctness failures: none"),
     (["moe_gpu.py", "--smoke"], "all checks passed"),
+    (["families_gpu.py", "--smoke"], "families: ok"),
 ]
 
 

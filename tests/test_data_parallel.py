@@ -285,8 +285,11 @@ def test_two_local_replicas_match_one(tiny_model, inputs, one_replica, tmp_path)
     assert b"18 / 18" in result.stderr  # the summary counts every record once
 
 
-def test_logprobs_and_penalties_travel_from_replicas(tiny_model, tmp_path):
-    """Replicas ship vLLM-shaped outputs (logprobs built in the replica before pickling) to the driver."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_logprobs_and_penalties_travel_from_replicas(tiny_checkpoint, tmp_path, family):
+    """Replicas ship vLLM-shaped outputs (logprobs built in the replica before pickling) to the driver; on
+    Qwen2 too (another family in the replicas' processes)."""
+    tiny_model = tiny_checkpoint(family)
     records = [{"id": i, "prompt_token_ids": [5 + i, 17, 42, 99][: 2 + i % 3], "logprobs": 2, "prompt_logprobs": 1,
                 "repetition_penalty": 1.3, "presence_penalty": -1.0} for i in range(6)]
     inp = write_jsonl(tmp_path / "in.jsonl", records)

@@ -49,10 +49,12 @@ def check_position(entry, token: int, ref_row: torch.Tensor, k: int, where: str)
         assert abs(lp - want) < ATOL, f"{where}: top logprob {lp} != {want}"
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_logprobs_match_transformers(tiny_model, hf_oracle, temperature):
+@pytest.mark.parametrize("temperature,family", [(0.0, "qwen3"), (0.8, "qwen3"), (0.0, "llama")])
+def test_logprobs_match_transformers(tiny_checkpoint, hf_oracle, temperature, family):
     """Greedy and sampled (the reported values ignore temperature and penalties), with a penalty on one
-    request; chunked prefill (a 100-token prompt over a 48-token budget) and a prompt of one token."""
+    request; chunked prefill (a 100-token prompt over a 48-token budget) and a prompt of one token; on Qwen3
+    and on Llama (biases, llama3 rope)."""
+    tiny_model = tiny_checkpoint(family)
     ps = prompts([1, 5, 37, 100], seed=1)
     k = 5
     llm = make_llm(tiny_model, max_num_batched_tokens=48)

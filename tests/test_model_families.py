@@ -172,3 +172,21 @@ def test_rotary_tables_of_published_configs_match_transformers(name):
     cos, sin = theirs(x, positions[None])
     torch.testing.assert_close(ours.cos[positions], cos[0], rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ours.sin[positions], sin[0], rtol=1e-5, atol=2e-5)
+
+
+def test_transformers_4_spelling_of_the_rope_settings():
+    """transformers 4 configs (the GPU machine may have one) say top-level ``rope_theta`` and ``rope_scaling``
+    with ``type`` or ``rope_type``; linear scaling divides every frequency by the factor."""
+    from types import SimpleNamespace
+
+    from llmcli.layers.rotary import RotaryEmbedding, UnsupportedRopeError, rope_settings
+
+    old = SimpleNamespace(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})
+    rope = rope_settings(old)
+    assert (rope.theta, rope.kind, rope.params) == (10000.0, "linear", {"factor": 4.0})
+    table = RotaryEmbedding(8, 64, rope.theta, rope, 64)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 8, 2) / 8) / 4.0
+    torch.testing.assert_close(table.cos[40, :4], torch.cos(40 * inv_freq))
+    assert rope_settings(SimpleNamespace(rope_theta=5.0, rope_scaling=None)).kind == "default"
+    with pytest.raises(UnsupportedRopeError, match="rope_scaling.rope_type='dynamic'"):
+        rope_settings(SimpleNamespace(rope_theta=5.0, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))

@@ -222,7 +222,10 @@ def _generate(tmp_path, model, lines, *args):
     return proc, records
 
 
-def test_cli_records_and_default_schema(tmp_path, tiny_model):
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_cli_records_and_default_schema(tmp_path, tiny_checkpoint, family):
+    """Every constraint kind through the CLI; on Llama too (its tokenizer's special tokens, its chat template)."""
+    tiny_model = tiny_checkpoint(family)
     schema = SCHEMAS[0]
     (tmp_path / "schema.json").write_text(json.dumps(SCHEMAS[3]))
     lines = [

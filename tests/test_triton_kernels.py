@@ -53,6 +53,8 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU-sized cases need CUDA")
 
 # (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1/2/4/8, Qwen3-0.6B's 16/8/128
 SHAPES = [(8, 8, 64, 16), (8, 4, 128, 64), (8, 2, 64, 256), (8, 1, 128, 16), (16, 8, 128, 256)]
+# a GQA group of 7, not a power of two: Qwen2.5-0.5B's 14/2/64 (Qwen2.5-7B's 28/4/128 has the same group)
+QWEN25_SHAPE = (14, 2, 64, 16)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -136,7 +138,7 @@ def check_decode(ctx_lens, shape, dtype, num_splits):
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + [QWEN25_SHAPE])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_matches_torch(shape, dtype, num_splits):
@@ -296,7 +298,7 @@ def check_prefill(prefix_lens, q_lens, shape, dtype, paged, tiles=None, poison_t
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + [QWEN25_SHAPE])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_with_prefix_matches_torch(shape, dtype):
     bs = shape[3]
