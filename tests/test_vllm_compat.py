@@ -364,3 +364,17 @@ def test_one_plain_shape_whatever_n_and_openai_errors_keep_openai_shape():
     assert line["response"]["body"]["error"]["param"] == "custom_id"
     from llmcli.cli.io.records import output_key
     assert output_key(line) == bad.key  # --resume knows it is answered
+
+
+def test_stop_reason_is_none_at_eos_and_the_token_at_a_stop_token(llm):
+    from llmcli import SamplingParams
+
+    eos = llm.engine.eos_token_ids[0]
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 100},
+                                                   skip_special_tokens=False))
+    c = out.outputs[0]
+    assert (c.token_ids, c.finish_reason, c.stop_reason, c.text) == ([eos], "stop", None, "")  # as vLLM
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, logit_bias={300: 100},
+                                                   stop_token_ids=[300]))
+    c = out.outputs[0]
+    assert (c.token_ids, c.finish_reason, c.stop_reason, c.text) == ([300], "stop", 300, "")

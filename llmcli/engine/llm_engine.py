@@ -86,7 +86,7 @@ class LLMEngine:
         todo = [c for o in outs for c in o.outputs if c.text is None]
         for skip in {o.skip_special_tokens for o in todo}:
             group = [o for o in todo if o.skip_special_tokens == skip]
-            texts = self.stopper.texts_of([(o.token_ids, o.stop_reason) for o in group], skip)
+            texts = self.stopper.texts_of([(o.token_ids, o.finish_reason, o.stop_reason) for o in group], skip)
             for out, text in zip(group, texts):
                 out.text = text
 
