@@ -378,3 +378,20 @@ def test_stop_reason_is_none_at_eos_and_the_token_at_a_stop_token(llm):
                                                    stop_token_ids=[300]))
     c = out.outputs[0]
     assert (c.token_ids, c.finish_reason, c.stop_reason, c.text) == ([300], "stop", 300, "")
+
+
+def test_reasoning_goes_to_vllms_current_field_or_the_old_one_on_request(tiny_model, tmp_path):
+    from tiny_qwen3 import THINK_CHAT_TEMPLATE
+
+    template = tmp_path / "think.jinja"
+    template.write_text(THINK_CHAT_TEMPLATE)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"messages": HI, "max_tokens": 2}])
+    fields = {}
+    for flag in ([], ["--reasoning-field", "reasoning_content"]):
+        out = tmp_path / f"out{len(flag)}.jsonl"
+        result = runner.invoke(app, ["generate", str(inp), "-o", str(out), "-q", "--chat-template", str(template),
+                                     *engine_args(tiny_model), *flag])
+        assert result.exit_code == 0, result.output
+        fields[len(flag)] = set(read_jsonl(out)[0])
+    assert "reasoning" in fields[0] and "reasoning_content" not in fields[0]
+    assert "reasoning_content" in fields[2] and "reasoning" not in fields[2]

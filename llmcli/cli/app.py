@@ -92,6 +92,11 @@ class OnError(str, enum.Enum):
     skip = "skip"
 
 
+class ReasoningField(str, enum.Enum):
+    reasoning = "reasoning"
+    reasoning_content = "reasoning_content"
+
+
 class ReasoningParser(str, enum.Enum):
     auto = "auto"
     qwen3 = "qwen3"
@@ -197,9 +202,13 @@ def generate(
                                                   "records: time to first token, total time, cached prompt tokens.",
                                                   rich_help_panel=OUTPUT)] = False,
     reasoning_parser: Annotated[ReasoningParser, typer.Option(
-        help="qwen3: move the text between <think> and </think> into reasoning_content; auto: qwen3 when the "
-             "chat template mentions <think>; none: leave the text alone.", rich_help_panel=OUTPUT)
+        help="qwen3: move the text between <think> and </think> into reasoning (see --reasoning-field); "
+             "auto: qwen3 when the chat template mentions <think>; none: leave the text alone.",
+        rich_help_panel=OUTPUT)
     ] = ReasoningParser.auto,
+    reasoning_field: Annotated[ReasoningField, typer.Option(
+        help="The field the reasoning parser writes: reasoning (vLLM's name now) or reasoning_content (its "
+             "name before).", rich_help_panel=OUTPUT)] = ReasoningField.reasoning,
     on_error: Annotated[OnError, typer.Option(help="fail: stop before generating if any input is invalid; "
                                                    "skip: write an error record for it and carry on.",
                                               rich_help_panel=OUTPUT)] = OnError.fail,
@@ -279,6 +288,7 @@ def generate(
     opts = GenerateOptions(
         input=input if input is not None else (input_option or ""), output=output, strict=strict,
         chat_template_kwargs=template_kwargs, reasoning_parser=reasoning_parser.value,
+        reasoning_field=reasoning_field.value,
         include_metrics=include_metrics, engine=engine, sampling=sampling, resume=resume or force_resume,
         force_resume=force_resume, overwrite=overwrite,
         ordered=not unordered, on_error=on_error.value, include_token_ids=include_token_ids,

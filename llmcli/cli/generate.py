@@ -73,6 +73,7 @@ class GenerateOptions:
     strict: bool = False  # unknown record fields are input errors instead of warnings
     chat_template_kwargs: dict[str, Any] | None = None  # --chat-template-kwargs (records' own win per key)
     reasoning_parser: str = "auto"  # "auto" | "qwen3" | "none"
+    reasoning_field: str = "reasoning"  # or vLLM's older name, "reasoning_content"
     include_metrics: bool = False
 
 
@@ -285,7 +286,7 @@ def _report_input(opts: GenerateOptions, console: Console, config: Any, index: I
     if not opts.quiet:
         if run.reasoning is not None and opts.reasoning_parser == "auto":
             say(console, f"reasoning parser {run.reasoning}: the chat template uses <think>, so thinking goes to "
-                         "reasoning_content (--reasoning-parser none keeps it in the text)")
+                         f"{opts.reasoning_field} (--reasoning-parser none keeps it in the text)")
         earlier = f", {run.resumed.errors} of them by error records" if run.resumed.errors else ""
         # stdout is never resumed: nothing in it can be answered already
         answered = f" ({run.skipped} already answered in OUT{earlier})" if opts.output != "-" else ""
@@ -347,7 +348,8 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
             runner = Runner(engine, writer, progress, model=opts.engine["model"], max_model_len=config.max_model_len,
                             include_token_ids=opts.include_token_ids, window=window, stop=stop,
                             include_metrics=opts.include_metrics, reasoning=run.reasoning, guess=guess,
-                            token_bytes=TokenBytes(getattr(engine, "tokenizer", None)))
+                            token_bytes=TokenBytes(getattr(engine, "tokenizer", None)),
+                            reasoning_field=opts.reasoning_field)
             counts = runner.run(items)
     except BrokenPipeError:
         # The reader has what it wanted (| head): stop at once and quietly, as Unix tools do (128 + SIGPIPE).
