@@ -17,6 +17,8 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GENERATION_CONFIGS = ("auto", "ignore", "vllm")  # "vllm": vLLM's name for "ignore" (its own neutral defaults)
+# "auto": the model dtype; "fp8" (vLLM also spells it "fp8_e4m3"): e4m3 with a per-layer k and v scale
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class ConfigError(ValueError):
@@ -72,11 +74,15 @@ class Config:
     generation_config: str = "auto"  # "auto": generation_config.json's sampling values fill unset fields
     mixed_steps: bool = True  # decode rows ride along with prompt chunks in one step (False: prefill first)
     sample_in_graph: bool = True  # CUDA: the decode graph also holds the lm_head and the one-pass sampler
+    kv_cache_dtype: str = "auto"  # "fp8": the KV pool in float8_e4m3fn (half the bytes of bf16)
+    quantization: str | None = None  # "fp8": a 16-bit checkpoint's linear weights in FP8 (FP8 checkpoints: found)
 
     # Filled in by __post_init__ (not user knobs).
     hf_config: Any = field(default=None, repr=False)
     model_path: Path | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
+    kv_torch_dtype: torch.dtype | None = field(default=None, repr=False)  # the KV pool's element type
+    quant_config: Any = field(default=None, repr=False)  # layers.quantization.QuantConfig, or None: 16-bit weights
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
     sampling_defaults: dict[str, Any] = field(default_factory=dict, repr=False)  # empty with "ignore"
 
@@ -101,6 +107,8 @@ class Config:
         if self.generation_config == "auto":
             self.sampling_defaults = load_generation_defaults(self.model_path)
         self.torch_dtype = self._resolve_dtype()
+        self.kv_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        self.quant_config = self._resolve_quantization()
         self._check_model_len()
 
     # -- validation ---------------------------------------------------------
@@ -128,6 +136,10 @@ class Config:
             raise self._fail("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise self._fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.quantization not in (None, "fp8"):
+            raise self._fail("quantization", "must be 'fp8' or None (the checkpoint's own format)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.generation_config not in GENERATION_CONFIGS:
@@ -149,8 +161,12 @@ class Config:
 
     def _resolve_backend(self) -> str:
         backend = self.attention_backend
+        fp8_kv = KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
         if backend == "auto":
             return "torch" if self.device == "cpu" else "auto"
+        if backend == "flash-attn" and KV_CACHE_DTYPES.get(self.kv_cache_dtype) is not None:
+            raise self._fail("attention_backend", "flash-attn reads 16-bit KV caches only; with "
+                                                  "kv_cache_dtype='fp8' use 'triton' (or 'auto')")
         if backend == "flash-attn":
             if self.device != "cuda":
                 raise self._fail("attention_backend", "flash-attn runs on CUDA only; use 'torch' on CPU")
@@ -163,8 +179,9 @@ class Config:
     def _fastest_backend(self) -> str:
         cfg = self.hf_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash_attn_available(),
-                               self.kvcache_block_size)
+        # the flash-attn build llmcli runs reads 16-bit caches only
+        flash = flash_attn_available() and KV_CACHE_DTYPES[self.kv_cache_dtype] is None
+        return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash, self.kvcache_block_size)
 
     def _check_block_size(self) -> None:
         bs = self.kvcache_block_size
@@ -193,6 +210,19 @@ class Config:
             native = DTYPES.get(native)
         return native if native in (torch.float16, torch.bfloat16) else torch.bfloat16
 
+    def _resolve_quantization(self) -> Any:
+        from dataclasses import replace
+
+        from llmcli.models.hub import QuantizationError, load_quant_config
+
+        try:
+            quant = load_quant_config(self.hf_config, self.quantization)
+        except QuantizationError as exc:
+            raise self._fail("quantization", f"{self.model_path}/{exc}") from None
+        if quant is not None and self.load_format == "dummy":  # random weights: every linear layer made FP8
+            quant = replace(quant, source="online")
+        return quant
+
     def _check_model_len(self) -> None:
         from llmcli.models.hub import supported_positions
 
@@ -214,5 +244,6 @@ class Config:
     @classmethod
     def knob_names(cls) -> list[str]:
         """The user-facing field names (what ``LLM(**kwargs)`` accepts)."""
-        derived = {"hf_config", "model_path", "torch_dtype", "eos_token_ids", "sampling_defaults"}
+        derived = {"hf_config", "model_path", "torch_dtype", "kv_torch_dtype", "quant_config", "eos_token_ids",
+                   "sampling_defaults"}
         return [f.name for f in fields(cls) if f.name not in derived and f.name != "model"]

@@ -189,3 +189,31 @@ def hf_oracle() -> HFOracle:
 def hf_greedy(hf_oracle):
     """``hf_greedy(model_path, prompts_token_ids, max_new_tokens) -> list[list[int]]``."""
     return hf_oracle.greedy
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3 trained for a few seconds on CPU on the tokenizer's corpus: confident, structured
+    predictions (random weights are no signal for numerics that only perturb the logits, like an FP8 cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_qwen3 import training_corpus
+
+    path = write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_trained"), seed=7, initializer_range=0.02)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor(tok("\n".join(training_corpus() * 2))["input_ids"])
+    seq = 64
+    windows = ids[: len(ids) // seq * seq].view(-1, seq)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        batch = windows[torch.randint(0, len(windows), (8,), generator=g)]
+        loss = model(input_ids=batch, labels=batch).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -98,3 +98,18 @@ def test_moe_reads_the_dense_weights_and_the_experts_a_batch_touches() -> None:
     # one request at a time: 4 steps of the first, then 1 of the second, each a batch of 1
     one = physical_bound(MOE_FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, max_concurrent=1)
     assert one["weights_read_bytes"] == pytest.approx(5 * 1840 + 2 * 5 * 2 * 20)
+
+
+def test_fp8_weights_and_kv_by_hand() -> None:
+    """FP8 weights: the 600 linear parameters at 1 byte (the 400 embedding ones stay at 2) and the prefill linear
+    FLOPs at the FP8 rate; an FP8 KV cache: 1 byte per element. Without the FP8 rate no floor."""
+    b = physical_bound(FACTS, PROMPTS, OUTS, {**CEILINGS, "fp8_matmul_flops_per_s": 200.0}, elem_bytes=2,
+                       weight_elem_bytes=1, kv_elem_bytes=1)
+    assert b["weight_bytes"] == 600 * 1 + 400 * 2
+    assert b["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 1
+    assert b["prefill_linear_flops"] == 0 and b["prefill_linear_fp8_flops"] == 2 * 600 * 5
+    assert b["t_prefill_linear_fp8_s"] == pytest.approx(30.0) and b["t_prefill_linear_s"] == 0
+    assert b["floor_s"] == pytest.approx(4 * 1400 / 1000 + 17 * 128 / 1000 + 30.0 + 33.28)
+    assert "floor_s" not in physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, weight_elem_bytes=1)
+    assert physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, kv_elem_bytes=1)["floor_s"] == \
+        pytest.approx(105.632 - 17 * 128 / 1000)

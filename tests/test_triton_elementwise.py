@@ -17,7 +17,7 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("triton_elementwise", "triton_store"):  # decorated before the switch: redo it
+    for _name in ("triton_store", "triton_elementwise"):  # decorated before the switch: redo it (store first: elementwise imports from it)
         if f"llmcli.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
 

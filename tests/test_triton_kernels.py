@@ -209,10 +209,10 @@ from llmcli.kernels import triton_decode as td
 
 PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
         "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-        "scale_log2": "fp32", "row_order_ptr": "*i64"}
+        "scale_log2": "fp32", "row_order_ptr": "*i64", "v_scale": "fp32"}
 
-def build(kernel, constexprs, **options):
-    sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in kernel.arg_names}
+def build(kernel, constexprs, ptrs=PTRS, **options):
+    sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -220,9 +220,14 @@ for group in (1, 2, 4):
     for split, ordered in ((True, True), (False, True), (False, False)):
         order = {} if ordered else {"row_order_ptr": None}  # the engine's launch has an order; a bare call not
         build(td._decode_partition_kernel, dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256,
-              BLOCK_N=td.BLOCK_N, SPLIT=split, HEADS_FASTEST=ordered, **order),
+              BLOCK_N=td.BLOCK_N, SPLIT=split, HEADS_FASTEST=ordered, FP8=False, **order),
               num_warps=td.NUM_WARPS, num_stages=td.NUM_STAGES)
         print("partition compiled: group", group, "split", split, "ordered", ordered)
+# an FP8 KV cache: e4m3 tiles widened to q's bf16 for the dots
+build(td._decode_partition_kernel, dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=td.BLOCK_N,
+      SPLIT=True, HEADS_FASTEST=True, FP8=True), {**PTRS, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
+      num_warps=td.NUM_WARPS, num_stages=td.NUM_STAGES)
+print("fp8 partition compiled")
 build(td._decode_reduce_kernel, dict(HEAD_DIM=128, MAX_SPLITS_PAD=td.MAX_SPLITS), num_warps=td.NUM_WARPS)
 print("reduce compiled")
 """
@@ -238,7 +243,7 @@ def test_decode_kernels_compile_for_sm90():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    assert out.count("partition compiled") == 9 and out.count("reduce compiled") == 1, out
+    assert out.count("partition compiled") == 10 and out.count("reduce compiled") == 1, out
 
 
 def test_backend_split_decode_layer_after_layer():

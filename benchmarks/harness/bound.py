@@ -4,6 +4,10 @@ The floor is a sum of terms. A term (``Term``) is one amount of work of the work
 FLOPs done, over one ceiling (the copy bandwidth or the matmul rate). To add one (a decode FLOPs term for
 prefill-heavy workloads, say), write its amount as a function of ``Shape`` and put a ``Term`` in ``TERMS``:
 the floor, the JSON, the printed derivation and the bound table all follow ``TERMS``.
+
+FP8: with FP8 weights (``weight_elem_bytes=1``) the linear layers' weights are read at one byte each (the
+embedding and lm_head stay 16-bit) and the prefill linear FLOPs run at the measured FP8 matmul rate
+(``fp8_matmul_flops_per_s``); an FP8 KV cache (``kv_elem_bytes=1``) reads one byte per cached element.
 """
 from __future__ import annotations
 
@@ -22,6 +26,12 @@ class Shape:
     output_lens: list[int]
     elem_bytes: int
     max_concurrent: int | None = None  # the engine's max_num_seqs; None: every request runs at once
+    weight_elem_bytes: int | None = None  # bytes per linear-layer weight (1: FP8); None: elem_bytes
+    kv_elem_bytes: int | None = None  # bytes per KV-cache element (1: FP8 cache); None: elem_bytes
+
+    @property
+    def fp8_weights(self) -> bool:
+        return self.weight_elem_bytes == 1
 
     @property
     def decode_steps(self) -> int:
@@ -33,7 +43,8 @@ class Shape:
 
     @property
     def weight_bytes(self) -> int:
-        return self.facts["params"] * self.elem_bytes
+        linear = self.facts["params_non_embedding"]
+        return linear * (self.weight_elem_bytes or self.elem_bytes) + (self.facts["params"] - linear) * self.elem_bytes
 
     @property
     def decode_batches(self) -> list[int]:
@@ -79,7 +90,7 @@ class Shape:
     @property
     def kv_bytes_per_token(self) -> int:
         f = self.facts
-        return 2 * f["layers"] * f["kv_heads"] * f["head_dim"] * self.elem_bytes
+        return 2 * f["layers"] * f["kv_heads"] * f["head_dim"] * (self.kv_elem_bytes or self.elem_bytes)
 
     @property
     def kv_tokens_read(self) -> int:
@@ -108,6 +119,7 @@ class Ceiling:
 
 COPY = Ceiling("copy_bytes_per_s", "copy_bw", "TB")
 MATMUL = Ceiling("matmul_flops_per_s", "matmul_rate", "TFLOP")
+MATMUL_FP8 = Ceiling("fp8_matmul_flops_per_s", "fp8_matmul_rate", "TFLOP")
 
 
 @dataclass(frozen=True)
@@ -150,8 +162,12 @@ TERMS: tuple[Term, ...] = (
          lambda b: f"KV: {b['kv_tokens_read']:,} tokens x {b['kv_bytes_per_token']:,} B = "
                    f"{b['kv_read_bytes'] / 1e12:.3f} TB"),
     Term("prefill_linear", "prefill_linear_flops", MATMUL, "2 x active params_non_embedding x prompt tokens",
-         "prefill FLOPs", lambda s: 2 * active_params(s.facts) * sum(s.prompt_lens),
+         "prefill FLOPs", lambda s: 0 if s.fp8_weights else 2 * active_params(s.facts) * sum(s.prompt_lens),
          lambda b: f"prefill linear: {b['prefill_linear_flops'] / 1e12:.2f} TFLOP"),
+    Term("prefill_linear_fp8", "prefill_linear_fp8_flops", MATMUL_FP8,
+         "2 x params_non_embedding x prompt tokens (FP8 weights)", "prefill FLOPs",
+         lambda s: 2 * active_params(s.facts) * sum(s.prompt_lens) if s.fp8_weights else 0,
+         lambda b: f"prefill linear FP8: {b['prefill_linear_fp8_flops'] / 1e12:.2f} TFLOP"),
     Term("prefill_attention", "prefill_attention_flops", MATMUL, "4 x layers x heads x head_dim x sum(I^2)/2",
          "prefill FLOPs",
          lambda s: 4 * s.facts["layers"] * s.facts["heads"] * s.facts["head_dim"]
@@ -173,13 +189,15 @@ def _grouped(by: Callable[[Term], Any]) -> dict[Any, list[Term]]:
 
 
 def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[int], ceilings: dict[str, Any],
-                   elem_bytes: int, max_concurrent: int | None = None) -> dict[str, Any]:
-    """Every term's amount, and with both ceilings known its time, the floor and the floor's tok/s.
+                   elem_bytes: int, max_concurrent: int | None = None, weight_elem_bytes: int | None = None,
+                   kv_elem_bytes: int | None = None) -> dict[str, Any]:
+    """Every term's amount, and with the ceilings its terms need known, their times, the floor and its tok/s.
 
     ``max_concurrent`` (the engine's max_num_seqs) bounds how many requests decode in one step; without it
     every request is taken to run at once (right for the default workload's 256 requests).
+    ``weight_elem_bytes`` / ``kv_elem_bytes``: 1 for FP8 weights / an FP8 KV cache (module docstring).
     """
-    s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes, max_concurrent)
+    s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes, max_concurrent, weight_elem_bytes, kv_elem_bytes)
     L, nh, hd = facts["layers"], facts["heads"], facts["head_dim"]
     out: dict[str, Any] = {
         "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent, "weight_bytes": s.weight_bytes,
@@ -191,9 +209,10 @@ def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[i
         "output_tokens": sum(outs), "decode_flops_info": 2 * active_params(facts) * sum(outs)
         + 4 * L * nh * hd * s.kv_tokens_read,
     }
-    rates = {t.ceiling.key: ceilings.get(t.ceiling.key) for t in TERMS}
+    rates = {t.ceiling.key: ceilings.get(t.ceiling.key) for t in TERMS if out[t.amount_key]}
     if all(rates.values()):
-        out.update({t.time_key: out[t.amount_key] / rates[t.ceiling.key] for t in TERMS})
+        out.update({t.time_key: out[t.amount_key] / rates[t.ceiling.key] if out[t.amount_key] else 0.0
+                    for t in TERMS})
         out["floor_s"] = sum(out[t.time_key] for t in TERMS)
         out["floor_tok_s"] = sum(outs) / out["floor_s"]
         out["t_decode_compute_info_s"] = out["decode_flops_info"] / rates[MATMUL.key]

@@ -64,6 +64,14 @@ ENGINE_KNOBS = (
          choices=("auto", "cuda", "cpu")),
     Knob("dtype", str, "Weights and activations.", "auto: the checkpoint's on GPU, float32 on CPU",
          choices=("auto", "float32", "bfloat16", "float16", "float", "half")),  # vLLM's names too
+    Knob("quantization", str, "fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per output "
+                              "channel; FP8 GEMMs on sm90+, elsewhere the weights are rounded through FP8). FP8 "
+                              "checkpoints are recognised without it.", "the checkpoint's format",
+         choices=("fp8",)),
+    Knob("kv_cache_dtype", str, "KV-cache element type: fp8 stores e4m3 with a per-layer scale (the "
+                                "checkpoint's k_scale/v_scale, else 1.0), half the bytes of bf16: twice the "
+                                "blocks in the same memory.", "auto: the model dtype",
+         choices=("auto", "fp8", "fp8_e4m3")),
     Knob("attention_backend", str, "Attention kernels.", "auto: the backend measured fastest for the GPU and head size (triton on sm_90); torch on CPU",
          choices=("auto", "torch", "triton", "flash-attn")),
     Knob("load_format", str, "dummy: random weights from config.json alone, for benchmarks.", "auto",

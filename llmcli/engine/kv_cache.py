@@ -68,7 +68,7 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         other_bytes=other, kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, block_size=bs,
         num_blocks=num_blocks, cache_tokens=cache_tokens, max_model_len=config.max_model_len,
         max_concurrent_full_seqs=cache_tokens / config.max_model_len, dtype=str(config.torch_dtype).removeprefix("torch."),
-        notes=notes,
+        kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), notes=notes,
     )
 
 

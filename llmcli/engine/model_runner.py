@@ -27,6 +27,7 @@ from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
+from llmcli.layers.quantization.loading import finish_fp8
 from llmcli.models.loader import load_dummy, load_safetensors
 
 log = logging.getLogger("llmcli")
@@ -116,7 +117,7 @@ class ModelRunner:
         try:
             with clock.phase("probe"):
                 activation_peak = measure_activation_peak(self)
-                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.torch_dtype)
+                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
                                                    activation_peak)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
@@ -124,7 +125,8 @@ class ModelRunner:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
             with clock.phase("kv_cache"):
                 self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
-                                                  self.num_kv_heads, self.head_dim, config.torch_dtype, self.device)
+                                                  self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
+                                                  self.device)
             if self.device.type == "cuda":
                 with clock.phase("compile"):
                     compile_variants(self)
@@ -156,7 +158,8 @@ class ModelRunner:
 
         cfg = self.config
         tasks = attention_tasks(self.backend, cfg.torch_dtype, self.device, cfg.max_model_len,
-                                cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs))
+                                cfg.max_num_batched_tokens, [] if cfg.enforce_eager else graph_batch_sizes(cfg.max_num_seqs),
+                                kv_dtype=cfg.kv_torch_dtype)
         tasks += kernel_tasks(cfg.hf_config.vocab_size, cfg.torch_dtype, self.device)
         return SideCompile(tasks, self.device)
 
@@ -206,10 +209,14 @@ class ModelRunner:
                 model = build_model(cfg.hf_config, self.backend, cfg.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
+        loaded = None
         if cfg.load_format == "dummy":
             load_dummy(model, cfg.seed)
         else:
-            load_safetensors(model, cfg.model_path)
+            loaded = load_safetensors(model, cfg.model_path, cfg.quant_config)
+        self.fp8_layers = finish_fp8(model, cfg.quant_config, loaded, self.device)
+        if self.fp8_layers:
+            log.info("%d linear layers run FP8 GEMMs", self.fp8_layers)
         return model.eval()
 
     @torch.inference_mode()

@@ -158,6 +158,7 @@ class MemoryReport:
     max_model_len: int
     max_concurrent_full_seqs: float
     dtype: str
+    kv_cache_dtype: str = ""  # the KV pool's element type (float8_e4m3fn with kv_cache_dtype='fp8')
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

@@ -59,10 +59,12 @@ def kernel_tasks(vocab_size: int, dtype: torch.dtype, device: torch.device) -> l
 
 
 def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                    max_num_batched_tokens: int, graph_batch_sizes: list[int]) -> list[Task]:
+                    max_num_batched_tokens: int, graph_batch_sizes: list[int],
+                    kv_dtype: torch.dtype | None = None) -> list[Task]:
     """Launches that compile the Triton attention kernels start-up meets later: the prefill variants of
     ``warmup.compile_variants`` (varlen and paged, short and long chunks) and one decode launch per
-    split count the decode graphs will use. Inputs are small dummies with the real strides; nothing is stored."""
+    split count the decode graphs will use. Inputs are small dummies with the real strides; nothing is stored.
+    ``kv_dtype``: the KV pool's element type (an FP8 cache compiles other variants), by default ``dtype``."""
     if getattr(backend, "name", None) != "triton":
         return []
     from llmcli.kernels.triton_decode import paged_decode
@@ -81,7 +83,7 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
             if k_len == q_len:
                 return prefill_varlen(q, k, k, cu_q, q_len, scale)
             blocks = -(-k_len // bs)
-            cache = torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype, device=device)
+            cache = torch.zeros(blocks, bs, kv_heads, dim, dtype=kv_dtype or dtype, device=device)
             table = torch.arange(blocks, **i32)[None, :]  # as warmup.prefill_metadata builds it: one row
             return prefill_paged(q, k, k, cache, cache, table, cu_q, torch.tensor([k_len], **i32), q_len, scale)
         return run
@@ -97,7 +99,7 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
     def decode(num_splits: int) -> Task:
         def run() -> object:
             q = torch.zeros(1, heads, dim, dtype=dtype, device=device)
-            cache = torch.zeros(1, bs, kv_heads, dim, dtype=dtype, device=device)
+            cache = torch.zeros(1, bs, kv_heads, dim, dtype=kv_dtype or dtype, device=device)
             table = torch.zeros(1, max_blocks, **i32)  # the graphs' table buffer is max_blocks wide
             order = torch.zeros(1, dtype=torch.int64, device=device) if backend.decode_tuning.heads_fastest else None
             return paged_decode(q, cache, cache, table, torch.zeros(1, **i32), scale, num_splits=num_splits,

@@ -16,6 +16,11 @@ per-head RMSNorm before it or not (Qwen3: yes; Llama, Qwen2, Mistral: no), descr
 ``fuses_qk_norm_rotary`` may be handed it with the un-normalised q and k and then does the transform and its
 KV store in one pass; the attention layer decides when (``llmcli.layers.attention``) and otherwise applies
 the transform itself, so the other backends only ever see finished q and k.
+
+FP8 KV cache: caches of ``torch.float8_e4m3fn`` hold ``value / scale``, saturated at +-448, one key and one
+value scale per layer (``KVScales``); every read multiplies by the scale. The attention layer passes
+``kv_scales`` only with such a cache, so a backend that does not take the argument (flash-attn) is never
+handed one.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+KVScales = tuple[float, float]  # (k_scale, v_scale) of one layer's FP8 cache
 
 
 @dataclass
@@ -104,11 +111,13 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, head_dim]; None before the pool exists
         v_cache: torch.Tensor | None,
         qk_norm: QKNormRotary | None = None,
+        kv_scales: KVScales = (1.0, 1.0),
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store the new k/v in the cache, then attend. Runs once per layer.
 
         ``qk_norm`` comes only to a backend with ``fuses_qk_norm_rotary``: q and k are then still to be
-        transformed by it, and the cache gets the transformed k (with v as it is)."""
+        transformed by it, and the cache gets the transformed k (with v as it is). ``kv_scales``: the layer's
+        FP8 cache scales (see the module docstring)."""
 
     # -- CUDA-graph support (decode only) -------------------------------------
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:

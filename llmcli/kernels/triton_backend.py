@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from llmcli.kernels import triton_elementwise
-from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, QKNormRotary
+from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, KVScales, QKNormRotary
 from llmcli.kernels.triton_decode import (
     DEFAULT_TUNING, DecodeTuning, choose_num_splits, paged_decode, scratch_numel,
 )
@@ -113,7 +113,7 @@ class TritonAttentionBackend(AttentionBackend):
     writes_out = True  # forward(..., out=) writes a prefill or mixed step's attention where the caller says
 
     def forward(self, q, k, v, k_cache, v_cache, qk_norm: QKNormRotary | None = None,
-                out: torch.Tensor | None = None):
+                out: torch.Tensor | None = None, kv_scales: KVScales = (1.0, 1.0)):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         has_cache = k_cache is not None and k_cache.numel()
@@ -122,42 +122,45 @@ class TritonAttentionBackend(AttentionBackend):
             te, n = triton_elementwise, qk_norm
             if has_cache:
                 q, k = te.qk_norm_rotary_store(q, k, v, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin,
-                                               k_cache, v_cache, meta.slot_mapping)
+                                               k_cache, v_cache, meta.slot_mapping,
+                                               kv_scales=kv_scales)
             else:  # start-up's warm-up pass, before the pool exists
                 q, k = te.qk_norm_rotary(q, k, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin)
         elif has_cache:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if meta.is_prefill and meta.num_decode:
-            return self._mixed(q, k, v, k_cache, v_cache, meta, out)
+            return self._mixed(q, k, v, k_cache, v_cache, meta, out, kv_scales)
         if meta.is_prefill:
             assert meta.cu_seqlens_q is not None
             if meta.has_prefix:
                 assert meta.block_tables is not None and k_cache is not None
                 return prefill_paged(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                     meta.context_lens, meta.max_seqlen_q, self.scale, out=out)
+                                     meta.context_lens, meta.max_seqlen_q, self.scale, out=out,
+                                     kv_scales=kv_scales)
             return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out)
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                             num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse,
-                            tuning=self.decode_tuning, row_order=self._order(meta))
+                            tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales)
 
     def _order(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The decode rows' launch order (longest first), where the launch settings take one."""
         return meta.row_order if self.decode_tuning.heads_fastest else None
 
     def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None,
-               ) -> torch.Tensor:
+               kv_scales: KVScales = (1.0, 1.0)) -> torch.Tensor:
         """Decode rows (the first ``num_decode``) by the decode kernel, the prompt chunks after them by prefill."""
         nd = meta.num_decode
         out = torch.empty_like(q) if out is None else out
         assert meta.block_tables is not None and k_cache is not None
         paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
                      num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd],
-                     tuning=self.decode_tuning, row_order=self._order(meta))
+                     tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales)
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
                 prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,
-                              self._rest_lens, meta.rest_max_seqlen_q, self.scale, out=out[nd:])
+                              self._rest_lens, meta.rest_max_seqlen_q, self.scale, out=out[nd:],
+                              kv_scales=kv_scales)
             else:
                 prefill_varlen(q[nd:], k[nd:], v[nd:], self._rest_cu_q, meta.rest_max_seqlen_q, self.scale,
                                out=out[nd:])

@@ -18,6 +18,9 @@ length, so the launch depends only on the batch size and ``num_splits`` (host
 ints fixed for a captured CUDA graph), never on values read back from the GPU.
 Rows with context length 0 (graph padding) read nothing and write zeros.
 
+An FP8 cache is read as it is stored (half the bytes of bf16) and widened to q's dtype for the dots; its
+scales need no per-element work: ``k_scale`` is folded into the softmax scale and ``v_scale`` into the output.
+
 Launch order: the grid runs a row's KV heads side by side (``DecodeTuning.heads_fastest``), rows in the
 order of ``row_order`` when given. The engine passes its rows longest context first, so the GPU's block
 scheduler starts the longest programs first and fills in with short ones (longest-processing-time-first
@@ -91,7 +94,7 @@ def _decode_partition_kernel(
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr = False, row_order_ptr=None,
+    HEADS_FASTEST: tl.constexpr = False, row_order_ptr=None, v_scale=1.0, FP8: tl.constexpr = False,
 ):
     if HEADS_FASTEST:  # a row's KV heads are launched together, rows in the order row_order gives
         kvh = tl.program_id(0)
@@ -117,7 +120,8 @@ def _decode_partition_kernel(
     mask_g = g < GROUP
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=mask_g[:, None], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -140,6 +144,9 @@ def _decode_partition_kernel(
             v_rows = blk * stride_vcb + (pos % BLOCK_SIZE) * stride_vcs
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=mask_n[:, None], other=0.0)
+        if FP8:  # every e4m3 value is exact in 16 bits
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -152,6 +159,8 @@ def _decode_partition_kernel(
     # Empty partition (or context 0): l == 0, output 0 and lse -inf, never NaN.
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if FP8:
+        o = o * v_scale
     dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -208,7 +217,7 @@ def paged_decode(
     context_lens: torch.Tensor, scale: float, num_splits: int = 1,
     part_out: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
     out: torch.Tensor | None = None, tuning: DecodeTuning = DEFAULT_TUNING,
-    row_order: torch.Tensor | None = None,
+    row_order: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Attention of ``q`` [batch, num_heads, head_dim] over each row's cached context.
 
@@ -217,6 +226,7 @@ def paged_decode(
     preallocated ones under CUDA graphs). ``row_order`` (integer [batch], a permutation of the
     rows, with ``tuning.heads_fastest``) is the order the rows' programs are launched in: longest
     first lets the GPU's block scheduler pack spread contexts (the outputs do not depend on it).
+    ``kv_scales``: the (k, v) scales of an FP8 cache.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -239,6 +249,7 @@ def paged_decode(
     else:
         part_out = part_lse = out  # unused by the kernel
     assert row_order is None or tuning.heads_fastest, "row_order needs tuning.heads_fastest"
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     grid = (num_kv_heads, batch, num_splits) if tuning.heads_fastest else (batch, num_kv_heads, num_splits)
     _decode_partition_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
@@ -246,10 +257,10 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * math.log2(math.e), num_splits,
+        scale * math.log2(math.e) * (kv_scales[0] if fp8 else 1.0), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=split,
-        HEADS_FASTEST=tuning.heads_fastest, row_order_ptr=row_order,
+        HEADS_FASTEST=tuning.heads_fastest, row_order_ptr=row_order, v_scale=float(kv_scales[1]), FP8=fp8,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
     )
     if split:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from llmcli.kernels.triton_store import is_fp8, to_cache
 
 # Rows of an RMSNorm handled by one program: enough elements per program for wide loads and few programs.
 _NORM_ELEMENTS = 2048
@@ -172,9 +173,10 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
                            q_stride, q_head_stride, k_stride, k_head_stride, cos_stride, sin_stride, eps,
                            v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, v_stride, v_head_stride, kc_block_stride,
                            kc_row_stride, kc_head_stride, vc_block_stride, vc_row_stride, vc_head_stride,
+                           k_scale, v_scale,
                            HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr):
+                           BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr = False):
     HALF = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -198,13 +200,13 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
         row = slot % BLOCK_SIZE
         k_dst = (k_cache_ptr + blk * kc_block_stride + row * kc_row_stride + heads[:, None] * kc_head_stride
                  + dims[None, :])
-        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, to_cache(k1, k_scale, k_cache_ptr, FP8), mask=mask)
+        tl.store(k_dst + HALF, to_cache(k2, k_scale, k_cache_ptr, FP8), mask=mask)
         v_src = v_ptr + token * v_stride + heads[:, None] * v_head_stride + dims[None, :]
         v_dst = (v_cache_ptr + blk * vc_block_stride + row * vc_row_stride + heads[:, None] * vc_head_stride
                  + dims[None, :])
-        tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, to_cache(tl.load(v_src, mask=mask), v_scale, v_cache_ptr, FP8), mask=mask)
+        tl.store(v_dst + HALF, to_cache(tl.load(v_src + HALF, mask=mask), v_scale, v_cache_ptr, FP8), mask=mask)
 
 
 def _head_rows(x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +216,8 @@ def _head_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
                k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-               store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None):
+               store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+               kv_scales: tuple[float, float] = (1.0, 1.0)):
     m, hq, d = q.shape
     hk = k.shape[1]
     q, k = _head_rows(q), _head_rows(k)
@@ -247,9 +250,10 @@ def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weig
     _qk_norm_rotary_kernel[(m,)](
         q, k, positions, q_weight, k_weight, cos, sin, q_out, k_out, m, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), cos.stride(0), sin.stride(0), eps, v, slots, k_cache, v_cache, *v_strides, *cache_strides,
+        float(kv_scales[0]), float(kv_scales[1]),
         HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk, BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d,
         BLOCK_HALF=triton.next_power_of_2(d // 2), STORE=store is not None, BLOCK_SIZE=block_size, NORM=norm,
-        num_warps=4, **_UNFUSED)
+        FP8=is_fp8(k_cache), num_warps=4, **_UNFUSED)
     return q_out, k_out
 
 
@@ -265,10 +269,13 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_
 
 def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)):
     """``qk_norm_rotary`` and then ``triton_store.store_kv(k_out, v, k_cache, v_cache, slot_mapping)``, in one kernel.
 
     The same q/k values as ``qk_norm_rotary`` (the same code computes them) and the same cache contents as the
     store: the rotated k and the untouched ``v`` [M, Hk, D] go to flat slot ``slot_mapping[i]`` of the
-    ``[num_blocks, block_size, Hk, D]`` caches, nothing where the slot is -1. Returns ``(q_out, k_out)``."""
-    return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, (v, k_cache, v_cache, slot_mapping))
+    ``[num_blocks, block_size, Hk, D]`` caches, nothing where the slot is -1 (an FP8 cache: divided by
+    ``kv_scales`` and saturated, as ``store_kv``). Returns ``(q_out, k_out)``."""
+    return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, (v, k_cache, v_cache, slot_mapping),
+                      kv_scales)

@@ -20,6 +20,9 @@ with the query tiles run from the last (most keys under the causal mask) to
 the first, so every chunk's heaviest programs start first. Each program
 sweeps the prefix and then the keys every query of its tile sees without a
 mask, and only the diagonal key tiles with the causal mask.
+
+With an FP8 cache the prefix tiles are widened to q's dtype times the layer's scales as they are loaded; the
+chunk's own keys come from the step's k/v as always (at full precision).
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ def _attend_tile(
     q, m_i, l_i, acc, n0, q_pos, k_len, qk_scale, k_base, v_base, stride_k, stride_v,
     bt_row, stride_kb, stride_vb,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, MASKED: tl.constexpr,
+    PAGED: tl.constexpr, MASKED: tl.constexpr, k_scale=1.0, v_scale=1.0, FP8: tl.constexpr = False,
 ):
     """Fold keys [n0, n0 + BLOCK_N) into the running (max, sum, acc) of one query tile.
 
@@ -99,6 +102,9 @@ def _attend_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    if FP8:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     s = tl.dot(q, tl.trans(k))  # raw scores in fp32; the scale (with log2(e) for exp2) is folded in below
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < k_len)
@@ -122,11 +128,11 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    stride_bt, stride_ot, stride_oh, qk_scale,
+    stride_bt, stride_ot, stride_oh, qk_scale, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
     QPT: tl.constexpr,  # queries per tile: BLOCK_M // GROUP
-    ONE_LOOP: tl.constexpr,
+    ONE_LOOP: tl.constexpr, FP8: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -162,11 +168,12 @@ def _prefill_kernel(
         for n0 in range(0, prefix_full, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, qi, prefix_len, qk_scale, kc_base, vc_base, stride_kcs, stride_vcs,
-                bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False)
+                bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, k_scale, v_scale, FP8)
         if prefix_full < prefix_len:  # the prefix's last, partial key tile: masked to the prefix
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, prefix_full, qi + prefix_len, prefix_len, qk_scale, kc_base, vc_base,
-                stride_kcs, stride_vcs, bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True)
+                stride_kcs, stride_vcs, bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True,
+                k_scale, v_scale, FP8)
 
     # the chunk's own keys, in chunk coordinates: those before the tile's first query are visible to all its
     # rows (no mask); the diagonal tiles after them get the causal mask (ONE_LOOP: every tile does)
@@ -213,10 +220,11 @@ def _check(q: torch.Tensor, head_dim: int) -> None:
 
 
 def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-            k: torch.Tensor, v: torch.Tensor, paged: tuple | None, scale: float, tiles: Tiles | None) -> torch.Tensor:
+            k: torch.Tensor, v: torch.Tensor, paged: tuple | None, scale: float, tiles: Tiles | None,
+            kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Shared set-up of both prefill modes: output, tiles, grid (KV heads x chunks x query tiles), launch.
 
-    ``paged`` is ``(k_cache, v_cache, block_tables, context_lens)`` or None.
+    ``paged`` is ``(k_cache, v_cache, block_tables, context_lens)`` or None; ``kv_scales`` its FP8 scales.
     """
     num_tokens, num_heads, head_dim = q.shape
     _check(q, head_dim)
@@ -243,10 +251,10 @@ def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tenso
     _prefill_kernel[grid](
         q, k, v, kc, vc, tables, cu_seqlens_q, ctx_lens, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache_strides,
-        out.stride(0), out.stride(1), scale * math.log2(math.e),
+        out.stride(0), out.stride(1), scale * math.log2(math.e), float(kv_scales[0]), float(kv_scales[1]),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         PAGED=paged is not None, QPT=t.block_m // group, num_warps=t.num_warps, num_stages=t.num_stages,
-        ONE_LOOP=t.one_loop, **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
+        ONE_LOOP=t.one_loop, FP8=kc.dtype == torch.float8_e4m3fn, **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
     )
     return out
 
@@ -266,11 +274,13 @@ def prefill_paged(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int,
     scale: float, out: torch.Tensor | None = None, tiles: Tiles | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal attention of each chunk over its cached prefix plus itself.
 
     The prefix (the first ``context_lens[i] - q_len`` positions) is read from the paged cache, the
-    chunk's own keys from ``k``/``v`` (the step's new K/V, also just stored in the cache).
+    chunk's own keys from ``k``/``v`` (the step's new K/V, also just stored in the cache). ``kv_scales``:
+    the (k, v) scales of an FP8 cache.
     """
     return _launch(q, out, cu_seqlens_q, max_seqlen_q, k, v, (k_cache, v_cache, block_tables, context_lens),
-                   scale, tiles)
+                   scale, tiles, kv_scales)

@@ -26,7 +26,7 @@ from llmcli.kernels.triton_sample import _ACCURATE, _mul
 
 WINDOW = 64  # top-k up to this is read off torch.topk's values; beyond, bisection
 CHUNK = 2048
-_ITERS: tl.constexpr = 33  # halvings of an integer range of at most 2**32 + 1 keys
+_ITERS = tl.constexpr(33)  # halvings of an integer range of at most 2**32 + 1 keys
 
 
 @triton.jit

@@ -5,6 +5,9 @@ A model whose q and k still need their per-head RMSNorm and rotary embedding pas
 ``LLMCLI_ELEMENTWISE=triton``) and the backend can fuse (``fuses_qk_norm_rotary``: triton), the backend does the
 transform and its KV store in one kernel, the very kernel ``qk_norm_rotary`` would launch, so the results are
 the same bits; everywhere else this layer runs ``qk_norm_rotary`` first and the backend stores as usual.
+
+With an FP8 KV cache the layer also holds its cache's scales (``kv_scales``: the checkpoint's ``k_scale`` /
+``v_scale``, else 1.0) and hands them to the backend with every call.
 """
 from __future__ import annotations
 
@@ -25,13 +28,17 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_scales: tuple[float, float] = (1.0, 1.0)  # of an FP8 cache; the loader sets a checkpoint's
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 qk_norm: QKNormRotary | None = None) -> torch.Tensor:
         """``qk_norm``: the transform q and k still need (None: they are final)."""
+        # only an FP8 cache has scales to pass: the other backends' (and stand-ins') signatures stay as they are
+        fp8 = self.k_cache is not None and self.k_cache.dtype == torch.float8_e4m3fn
+        scales = {"kv_scales": self.kv_scales} if fp8 else {}
         if qk_norm is not None:
             if self.backend.fuses_qk_norm_rotary and triton_kernels_on(q):
-                return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm)
+                return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm, **scales)
             q, k = qk_norm_rotary(q, k, qk_norm.positions, qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps,
                                   qk_norm.cos, qk_norm.sin)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, **scales)

@@ -18,6 +18,7 @@ class LinearBase(nn.Module):
     """y = x W^T (+ b). ``tp_dim`` is the weight dimension split across ranks (None: replicated)."""
 
     tp_dim: int | None = None
+    fp8 = None  # layers.quantization.fp8.Fp8Linear once the weights are FP8 (set after loading, sm90+)
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -43,6 +44,8 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.apply(x, bias)
         return F.linear(x, self.weight, bias)
 
 

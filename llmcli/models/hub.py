@@ -1,10 +1,12 @@
-"""Finding a model: local folder or hub id, its config.json (and whether llmcli can run what it describes), its
-EOS ids and its tokenizer."""
+"""Finding a model: local folder or hub id, its config.json (and whether llmcli can run what it describes, and its
+quantization_config), its EOS ids and its tokenizer."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from llmcli.layers.quantization import QuantConfig, QuantizationError, parse_quant_config
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -102,3 +104,11 @@ def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any 
         if tokenizer:
             raise ValueError(f"tokenizer {tokenizer!r} could not be loaded: {exc}") from None
         return None
+
+
+# QuantizationError is re-exported here for config.py, which may not import the layers itself
+
+
+def load_quant_config(hf_config: Any, quantization: str | None) -> QuantConfig | None:
+    """config.json's quantization_config (with the ``quantization`` setting) as llmcli loads it; None: 16-bit."""
+    return parse_quant_config(hf_config, quantization)

@@ -8,6 +8,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmcli.layers.quantization.fp8 import QuantConfig, QuantizationError
+from llmcli.layers.quantization.loading import Fp8Checkpoint
+
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -63,24 +66,35 @@ def _expected_checkpoint_names(model: nn.Module) -> set[str]:
     return expected
 
 
-def load_safetensors(model: nn.Module, model_path: Path) -> None:
-    """Load every tensor through its parameter's weight_loader; fail listing what does not match."""
+def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | None = None) -> Fp8Checkpoint:
+    """Load every tensor through its parameter's weight_loader; fail listing what does not match.
+
+    FP8 weights (``quant``: config.json's quantization_config) are dequantized with their scales first; the
+    returned ``Fp8Checkpoint`` says which modules they were and holds any FP8 KV-cache scales."""
     mapping = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     stacked = _stacked_names(model)
     tied = getattr(model, "tie_word_embeddings", False)
     seen, unexpected = set(), []
-    for file in checkpoint_files(model_path):
+    files = checkpoint_files(model_path)
+    try:
+        fp8 = Fp8Checkpoint(quant, files)
+    except QuantizationError as exc:
+        raise CheckpointError(f"checkpoint in {model_path}: {exc}") from None
+    for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or fp8.consumes(name):
                     continue
                 target, shard = stacked.get(name) or _target(name, mapping)
                 param = params.get(target)
                 if param is None:
                     unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name)
+                try:
+                    tensor = fp8.values(name, f.get_tensor(name), target)
+                except QuantizationError as exc:
+                    raise CheckpointError(f"{file.name}: {exc}") from None
                 loader = getattr(param, "weight_loader", None)
                 try:
                     if loader is None:
@@ -101,6 +115,7 @@ def load_safetensors(model: nn.Module, model_path: Path) -> None:
         if unexpected:
             parts.append(f"unexpected tensors: {', '.join(sorted(unexpected)[:20])}{' …' if len(unexpected) > 20 else ''}")
         raise CheckpointError(f"checkpoint in {model_path} does not match the model: " + "; ".join(parts))
+    return fp8
 
 
 @torch.no_grad()

@@ -1,0 +1,107 @@
+"""The loader's FP8 hook: checkpoint scales consumed with their weights, and each linear layer's method after load.
+
+``Fp8Checkpoint`` sits in ``models/loader.py``'s read loop: it collects every scale tensor first (they are small
+and may sit in another shard than their weight), turns each FP8 weight into float32 values before the weight
+loader shards it, and says which tensors it consumed. ``finish_fp8`` then picks each linear layer's method
+(``fp8.Fp8Linear`` where FP8 GEMMs run, the dequantized weights elsewhere) and sets the attention layers'
+FP8 KV-cache scales.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from llmcli.layers.attention import Attention
+from llmcli.layers.linear import LinearBase
+from llmcli.layers.quantization.fp8 import (FP8_DTYPE, KV_SCALE_SUFFIXES, UNUSED_SUFFIXES, WEIGHT_SCALE_SUFFIXES,
+                                            Fp8Linear, QuantConfig, QuantizationError, dequantize,
+                                            fp8_compute_available, quantize_per_channel)
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+class Fp8Checkpoint:
+    """What one load of an FP8 checkpoint needs: its scales, and which modules came in FP8."""
+
+    def __init__(self, quant: QuantConfig | None, files: list[Path]) -> None:
+        self.quant = quant
+        self.scales: dict[str, torch.Tensor] = {}
+        self.kv_scales: dict[int, dict[str, float]] = {}  # layer index -> {"k": ..., "v": ...}
+        self.quantized_modules: set[str] = set()  # our (fused) module names that held FP8 weights
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(WEIGHT_SCALE_SUFFIXES):
+                        self.scales[name] = f.get_tensor(name)
+                    elif name.endswith(KV_SCALE_SUFFIXES):
+                        self._kv_scale(name, f.get_tensor(name))
+
+    def _kv_scale(self, name: str, t: torch.Tensor) -> None:
+        found = _LAYER.search(name)
+        if found is None or t.numel() != 1:
+            raise QuantizationError(f"checkpoint tensor {name} {tuple(t.shape)}: a KV-cache scale is one float "
+                                    "of a numbered layer")
+        self.kv_scales.setdefault(int(found.group(1)), {})[name.rsplit(".", 1)[1][0]] = float(t.float().item())
+
+    @staticmethod
+    def consumes(name: str) -> bool:
+        """Scale tensors are read with their weights (or by ``finish_fp8``), never loaded as parameters."""
+        return name.endswith(WEIGHT_SCALE_SUFFIXES + UNUSED_SUFFIXES + KV_SCALE_SUFFIXES)
+
+    def values(self, name: str, tensor: torch.Tensor, target: str) -> torch.Tensor:
+        """The weight's values to load: an FP8 tensor times its scale (float32), any other tensor as it is."""
+        if tensor.dtype != FP8_DTYPE:
+            return tensor
+        if self.quant is None:
+            raise QuantizationError(f"checkpoint tensor {name} is float8_e4m3fn but config.json has no "
+                                    "quantization_config")
+        base = name.removesuffix(".weight")
+        scale = next((self.scales[base + s] for s in WEIGHT_SCALE_SUFFIXES if base + s in self.scales), None)
+        if scale is None:
+            raise QuantizationError(f"checkpoint tensor {name} is FP8 but has no {base}.weight_scale_inv or "
+                                    f"{base}.weight_scale")
+        try:
+            values = dequantize(tensor, scale, self.quant.block_size)
+        except QuantizationError as exc:
+            raise QuantizationError(f"checkpoint tensor {name}: {exc}") from None
+        self.quantized_modules.add(target.removesuffix(".weight"))
+        return values
+
+
+@torch.no_grad()
+def finish_fp8(model: nn.Module, quant: QuantConfig | None, loaded: Fp8Checkpoint | None,
+               device: torch.device) -> int:
+    """After loading: FP8 linear methods where they run, FP8 KV-cache scales; returns the layers made FP8."""
+    if loaded is not None and loaded.kv_scales:
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for i, s in loaded.kv_scales.items():
+            if i < len(layers):
+                layers[i].kv_scales = (s.get("k", 1.0), s.get("v", 1.0))
+    if quant is None:
+        return 0
+    fp8_gemm = fp8_compute_available(device)
+    converted = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        wanted = name in (loaded.quantized_modules if loaded is not None else set()) or (
+            quant.source == "online" and not quant.ignores(name))
+        if not wanted:
+            continue
+        weight = layer.weight
+        if fp8_gemm and weight.dtype == torch.bfloat16 and Fp8Linear.fits(weight):
+            layer.fp8 = Fp8Linear(weight)
+            layer.weight = nn.Parameter(layer.fp8.weight, requires_grad=False)  # the 16-bit copy is freed
+            converted += 1
+        elif quant.source == "online":  # no FP8 GEMM here: the weights carry e4m3's rounding all the same
+            q, scale = quantize_per_channel(weight)
+            weight.copy_(q.float() * scale[:, None])
+    if converted and device.type == "cuda":
+        # the freed 16-bit weights would otherwise stay in the allocator's cache, which the KV-pool probe counts
+        # as used (torch.cuda.mem_get_info)
+        torch.cuda.empty_cache()
+    return converted
