@@ -203,7 +203,7 @@ class Preparer:
         return len(rec.prompt.encode())
 
     def _truncated(self, rec: InputRecord) -> bool:
-        return {**self.defaults, **rec.sampling}.get("truncate_prompt_tokens") is not None
+        return rec.sampling.get("truncate_prompt_tokens", self.defaults.get("truncate_prompt_tokens")) is not None
 
     def _fits_in_bytes(self, rec: InputRecord) -> bool:
         return self._truncated(rec) or self._text_bytes(rec) <= self._byte_limit()
