@@ -16,7 +16,7 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
           "float": torch.float32}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-GENERATION_CONFIGS = ("auto", "ignore")
+GENERATION_CONFIGS = ("auto", "ignore", "vllm")  # "vllm": vLLM's name for "ignore" (its own neutral defaults)
 # Upper ends of the size knobs (README, reliability): past them host arrays, block ids (int32) or the
 # pool's size in bytes overflow, or the warm-up allocates more than any machine has.
 MAX_SIZES = {"max_num_batched_tokens": 1 << 24, "max_num_seqs": 1 << 16, "tensor_parallel_size": 1 << 10,
@@ -139,6 +139,8 @@ class Config:
                                        resolve_model_path)
 
         self._check_simple_fields()
+        if self.generation_config == "vllm":
+            self.generation_config = "ignore"
         self.device = self._resolve_device()
         self._check_host_memory()
         self.attention_backend = self._resolve_backend()
@@ -195,7 +197,8 @@ class Config:
             raise self._fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise self._fail("generation_config", "must be 'auto' (use generation_config.json's sampling values "
-                                                  "for fields a request leaves unset) or 'ignore'")
+                                                  "for fields a request leaves unset) or 'ignore' (or vLLM's "
+                                                  "name for it, 'vllm')")
         for name in ("mixed_steps", "sample_in_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise self._fail(name, "must be true or false")

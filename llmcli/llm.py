@@ -5,6 +5,7 @@ from typing import Any, Sequence as Seq
 
 from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
+from llmcli.engine.admission import truncate_prompt
 from llmcli.engine.outputs import CompletionOutput, RequestOutput
 from llmcli.engine.sequence import RequestRejected
 from llmcli.engine.structured.grammar import GrammarError
@@ -36,24 +37,31 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order, each with ``n`` completions in ``.outputs``."""
+        """One RequestOutput per prompt, in prompt order, each with ``n`` completions in ``.outputs``.
+
+        ``use_tqdm`` is accepted for vLLM's callers and shows nothing: ``llmcli generate`` has the progress bar.
+        """
         if _is_single(prompts):
             prompts = [prompts]
+        # As vLLM's LLM.generate: the model's generation_config.json values apply only when no sampling
+        # params are given; given ones run as written (their unset fields take the neutral values).
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        params = [p.with_defaults({}) for p in params]
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         texts, token_ids = [], []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             text, ids = self._prompt(prompt, i)
             texts.append(text)
-            token_ids.append(ids)
+            token_ids.append(truncate_prompt(ids, p, self.engine.config.max_model_len))
         # Every prompt is checked before any is queued, so a rejected one leaves the engine untouched.
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             try:
-                self.engine.check_fits(ids, p.with_defaults(self.engine.config.sampling_defaults))
+                self.engine.check_fits(ids, p)
             except RequestRejected as exc:
                 raise RequestRejected(f"prompt {i}: {exc}") from None
             except GrammarError as exc:
@@ -79,8 +87,10 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {role, content}) or a list of them."""
+        """Generate replies to one conversation (a list of {role, content}) or a list of them (``use_tqdm`` as
+        in ``generate``)."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.engine.config.model} has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)

@@ -93,20 +93,29 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How one request is decoded.
 
-    ``temperature=0`` is greedy (argmax) and deterministic. ``top_k=-1`` and
+    ``temperature=0`` is greedy (argmax) and deterministic. ``top_k=-1`` (or 0) and
     ``top_p=1`` and ``min_p=0`` switch those filters off. ``max_tokens=None``
     generates until EOS, a stop condition or ``max_model_len``. ``seed`` makes a
     request reproducible whatever it is batched with.
 
     ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` left
-    unset (``None``) take the model's generation_config.json values when the engine
-    runs with ``generation_config="auto"``, else the neutral values above; reading them
-    before that gives the neutral value. ``logprobs=k`` / ``prompt_logprobs=k`` (0-20)
+    unset (``None``) take the neutral values above in ``LLM.generate`` (as in vLLM, the
+    model's generation_config.json values apply there only when no SamplingParams are
+    given: ``LLM.get_default_sampling_params()``); a request added to the engine directly,
+    as the command line adds each record, takes the model's values for them when the
+    engine runs with ``generation_config="auto"``. Reading them gives the neutral value. ``logprobs=k`` / ``prompt_logprobs=k`` (0-20)
     return each generated / prompt token's log probability and the k likeliest
     alternatives, from the model's raw distribution (before penalties and temperature).
     ``repetition_penalty`` scales the logits of tokens seen in the prompt or output
     (HF semantics); ``presence_penalty`` / ``frequency_penalty`` subtract from tokens
     generated so far (OpenAI semantics).
+
+    ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and stop strings do not
+    end the completion, before this many tokens. ``logit_bias`` ({token id: -100 to 100})
+    is added to the logits, ``allowed_token_ids`` keeps only those tokens, ``bad_words``
+    bans words that are one token (with or without a leading space; a longer one is an
+    error: banning it would need the previous tokens). ``truncate_prompt_tokens=k`` keeps
+    the last k prompt tokens (-1: as many as leave room for one generated token).
     """
 
     temperature: float | None = None
@@ -127,6 +136,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured_outputs: StructuredOutputsParams | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -134,8 +148,16 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            # JSON objects (OpenAI's logit_bias) have string keys
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if type(self.top_k) is int and self.top_k == 0:
+            self.top_k = -1  # vLLM and HF read 0 as off too; one spelling for the sampler
         self.unset = frozenset(name for name in MODEL_DEFAULTABLE if getattr(self, name) is None)
         for name in self.unset:
             setattr(self, name, MODEL_DEFAULTABLE[name])
@@ -163,6 +185,11 @@ class SamplingParams:
         return SamplingParams(**values)
 
     @property
+    def has_token_bias(self) -> bool:
+        """Whether the request changes logits token by token (logit_bias, allowed_token_ids, bad_words)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
@@ -188,7 +215,7 @@ class SamplingParams:
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k > INT32_MAX:
-            raise bad("top_k", f"must be -1 (off) or an integer from 1 to {INT32_MAX}")
+            raise bad("top_k", f"must be -1 or 0 (off) or an integer from 1 to {INT32_MAX}")
         if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
@@ -217,6 +244,25 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_number(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, "must be a number from -2 to 2 (0 is off)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(not is_int(k) or k < 0 for k in self.logit_bias):
+                raise bad("logit_bias", "must map token ids (integers >= 0) to numbers")
+            if any(not is_number(v) or not -100 <= v <= 100 for v in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be numbers from -100 to 100")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens) or (
+                self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for what max_model_len allows")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 

@@ -70,23 +70,27 @@ def test_chat_applies_the_template(llm):
     assert len(both) == 2 and both[0].token_ids == want.token_ids
 
 
-def test_generation_config_fills_unset_fields(model_with_defaults):
+def test_generation_config_applies_only_without_sampling_params(model_with_defaults):
+    """As vLLM's LLM.generate: the model's values fill in only when no SamplingParams are given (issue 29)."""
     auto = LLM(str(model_with_defaults), **KW)
     ignore = LLM(str(model_with_defaults), generation_config="ignore", **KW)
     defaults = auto.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty) == (0.0, 20, 1.8)
     assert ignore.get_default_sampling_params().temperature == 1.0
     prompt = ["some prompt"]
+    model_values = SamplingParams(temperature=0, top_k=20, repetition_penalty=1.8)
+    # no params: the model's values (and SamplingParams' own max_tokens=16)
+    assert auto.generate(prompt)[0].token_ids == ignore.generate(prompt, model_values)[0].token_ids
+    # given params run as written: unset fields take the neutral values, not the model's
     unset = SamplingParams(max_tokens=8, ignore_eos=True, seed=3)
-    explicit = SamplingParams(max_tokens=8, ignore_eos=True, seed=3, temperature=0, top_k=20, repetition_penalty=1.8)
-    assert auto.generate(prompt, unset)[0].token_ids == ignore.generate(prompt, explicit)[0].token_ids
     neutral = SamplingParams(max_tokens=8, ignore_eos=True, seed=3, temperature=1.0, top_k=-1, repetition_penalty=1.0)
-    assert ignore.generate(prompt, unset)[0].token_ids == ignore.generate(prompt, neutral)[0].token_ids
-    # a field the request sets wins over the model's
-    sampled = SamplingParams(max_tokens=8, ignore_eos=True, seed=3, temperature=1.0)
-    want = ignore.generate(prompt, sampled.replace(top_k=20, repetition_penalty=1.8))[0].token_ids
-    assert auto.generate(prompt, sampled)[0].token_ids == want
-    assert want != auto.generate(prompt, unset)[0].token_ids  # the two settings differ, else nothing is shown
+    got = auto.generate(prompt, unset)[0].token_ids
+    assert got == ignore.generate(prompt, neutral)[0].token_ids
+    # the model's values, asked for explicitly
+    chosen = auto.get_default_sampling_params().replace(max_tokens=8, ignore_eos=True, seed=3)
+    want = ignore.generate(prompt, model_values.replace(max_tokens=8, ignore_eos=True, seed=3))[0].token_ids
+    assert auto.generate(prompt, chosen)[0].token_ids == want
+    assert want != got  # the two settings differ, else nothing is shown
 
 
 def test_command_line_generation_config(model_with_defaults, tmp_path):

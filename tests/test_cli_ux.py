@@ -113,14 +113,14 @@ def test_reasoning_parser_auto_detection():
     assert choose_parser("qwen3", CHAT_TEMPLATE) == "qwen3"
 
 
-def test_reasoning_content_in_output_records():
+def test_reasoning_in_output_records():
     out = RequestOutput.single("0.0", [1, 2], [5, 6, 7], "<think>\nplan\n</think>\n\nanswer", "stop")
     plain = result_record(rec_of({"messages": HI}), [out], model="m", reasoning="qwen3")
-    assert (plain["reasoning_content"], plain["text"]) == ("plan", "answer")
+    assert (plain["reasoning"], plain["text"]) == ("plan", "answer")
     chat = rec_of({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": HI}})
     message = result_record(chat, [out], model="m", reasoning="qwen3")["response"]["body"]["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "answer", "reasoning_content": "plan"}
-    assert "reasoning_content" not in result_record(rec_of({"messages": HI}), [out], model="m")
+    assert message == {"role": "assistant", "content": "answer", "reasoning": "plan"}
+    assert "reasoning" not in result_record(rec_of({"messages": HI}), [out], model="m")
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +180,11 @@ def test_thinking_switch_end_to_end(tiny_model, tmp_path):
     assert tok.decode(on["prompt_token_ids"]).endswith("assistant\n")
     # auto: the template uses <think>, so every record says what it reasoned (nothing, for these outputs)
     assert "reasoning parser qwen3" in result.stderr
-    assert "reasoning_content" in on and on["text"] == split_qwen3(tok.decode(on["token_ids"])).content
+    assert "reasoning" in on and on["text"] == split_qwen3(tok.decode(on["token_ids"])).content
     result = runner.invoke(app, [*args, "--chat-template-kwargs", '{"enable_thinking": false}',
                                  "--reasoning-parser", "none"])
     first = lines_of(result.stdout)[0]
-    assert first["prompt_token_ids"] == off["prompt_token_ids"] and "reasoning_content" not in first
+    assert first["prompt_token_ids"] == off["prompt_token_ids"] and "reasoning" not in first
     result = runner.invoke(app, [*args, "--chat-template-kwargs", "{enable_thinking: false}"])
     assert result.exit_code == 2 and "--chat-template-kwargs" in result.output
 
@@ -239,14 +239,14 @@ def test_reasoning_split_end_to_end(thinking_model, tmp_path):
                                  "--reasoning-parser", "qwen3"])
     assert result.exit_code == 0, result.output
     plain, chat = lines_of(result.stdout)
-    assert (plain["reasoning_content"], plain["text"], plain["finish_reason"]) == (
+    assert (plain["reasoning"], plain["text"], plain["finish_reason"]) == (
         "The capital of France", "Paris.", "stop")
     message = chat["response"]["body"]["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "Paris.", "reasoning_content": "The capital of France"}
+    assert message == {"role": "assistant", "content": "Paris.", "reasoning": "The capital of France"}
     # auto: this model's template has no <think>, so the text stays whole
     result = runner.invoke(app, ["generate", str(inp), *engine_args(thinking_model), "-q"])
     plain = lines_of(result.stdout)[0]
-    assert plain["text"] == "<think>The capital of France</think>Paris." and "reasoning_content" not in plain
+    assert plain["text"] == "<think>The capital of France</think>Paris." and "reasoning" not in plain
 
 
 # -- item 6 end to end: warnings, --strict ------------------------------------------------

@@ -23,7 +23,6 @@ from llmcli.sampling_params import SamplingParams, SamplingParamsError
         (dict(top_p=-0.1), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=-5), "max_tokens"),
-        (dict(top_k=0), "top_k"),
         (dict(top_k=-2), "top_k"),
         (dict(min_p=2), "min_p"),
         (dict(min_p=-0.5), "min_p"),
@@ -39,7 +38,7 @@ def test_sampling_params_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(top_p=1.0), dict(top_k=-1), dict(top_k=1),
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(top_p=1.0), dict(top_k=-1), dict(top_k=0), dict(top_k=1),
                                     dict(min_p=0.0), dict(min_p=1.0), dict(max_tokens=1)])
 def test_good_sampling_params_at_the_edges(kwargs):
     SamplingParams(**kwargs)

@@ -122,5 +122,10 @@ def test_what_llmcli_writes_has_openais_shape(tmp_path):
     assert lines["bad"]["response"]["status_code"] == 400
     chat_lp = lines["chat-lp"]["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert len(chat_lp) == 3 and all(len(e["top_logprobs"]) == 2 for e in chat_lp)
+    message = lines["chat-lp"]["response"]["body"]["choices"][0]["message"]
+    if not message.get("reasoning"):  # every token's own bytes join into the text
+        assert b"".join(bytes(e["bytes"]) for e in chat_lp) == message["content"].encode("utf-8")
     cmpl_lp = lines["cmpl-lp"]["response"]["body"]["choices"][0]["logprobs"]
-    assert len(cmpl_lp["tokens"]) == 3 and all(len(t) <= 2 for t in cmpl_lp["top_logprobs"])
+    # up to logprobs+1: the sampled token is always there
+    assert len(cmpl_lp["tokens"]) == 3 and all(len(t) <= 3 for t in cmpl_lp["top_logprobs"])
+    assert all(token in top for token, top in zip(cmpl_lp["tokens"], cmpl_lp["top_logprobs"]))

@@ -33,6 +33,19 @@ class Command(typer.core.TyperCommand):
         super().__init__(*args, **kwargs)
         self.rich_markup_mode = None
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """vLLM also takes flags spelled with underscores (``--max_model_len``): read them as the dashed flag."""
+        known = {opt for param in self.get_params(ctx) for opt in (*param.opts, *getattr(param, "secondary_opts", ()))}
+        out = []
+        for i, arg in enumerate(args):
+            if arg == "--":  # what follows is arguments, not flags
+                out += args[i:]
+                break
+            name, eq, value = arg.partition("=")
+            dashed = name.replace("_", "-")
+            out.append(dashed + eq + value if name.startswith("--") and "_" in name and dashed in known else arg)
+        return super().parse_args(ctx, out)
+
     def get_params(self, ctx: Any) -> list[Any]:
         params = _plain_metavars(super().get_params(ctx))
         for param in params:
@@ -77,6 +90,11 @@ OUTPUT = "Output"
 class OnError(str, enum.Enum):
     fail = "fail"
     skip = "skip"
+
+
+class ReasoningField(str, enum.Enum):
+    reasoning = "reasoning"
+    reasoning_content = "reasoning_content"
 
 
 class ReasoningParser(str, enum.Enum):
@@ -160,8 +178,9 @@ def _guarded(run: Callable[[], int]) -> None:
 def generate(
     input: Annotated[Optional[str], typer.Argument(help="Input JSONL file, or - for stdin (or give it as -i).",
                                                    metavar="IN", show_default=False)] = None,
-    input_option: Annotated[Optional[str], typer.Option("--input", "-i", help="Input JSONL file (as vLLM's "
-                                                        "run-batch takes it), instead of IN.", metavar="IN",
+    input_option: Annotated[Optional[str], typer.Option("--input", "-i", "--input-file", help="Input JSONL file "
+                                                        "(-i and --input-file as vLLM's run-batch takes it), "
+                                                        "instead of IN.", metavar="IN",
                                                         show_default=False, rich_help_panel=INPUT)] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Unknown record fields are input errors "
                                          "(default: one warning per field name, and ignored).",
@@ -191,9 +210,13 @@ def generate(
                                                   "records: time to first token, total time, cached prompt tokens.",
                                                   rich_help_panel=OUTPUT)] = False,
     reasoning_parser: Annotated[ReasoningParser, typer.Option(
-        help="qwen3: move the text between <think> and </think> into reasoning_content; auto: qwen3 when the "
-             "chat template mentions <think>; none: leave the text alone.", rich_help_panel=OUTPUT)
+        help="qwen3: move the text between <think> and </think> into reasoning (see --reasoning-field); "
+             "auto: qwen3 when the chat template mentions <think>; none: leave the text alone.",
+        rich_help_panel=OUTPUT)
     ] = ReasoningParser.auto,
+    reasoning_field: Annotated[ReasoningField, typer.Option(
+        help="The field the reasoning parser writes: reasoning (vLLM's name now) or reasoning_content (its "
+             "name before).", rich_help_panel=OUTPUT)] = ReasoningField.reasoning,
     on_error: Annotated[OnError, typer.Option(help="fail: stop before generating if any input is invalid; "
                                                    "skip: write an error record for it and carry on.",
                                               rich_help_panel=OUTPUT)] = OnError.fail,
@@ -227,8 +250,10 @@ def generate(
     frequency_penalty: Annotated[Optional[float], typer.Option(
         help="Subtract this times its count from each generated token's logit, -2 to 2. \\[default: 0, off]",
         show_default=False, rich_help_panel=SAMPLING)] = None,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens generated per completion.",
-                                            rich_help_panel=SAMPLING)] = 256,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        help="Most tokens generated per completion. \\[default: OpenAI chat lines run until they stop or the "
+             "context is full, OpenAI completions lines 16 (OpenAI's defaults), other records 256]",
+        show_default=False, rich_help_panel=SAMPLING)] = None,
     stop: Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable); not included in the text.",
                                                       metavar="TEXT",
                                                       show_default=False, rich_help_panel=SAMPLING)] = None,
@@ -271,6 +296,7 @@ def generate(
     opts = GenerateOptions(
         input=input if input is not None else (input_option or ""), output=output, strict=strict,
         chat_template_kwargs=template_kwargs, reasoning_parser=reasoning_parser.value,
+        reasoning_field=reasoning_field.value,
         include_metrics=include_metrics, engine=engine, sampling=sampling, resume=resume or force_resume,
         force_resume=force_resume, overwrite=overwrite,
         ordered=not unordered, on_error=on_error.value, include_token_ids=include_token_ids,
@@ -280,9 +306,9 @@ def generate(
 
     def run() -> int:
         if input is None and input_option is None:
-            raise UsageError("no input file: give IN (- for stdin) or -i/--input")
+            raise UsageError("no input file: give IN (- for stdin) or -i/--input-file")
         if input is not None and input_option is not None:
-            raise UsageError("the input file is given twice (IN and -i/--input); give one")
+            raise UsageError("the input file is given twice (IN and -i/--input-file); give one")
         if max_errors < 0:
             raise UsageError(f"--max-errors must be at least 0 (0 lists none), got {max_errors}")
         from llmcli.cli.io.structured_fields import default_constraint

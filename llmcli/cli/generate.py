@@ -9,6 +9,7 @@ records to a writer thread (``cli/io/background_writer.py``).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 from collections import deque
@@ -25,8 +26,9 @@ from llmcli.cli.io.background_writer import BackgroundWriter
 from llmcli.cli.io.fingerprint import Fingerprint, write_sidecar
 from llmcli.cli.io.index import InputIndex, index_input
 from llmcli.cli.io.lock import OutputLock, OutputLocked
+from llmcli.cli.io.logprobs_format import TokenBytes
 from llmcli.cli.io.output_checks import describe_write_failure
-from llmcli.cli.io.prepare import Preparer, PreparedRequest
+from llmcli.cli.io.prepare import OPENAI_COMPLETIONS_MAX_TOKENS, PLAIN_MAX_TOKENS, Preparer, PreparedRequest
 from llmcli.cli.io.reasoning import choose_parser
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.resume import ResumeState
@@ -43,6 +45,7 @@ from llmcli.models.hub import load_tokenizer
 __all__ = ["GenerateOptions", "UsageError", "run_generate"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool that stopped because its reader left
 # Records prepared (tokenized, length-checked) before the first token: with --on-error fail a problem among
 # them still means exit 2 and nothing generated. Later records are checked when the stream reaches them.
 CHECK_AHEAD = 16384  # LLMCLI_CHECK_AHEAD overrides
@@ -71,6 +74,7 @@ class GenerateOptions:
     strict: bool = False  # unknown record fields are input errors instead of warnings
     chat_template_kwargs: dict[str, Any] | None = None  # --chat-template-kwargs (records' own win per key)
     reasoning_parser: str = "auto"  # "auto" | "qwen3" | "none"
+    reasoning_field: str = "reasoning"  # or vLLM's older name, "reasoning_content"
     include_metrics: bool = False
 
 
@@ -309,9 +313,14 @@ def _report_input(opts: GenerateOptions, console: Console, config: Any, index: I
     if not opts.quiet:
         if run.reasoning is not None and opts.reasoning_parser == "auto":
             say(console, f"reasoning parser {run.reasoning}: the chat template uses <think>, so thinking goes to "
-                         "reasoning_content (--reasoning-parser none keeps it in the text)")
+                         f"{opts.reasoning_field} (--reasoning-parser none keeps it in the text)")
         earlier = f", {run.resumed.errors} of them by error records" if run.resumed.errors else ""
-        say(console, f"{len(index)} records to run ({run.skipped} already answered in OUT{earlier})")
+        # stdout is never resumed: nothing in it can be answered already
+        answered = f" ({run.skipped} already answered in OUT{earlier})" if opts.output != "-" else ""
+        say(console, f"{len(index)} records to run{answered}")
+        if opts.output == "-" and opts.ordered and _is_pipe(run.stdout):
+            say(console, "stdout is a pipe: records come in input order, each once every earlier one is done "
+                         "(--unordered writes each the moment it finishes)")
         applied = {k: v for k, v in config.sampling_defaults.items() if k not in opts.sampling}
         if applied:
             say(console, "the model's generation_config.json sets " + ", ".join(f"{k}={v}" for k, v in applied.items())
@@ -320,6 +329,13 @@ def _report_input(opts: GenerateOptions, console: Console, config: Any, index: I
         _start_output(opts, run)
         return EXIT_FAILED if run.resumed.errors else EXIT_OK
     return None
+
+
+def _is_pipe(stream: Any) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _report_startup(console: Console, engine: Any, tokenizer_s: float, input_s: float, ready_s: float) -> None:
@@ -358,11 +374,13 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
                                                   started=gen_started) as progress:
             runner = Runner(engine, writer, progress, model=opts.engine["model"], max_model_len=config.max_model_len,
                             include_token_ids=opts.include_token_ids, window=window, stop=stop,
-                            include_metrics=opts.include_metrics, reasoning=run.reasoning, guess=guess)
+                            include_metrics=opts.include_metrics, reasoning=run.reasoning, guess=guess,
+                            token_bytes=TokenBytes(getattr(engine, "tokenizer", None)),
+                            reasoning_field=opts.reasoning_field)
             counts = runner.run(items)
     except BrokenPipeError:
-        say(console, "output closed before every record was written")
-        return EXIT_FAILED
+        # The reader has what it wanted (| head): stop at once and quietly, as Unix tools do (128 + SIGPIPE).
+        return EXIT_PIPE_CLOSED
     except OutputWriteError as exc:
         failure = exc
     finally:
@@ -380,7 +398,14 @@ def _run(opts: GenerateOptions, console: Console, engine: Any, config: Any, item
             # The progress display's clock stopped with the last record: its final rates are these.
             wall_s=time.perf_counter() - started, generate_s=progress.state.elapsed_s,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            preemptions=stats.num_preemptions, interrupted=counts.interrupted)))
+            preemptions=stats.num_preemptions, interrupted=counts.interrupted,
+            default_limited=counts.default_limited)))
+        if counts.default_limited:
+            limit = (f"--max-tokens {opts.sampling['max_tokens']}" if "max_tokens" in opts.sampling else
+                     f"the default max_tokens: {PLAIN_MAX_TOKENS} for plain records, "
+                     f"{OPENAI_COMPLETIONS_MAX_TOKENS} for OpenAI completions, the context for OpenAI chat")
+            say(console, f"{counts.default_limited} records stopped at a length limit they do not set ({limit}); "
+                         "give max_tokens in a record, or --max-tokens, to let them run longer")
     if counts.interrupted:
         say(console, f"interrupted ({counts.signal_name}): {writer.written} records written; "
                      "run the same command with --resume to finish")

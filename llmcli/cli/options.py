@@ -81,8 +81,9 @@ ENGINE_KNOBS = (
     Knob("tokenizer", str, "Tokenizer folder or hub id, when it is not the model's.", "the model's"),
     Knob("generation_config", str, "auto: sampling fields that neither a record nor a flag sets take the model's "
                                    "generation_config.json values (temperature, top_p, top_k, min_p, "
-                                   "repetition_penalty), as vLLM does; ignore: llmcli's neutral defaults.", "auto",
-         choices=("auto", "ignore")),
+                                   "repetition_penalty), as vLLM's server does; ignore (or vLLM's name for it, "
+                                   "vllm): llmcli's neutral defaults.", "auto",
+         choices=("auto", "ignore", "vllm")),
 )
 
 
@@ -156,23 +157,33 @@ def _toml_defaults(path: Path, data: dict[str, Any], command: str, own: Any, com
             theirs = _flag_to_param(commands[key])
             bad = [k for k in item if theirs.get(k.replace("-", "_")) in (None, "config")]
             if bad:
-                raise typer.BadParameter(f"{path}: unknown key(s) in [{key}]: {', '.join(sorted(bad))}")
+                raise typer.BadParameter(f"{path}: unknown key(s) in [{key}]: "
+                                         + ", ".join(_with_hint(k, theirs) for k in sorted(bad)))
             continue
         name = known.get(key.replace("-", "_"))
         if name is None or name == "config":
-            unknown.append(key)
+            unknown.append(_with_hint(key, known))
         else:
             defaults[name] = _typed(path, key, item, params[name])
     section = data.get(command, {})
     for key, item in (section.items() if isinstance(section, dict) else ()):
         name = known.get(key.replace("-", "_"))
         if name is None or name == "config":
-            unknown.append(f"[{command}] {key}")
+            unknown.append(f"[{command}] {_with_hint(key, known)}")
         else:
             defaults[name] = _typed(path, f"[{command}] {key}", item, params[name])
     if unknown:
         raise typer.BadParameter(f"{path}: unknown key(s) for `llmcli {command}`: {', '.join(sorted(unknown))}")
     return defaults
+
+
+def _with_hint(key: str, known: dict[str, str]) -> str:
+    """``key``, with the closest known key when one is close (a typo)."""
+    import difflib
+
+    names = sorted(k.replace("_", "-") for k, param in known.items() if param != "config")
+    match = difflib.get_close_matches(key.replace("_", "-"), names, n=1, cutoff=0.75)
+    return f'{key} (did you mean "{match[0]}"?)' if match else key
 
 
 def load_toml_defaults(ctx: typer.Context, value: Optional[Path]) -> Optional[Path]:
@@ -198,6 +209,10 @@ ConfigOption = Annotated[Optional[Path], typer.Option(
     "--config", help="TOML file of defaults (keys are flag names; a \\[generate], \\[bench] or \\[probe-memory] table "
                      "applies to that command only). Flags given on the command line win.",
     is_eager=True, callback=load_toml_defaults, exists=True, dir_okay=False, rich_help_panel=ENGINE_PANEL)]
+
+TrustRemoteCodeOption = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Accepted for vLLM's command lines; not needed: llmcli runs no code from the "
+                                "model folder.", rich_help_panel=ENGINE_PANEL)]
 
 ModelOption = Annotated[str, typer.Option(
     "--model", "-m", help="Model folder (config.json, *.safetensors, tokenizer) or Hugging Face hub id.",
@@ -242,11 +257,16 @@ def with_engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     added = [
         inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOption),
         inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, default=..., annotation=ModelOption),
+        inspect.Parameter("trust_remote_code", inspect.Parameter.KEYWORD_ONLY, default=False,
+                          annotation=TrustRemoteCodeOption),
     ] + [_knob_parameter(k) for k in ENGINE_KNOBS]
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         kwargs.pop("config", None)
+        if kwargs.pop("trust_remote_code") and not kwargs.get("quiet"):
+            print("note: --trust-remote-code is not needed: llmcli runs no code from the model folder",
+                  file=sys.stderr)
         engine = {"model": kwargs.pop("model")}
         for knob in ENGINE_KNOBS:
             value = kwargs.pop(knob.param)

@@ -147,6 +147,7 @@ class GenerateSummary:
     prefix_cache_hit_rate: float
     preemptions: int
     interrupted: bool
+    default_limited: int = 0  # records cut at a length limit they did not set (--max-tokens or the built-in one)
 
 
 def summary_table(s: GenerateSummary) -> Table:
@@ -154,6 +155,7 @@ def summary_table(s: GenerateSummary) -> Table:
     rows = [
         ("requests answered", f"{s.answered} / {s.total}"),
         ("requests failed", str(s.failed)),
+        ("cut at a default length limit", str(s.default_limited)),
         ("already answered (resume)", str(s.skipped)),
         ("prompt tokens", f"{s.prompt_tokens:,}"),
         ("generated tokens", f"{s.generated_tokens:,}"),

@@ -50,6 +50,7 @@ class BudgetGuess:
 class RunCounts:
     answered: int = 0
     failed: int = 0
+    default_limited: int = 0  # answered records cut at a length limit they did not set themselves
     interrupted: bool = False
     signal_name: str = ""
 
@@ -94,7 +95,8 @@ class Runner:
 
     def __init__(self, engine: Any, writer: BackgroundWriter, progress: ProgressSink, *, model: str,
                  include_token_ids: bool, window: int, stop: StopFlag, include_metrics: bool = False,
-                 reasoning: str | None = None, max_model_len: int = 0, guess: BudgetGuess | None = None) -> None:
+                 reasoning: str | None = None, max_model_len: int = 0, guess: BudgetGuess | None = None,
+                 token_bytes: Any = None, reasoning_field: str = "reasoning") -> None:
         self.engine = engine
         self.writer = writer
         self.progress = progress
@@ -102,6 +104,8 @@ class Runner:
         self.include_token_ids = include_token_ids
         self.include_metrics = include_metrics
         self.reasoning = reasoning
+        self.reasoning_field = reasoning_field
+        self.token_bytes = token_bytes  # chat logprobs' bytes: TokenBytes of the model's tokenizer
         self.window = max(1, window)
         self.stop = stop
         self.counts = RunCounts()
@@ -132,6 +136,7 @@ class Runner:
                     continue
                 for out in self.engine.step():
                     self._collect(out)
+                self.writer.check()  # a pipe's reader gone (| head): stop now, not when the next record is done
                 self.progress.update(self.engine.stats, self._pending_seqs)
         except KeyboardInterrupt:
             self.stop.requested, self.stop.signal_name = True, "SIGINT"
@@ -215,9 +220,12 @@ class Runner:
             # Built in the writer's thread, after it has decoded the texts of a batch of outputs.
             make = lambda rec=item.record, outs=group: result_record(  # noqa: E731
                 rec, outs, model=self.model, include_token_ids=self.include_token_ids,
-                include_metrics=self.include_metrics, reasoning=self.reasoning)
+                include_metrics=self.include_metrics, reasoning=self.reasoning, token_bytes=self.token_bytes,
+                reasoning_field=self.reasoning_field)
             self.writer.put(position, make, group)
             self.counts.answered += 1
+            if not item.limit_set and any(o.finish_reason == "length" for o in group):
+                self.counts.default_limited += 1
             self.progress.advance(1)
 
     def _budget(self, item: PreparedRequest) -> list[int]:

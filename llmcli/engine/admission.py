@@ -23,6 +23,10 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
     if params.prompt_logprobs is not None and config.tensor_parallel_size > 1:
         raise RequestRejected("prompt_logprobs is not supported with tensor parallelism yet "
                               "(logprobs of generated tokens are)")
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
     longest = min(n + (params.max_tokens or limit), limit)
     bs, pool = config.kvcache_block_size, num_blocks
     if pool is not None and (longest + bs - 1) // bs > pool:
@@ -38,3 +42,32 @@ def encode_prompt(tokenizer: Any | None, prompt: str | list[int], model: str) ->
             raise RequestRejected(f"model {model} has no tokenizer: give prompts as token ids")
         return tokenizer.encode(prompt, add_special_tokens=False)
     return list(prompt)
+
+
+def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt cut to its last ``truncate_prompt_tokens`` tokens (-1: what leaves room to generate one)."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    keep = max_model_len - 1 if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
+def bad_word_ids(tokenizer: Any | None, words: list[str] | None) -> list[int]:
+    """The token ids that ``bad_words`` ban: each word as one token, with and without a leading space.
+
+    A word that is several tokens would need the previous tokens at every step (ban the last one only
+    after the others): not supported, so refused rather than half-applied."""
+    if not words:
+        return []
+    if tokenizer is None:
+        raise RequestRejected("bad_words needs the model's tokenizer, which it does not have")
+    banned: list[int] = []
+    for word in words:
+        for spelling in (word.strip(), " " + word.strip()):
+            ids = tokenizer.encode(spelling, add_special_tokens=False)
+            if len(ids) != 1:
+                raise RequestRejected(f"bad_words: {spelling!r} is {len(ids)} tokens; only words of one token "
+                                      "(with and without a leading space) can be banned")
+            banned += ids
+    return sorted(set(banned))

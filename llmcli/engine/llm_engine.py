@@ -11,7 +11,8 @@ from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.logprob_outputs import BlockEntries, LazyLogprobs, TokenText
 from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from llmcli.engine.admission import check_request_fits, encode_prompt
+from llmcli.engine.cpu_threads import cpu_threads
+from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_prompt, truncate_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence, SequenceStatus
 from llmcli.engine.startup import StartupClock, use_persistent_compile_cache
@@ -62,6 +63,10 @@ class LLMEngine:
         self._finished_early: list[RequestOutput] = []  # the previous step, read back before this step's sampling
 
     def _start_runner(self, config: Config) -> Any:
+        if config.device == "cpu":  # rank 0's share; the other ranks take the same (parallel/tp_runner.py)
+            import torch
+
+            torch.set_num_threads(cpu_threads(config.hf_config.hidden_size, config.tensor_parallel_size))
         if config.tensor_parallel_size > 1:
             from llmcli.parallel.tp_runner import start_tensor_parallel
 
@@ -82,7 +87,7 @@ class LLMEngine:
         todo = [c for o in outs for c in o.outputs if c.text is None]
         for skip in {o.skip_special_tokens for o in todo}:
             group = [o for o in todo if o.skip_special_tokens == skip]
-            texts = self.stopper.texts_of([(o.token_ids, o.stop_reason) for o in group], skip)
+            texts = self.stopper.texts_of([(o.token_ids, o.finish_reason, o.stop_reason) for o in group], skip)
             for out, text in zip(group, texts):
                 out.text = text
 
@@ -91,11 +96,15 @@ class LLMEngine:
         return encode_prompt(self.tokenizer, prompt, self.config.model)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> Sequence:
-        token_ids = self.encode(prompt)
+        token_ids = truncate_prompt(self.encode(prompt), params, self.config.max_model_len)
         params = params.with_defaults(self.config.sampling_defaults)
         self.check_fits(token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id, seed)
+        if params.bad_words:
+            seq.banned_token_ids = bad_word_ids(self.tokenizer, params.bad_words)
+        if params.min_tokens:
+            seq.hold_ids = sorted(set(params.stop_token_ids) | set([] if params.ignore_eos else self.eos_token_ids))
         self.stopper.set_gate(seq)
         if params.structured_outputs is not None:
             self._structured().add(seq)  # joins the scheduler once its grammar is compiled
@@ -107,6 +116,7 @@ class LLMEngine:
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if this request can never run on this engine."""
         check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks)
+        bad_word_ids(self.tokenizer, params.bad_words)  # RequestRejected for a word it cannot ban
         if params.structured_outputs is not None:
             from llmcli.engine.structured import check_constraint
 

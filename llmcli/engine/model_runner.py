@@ -22,6 +22,7 @@ from llmcli.engine.step_inputs import (DecodeCarry, RowSampling, StepInputs, all
                                        prepare_prefill, prepare_sampling)
 from llmcli.engine.uploader import Uploader
 from llmcli.kernels import make_backend
+from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
@@ -178,6 +179,7 @@ class ModelRunner:
         self.row_sampling = RowSampling(config.max_num_seqs + 1)
         self.carry = DecodeCarry()  # the last graph decode step's arrays, for a next step of the same sequences
         self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, device))
+        self.bias_rows = PenaltyRows(BiasTables(config.hf_config.vocab_size, device))
         self.block_tables = BlockTables(-(-config.max_model_len // config.kvcache_block_size), device,
                                         rows=config.max_num_seqs + 1)
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
@@ -246,9 +248,9 @@ class ModelRunner:
             inputs = prepare(seqs, self.uploader, self.block_tables)
             greedy = self.rank != 0 or all_greedy(inputs.sampled_seqs)
             sampling = None if greedy else prepare_sampling(inputs.sampled_seqs, self.uploader)
-            # penalties and logprobs (rank 0 samples alone); None when no request of the step asks
-            extras = plan_extras(seqs, inputs.sampled_seqs, self.uploader, self.penalty_rows) if self.rank == 0 \
-                else None
+            # penalties, logit biases and logprobs (rank 0 samples alone); None when no request of the step asks
+            extras = plan_extras(seqs, inputs.sampled_seqs, self.uploader, self.penalty_rows, self.bias_rows) \
+                if self.rank == 0 else None
         with self.timer.phase("forward"):
             if inputs.pending_rows is not None:
                 from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
@@ -264,7 +266,7 @@ class ModelRunner:
             else:
                 raw = logits
                 if extras is not None:
-                    logits = extras.penalize(logits, inputs.input_ids, self.penalty_rows.tables)
+                    logits = extras.penalize(logits, inputs.input_ids, self.penalty_rows.tables, self.bias_rows.tables)
                 if mask is not None:  # after penalties: a disallowed token stays disallowed
                     logits = apply_token_bitmask(logits, self._upload_mask(mask))
                 if sampling is None:

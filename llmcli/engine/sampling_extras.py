@@ -1,6 +1,6 @@
-"""What a step computes beside the sampled tokens: penalties before sampling, logprobs after.
+"""What a step computes beside the sampled tokens: penalties and logit biases before sampling, logprobs after.
 
-The host side of ``llmcli.layers.penalties`` and ``llmcli.layers.logprobs``: which
+The host side of ``llmcli.layers.penalties``, ``llmcli.layers.logit_bias`` and ``llmcli.layers.logprobs``: which
 rows of the step want what, planned from the Sequences in one pass, and the
 results put back on the Sequences when the step is read back. A step in which no
 request asks for penalties or logprobs plans nothing and costs one scan of its
@@ -14,13 +14,15 @@ import torch
 
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence
 from llmcli.layers.logprobs import TokenLogprobs, chunked_token_logprobs, token_logprobs
+from llmcli.layers.logit_bias import BiasTables, hold_back
 from llmcli.layers.penalties import PenaltyTables
 
 
 class PenaltyRows:
-    """Which row of the penalty tables each penalised sequence owns; rows of finished ones are reused."""
+    """Which row of per-request token tables (penalties, or logit biases) each sequence owns; rows of finished
+    ones are reused."""
 
-    def __init__(self, tables: PenaltyTables) -> None:
+    def __init__(self, tables: PenaltyTables | BiasTables) -> None:
         self.tables = tables
         self.owner: dict[int, Sequence] = {}  # row -> sequence
         self.row_of: dict[int, int] = {}  # seq_id -> row
@@ -53,6 +55,11 @@ class StepExtras:
     start: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # new rows; prompt (row, id) pairs
     add_known: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, id) of host-known new tokens
     add_from_input: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, input row): in-flight tokens
+    # logit biases: logit rows, their bias-table rows, the new rows' contents; min_tokens' (logit row, id) pairs
+    bias_logit_rows: torch.Tensor | None = None
+    bias_rows: torch.Tensor | None = None
+    bias_start: tuple | None = None
+    hold: tuple[torch.Tensor, torch.Tensor] | None = None
     # logprobs of sampled tokens: which sampled rows, and k (the largest asked in the step)
     lp_rows: torch.Tensor | None = None  # None when every sampled row asks (lp_all)
     lp_all: bool = False
@@ -68,7 +75,15 @@ class StepExtras:
     sampled: TokenLogprobs | None = None
     prompt: TokenLogprobs | None = None
 
-    def penalize(self, logits: torch.Tensor, input_ids: torch.Tensor, tables: PenaltyTables) -> torch.Tensor:
+    def penalize(self, logits: torch.Tensor, input_ids: torch.Tensor, tables: PenaltyTables,
+                 bias: BiasTables | None = None) -> torch.Tensor:
+        if self.bias_rows is not None:
+            if self.bias_start is not None:
+                rows, closed, *pairs = self.bias_start
+                bias.start(rows, closed, tuple(pairs[0:2]), tuple(pairs[2:5]), tuple(pairs[5:7]))
+            logits = bias.apply(logits, self.bias_logit_rows, self.bias_rows)
+        if self.hold is not None:
+            logits = hold_back(logits, *self.hold)
         if self.pen_rows is None:
             return logits
         if self.start is not None:
@@ -151,17 +166,25 @@ class StepLogprobs:
 
 
 def plan_extras(seqs: list[Sequence], sampled: list[Sequence], uploader, penalty_rows: PenaltyRows,
-                ) -> StepExtras | None:
+                bias_rows: PenaltyRows | None = None) -> StepExtras | None:
     """The extras of one step over ``seqs`` (scheduled, in input order) of which ``sampled`` sample."""
     if not any(s.wants_extras for s in seqs):
         return None
     wants_lp = [s.params.logprobs is not None for s in sampled]
     wants_pen = [s.params.has_penalties for s in sampled]
+    wants_bias = [s.params.has_token_bias for s in sampled]
+    # min_tokens: completion tokens so far (in-flight ones counted) below the minimum
+    held = [i for i, s in enumerate(sampled) if s.hold_ids and s.num_completion_tokens < s.params.min_tokens]
     wants_prompt = any(s.params.prompt_logprobs is not None and s.prompt_logprobs_done < s.num_prompt_tokens - 1
                        for s in seqs)
-    if not (any(wants_lp) or any(wants_pen) or wants_prompt):
+    if not (any(wants_lp) or any(wants_pen) or any(wants_bias) or held or wants_prompt):
         return None
     extras = StepExtras()
+    if any(wants_bias):
+        _plan_bias(extras, sampled, wants_bias, uploader, bias_rows)
+    if held:
+        pairs = [(i, t) for i in held for t in sampled[i].hold_ids]
+        extras.hold = tuple(uploader.upload(torch.int64, [i for i, _ in pairs], [t for _, t in pairs]))
     if any(wants_pen):
         last_input_row, offset = {}, 0
         for s in seqs:
@@ -221,6 +244,38 @@ def _plan_penalties(extras: StepExtras, sampled: list[Sequence], wants: list[boo
         extras.add_known = (ints[5], ints[6])
     if flight_rows:
         extras.add_from_input = (ints[7], ints[8])
+
+
+def _plan_bias(extras: StepExtras, sampled: list[Sequence], wants: list[bool], uploader,
+               bias_rows: PenaltyRows) -> None:
+    logit_rows, rows, new_rows, closed = [], [], [], []
+    allow_rows, allow_ids, add_rows, add_ids, add_vals, ban_rows, ban_ids = [], [], [], [], [], [], []
+    for i, (seq, want) in enumerate(zip(sampled, wants)):
+        if not want:
+            continue
+        row, new = bias_rows.row(seq)
+        logit_rows.append(i)
+        rows.append(row)
+        if not new:
+            continue
+        p = seq.params
+        new_rows.append(row)
+        closed.append(int(p.allowed_token_ids is not None))
+        allowed = p.allowed_token_ids or []
+        allow_rows += [row] * len(allowed)
+        allow_ids += allowed
+        bias = p.logit_bias or {}
+        add_rows += [row] * len(bias)
+        add_ids += bias
+        add_vals += bias.values()
+        ban_rows += [row] * len(seq.banned_token_ids)
+        ban_ids += seq.banned_token_ids
+    ints = uploader.upload(torch.int64, logit_rows, rows, new_rows, closed, allow_rows, allow_ids, add_rows,
+                           add_ids, ban_rows, ban_ids)
+    extras.bias_logit_rows, extras.bias_rows = ints[0], ints[1]
+    if new_rows:
+        (vals,) = uploader.upload(torch.float32, add_vals)
+        extras.bias_start = (ints[2], ints[3] != 0, ints[4], ints[5], ints[6], ints[7], vals, ints[8], ints[9])
 
 
 def _plan_prompt(extras: StepExtras, seqs: list[Sequence], uploader) -> None:

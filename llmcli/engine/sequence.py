@@ -74,8 +74,12 @@ class Sequence:
         self.logprob_rows: list[int] = []
         self.prompt_logprob_entries: list[tuple[float, int, list[int], list[float]]] = []
         self.prompt_logprobs_done = 0  # prompt positions whose next-token logprobs are computed
+        # set by the engine: bad_words as token ids, and the ids min_tokens holds back (EOS, stop tokens)
+        self.banned_token_ids: list[int] = []
+        self.hold_ids: list[int] = []
         # one flag for the step's quick test: does this request need anything beside the sampled token?
-        self.wants_extras = params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties
+        self.wants_extras = params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties \
+            or params.has_token_bias or params.min_tokens > 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

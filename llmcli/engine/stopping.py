@@ -30,8 +30,10 @@ class StopChecker:
         """Token ``index`` was just sampled: set ``finish_reason`` (and ``stop_reason``) if ``seq`` ends there."""
         token, params = seq.token_ids[index], seq.params
         completion = index + 1 - seq.num_prompt_tokens
-        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+        if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos and not params.ignore_eos:
+            seq.finish_reason, seq.stop_reason = "stop", None  # as vLLM: EOS is no stop reason of the request's
         elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq, index):
             seq.finish_reason = "stop"
         elif params.max_tokens is not None and completion >= params.max_tokens:
@@ -45,7 +47,9 @@ class StopChecker:
         # Only text near the end can hold a stop string that was not there a token ago; the small margin
         # covers characters that change when a multi-byte character is completed.
         start = max(0, seq.stop_scan_pos - 4)
-        found = [(pos, s) for s in seq.params.stop if (pos := text.find(s, start)) >= 0]
+        # before min_tokens no stop string ends the completion (as in vLLM), nor is found later
+        early = index + 1 - seq.num_prompt_tokens < seq.params.min_tokens
+        found = [] if early else [(pos, s) for s in seq.params.stop if (pos := text.find(s, start)) >= 0]
         if not found:
             seq.stop_scan_pos = max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)
             return False
@@ -62,14 +66,18 @@ class StopChecker:
     def final_text(self, seq: Sequence) -> str:
         if seq.text is not None:  # cut at a stop string already
             return seq.text
-        return self.texts_of([(seq.completion_token_ids, seq.stop_reason)], seq.params.skip_special_tokens)[0]
+        return self.texts_of([(seq.completion_token_ids, seq.finish_reason, seq.stop_reason)],
+                             seq.params.skip_special_tokens)[0]
 
-    def texts_of(self, completions: list[tuple[list[int], str | int | None]], skip_special_tokens: bool) -> list[str]:
-        """The texts of completions (token ids, stop reason) that did not end at a stop string."""
+    def texts_of(self, completions: list[tuple[list[int], str | None, str | int | None]],
+                 skip_special_tokens: bool) -> list[str]:
+        """The texts of completions (token ids, finish reason, stop reason) that did not end at a stop string."""
         if self.tokenizer is None:
             return [""] * len(completions)
-        # The EOS / stop token that ended a completion is not part of its text.
-        ids = [c[:-1] if isinstance(reason, int) else c for c, reason in completions]
+        # The EOS / stop token that ended a completion is not part of its text (EOS: stop reason None, as a
+        # completed grammar's is, but its last token is an EOS id).
+        ids = [c[:-1] if finish == "stop" and (isinstance(reason, int) or (reason is None and c and c[-1] in self.eos))
+               else c for c, finish, reason in completions]
         if len(ids) == 1:
             return [self.tokenizer.decode(ids[0], skip_special_tokens=skip_special_tokens)]
         return self.tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)

@@ -26,6 +26,15 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tens
     return logits - frequency[:, None] * counts.float() - presence[:, None] * generated.float()
 
 
+def grow_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``table`` [R, V], with zero rows added when it holds fewer than ``rows`` (at least doubled: a batch
+    that grows one request at a time copies its tables a few times, not once per request)."""
+    have = table.shape[0]
+    if rows <= have:
+        return table
+    return torch.cat([table, table.new_zeros(max(rows, 2 * have, 8) - have, table.shape[1])])
+
+
 class PenaltyTables:
     """The device tables, grown on demand (a request without penalties never touches them)."""
 
@@ -39,12 +48,7 @@ class PenaltyTables:
         return self.seen.shape[0]
 
     def reserve(self, rows: int) -> None:
-        if rows <= self.capacity:
-            return
-        grow = max(rows, 2 * self.capacity, 8) - self.capacity
-        pad = dict(device=self.device)
-        self.seen = torch.cat([self.seen, torch.zeros(grow, self.vocab_size, dtype=torch.bool, **pad)])
-        self.counts = torch.cat([self.counts, torch.zeros(grow, self.vocab_size, dtype=torch.int32, **pad)])
+        self.seen, self.counts = grow_rows(self.seen, rows), grow_rows(self.counts, rows)
 
     def start(self, rows: torch.Tensor, prompt_rows: torch.Tensor, prompt_ids: torch.Tensor) -> None:
         """Rows taken by new requests: clear them and mark each one's prompt tokens."""

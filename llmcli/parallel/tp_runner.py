@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from llmcli.config import Config, ConfigError
+from llmcli.engine.cpu_threads import cpu_threads
 from llmcli.parallel.compact import pack_step
 from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, HEARTBEAT_ENV
 from llmcli.parallel.shm_channel import ControlChannel
@@ -121,7 +122,7 @@ class TensorParallelRunner:
             timeout = datetime.timedelta(seconds=timeout_s)
             group.store = dist.TCPStore(STORE_HOST, 0, world, is_master=True, timeout=timeout,
                                         wait_for_workers=False)
-            threads = max(1, torch.get_num_threads() // world)
+            threads = cpu_threads(config.hf_config.hidden_size, world)
             for rank in range(1, world):
                 args = WorkerArgs(rank=rank, world_size=world, backend=self.backend, store_host=STORE_HOST,
                                   store_port=group.store.port, timeout_s=timeout_s, threads=threads,

@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmcli.engine.cpu_threads import THREADS_ENV, replica_budget
 from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
 from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
                                      failure_text, startup_failure)
@@ -214,16 +215,15 @@ class LocalReplicaPool:
         atexit.register(procs.teardown)
         try:
             gpus = self.gpu_sets() if self.device == "cuda" else [None] * self.size
-            threads = None
-            if self.device == "cpu":
-                import torch
-
-                threads = max(1, torch.get_num_threads() // self.size)
+            # on CPU each replica gets its share of the cores as its thread budget (engine/cpu_threads.py)
+            threads = replica_budget(self.size) if self.device == "cpu" else None
             ctx = multiprocessing.get_context("spawn")
             for index in range(self.size):
                 req_r, req_w = ctx.Pipe(duplex=False)
                 res_r, res_w = ctx.Pipe(duplex=False)
                 env = {"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus[index] is not None else {}
+                if threads is not None:
+                    env[THREADS_ENV] = str(threads)
                 spec = ReplicaSpec(index, self.engine_kwargs, threads, os.getpid(), env)
                 proc = ctx.Process(target=replica_main, args=(spec, req_r, res_w), name=f"llmcli-dp-replica{index}")
                 proc.start()

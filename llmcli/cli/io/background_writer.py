@@ -1,6 +1,7 @@
 """The writer's own thread: outputs decoded in batches, records built, written and fsynced off the step loop."""
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
@@ -35,6 +36,12 @@ class BackgroundWriter:
     def put(self, position: int, make_record: Callable[[], dict[str, Any]], outputs: list = ()) -> None:
         self._raise()
         self._queue.put(("put", position, make_record, outputs))
+
+    def check(self) -> None:
+        """Raise a write error already met, or BrokenPipeError once a pipe's reader has closed OUT."""
+        self._raise()
+        if self.writer.sink.reader_gone():
+            raise BrokenPipeError(errno.EPIPE, "the reader closed the output pipe")
 
     def drain(self) -> None:
         """Write everything handed over so far, then every held record (see RecordWriter.drain)."""

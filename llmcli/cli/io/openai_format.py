@@ -6,9 +6,14 @@ import uuid
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
-from llmcli.cli.io.logprobs_format import chat_logprobs, completion_logprobs, plain_prompt_logprobs
+from llmcli.cli.io.logprobs_format import Bytes, chat_logprobs, completion_logprobs, plain_prompt_logprobs
 from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
+
+
+# Where the reasoning parser puts the thinking: vLLM's current name (its PR #27752); "reasoning_content",
+# the name before it, with --reasoning-field reasoning_content.
+REASONING_FIELD = "reasoning"
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -22,15 +27,17 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None, k: int | None) -> dict[str, Any]:
+def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None, k: int | None,
+            token_bytes: Bytes | None = None, reasoning_field: str = REASONING_FIELD) -> dict[str, Any]:
     logprobs = None
     if k is not None and out.logprobs is not None:
-        logprobs = (chat_logprobs if chat else completion_logprobs)(out.token_ids, out.logprobs, k)
+        logprobs = chat_logprobs(out.token_ids, out.logprobs, k, token_bytes) if chat \
+            else completion_logprobs(out.token_ids, out.logprobs, k)
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
         if reasoning is not None:  # as vLLM's chat completions carry it, beside the content
             split = split_reasoning(reasoning, out.text)
-            message = {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning}
+            message = {"role": "assistant", "content": split.content, reasoning_field: split.reasoning}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
     return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
@@ -45,7 +52,8 @@ def _line(rec: InputRecord, status: int, body: dict[str, Any]) -> dict[str, Any]
 
 
 def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str,
-                  reasoning: str | None = None) -> dict[str, Any]:
+                  reasoning: str | None = None, token_bytes: Bytes | None = None,
+                  reasoning_field: str = REASONING_FIELD) -> dict[str, Any]:
     """The batch output line answering ``rec`` with its n completions (text completions are never split)."""
     chat = rec.openai.chat
     body = {
@@ -53,7 +61,8 @@ def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(i, out, chat, reasoning, rec.sampling.get("logprobs")) for i, out in enumerate(outputs)],
+        "choices": [_choice(i, out, chat, reasoning, rec.sampling.get("logprobs"), token_bytes, reasoning_field)
+                    for i, out in enumerate(outputs)],
         "usage": _usage(outputs),
     }
     prompt_k = rec.sampling.get("prompt_logprobs")

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
-from llmcli.cli.io.logprobs_format import plain_logprobs, plain_prompt_logprobs
-from llmcli.cli.io.openai_format import openai_error, openai_result
+from llmcli.cli.io.logprobs_format import Bytes, plain_logprobs, plain_prompt_logprobs
+from llmcli.cli.io.openai_format import REASONING_FIELD, openai_error, openai_result
 from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
 
@@ -20,11 +20,11 @@ def _metrics(out: RequestOutput) -> dict[str, Any]:
 
 
 def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bool,
-                reasoning: str | None, logprobs_k: int | None) -> dict[str, Any]:
+                reasoning: str | None, logprobs_k: int | None, reasoning_field: str) -> dict[str, Any]:
     split = split_reasoning(reasoning, out.text)
     item: dict[str, Any] = {"text": split.content}
     if reasoning is not None:
-        item["reasoning_content"] = split.reasoning
+        item[reasoning_field] = split.reasoning
     item["finish_reason"] = out.finish_reason
     if include_token_ids:
         item["token_ids"] = list(out.token_ids)
@@ -36,18 +36,23 @@ def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bo
 
 
 def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str, include_token_ids: bool = False,
-                  include_metrics: bool = False, reasoning: str | None = None) -> dict[str, Any]:
+                  include_metrics: bool = False, reasoning: str | None = None,
+                  token_bytes: Bytes | None = None, reasoning_field: str = REASONING_FIELD) -> dict[str, Any]:
     """The output line for ``rec``; ``outputs`` are its n completions in index order.
 
-    ``reasoning`` names the reasoning parser (None: the text is left whole)."""
+    ``reasoning`` names the reasoning parser (None: the text is left whole) and ``reasoning_field`` the field
+    its thinking goes to; ``token_bytes`` gives chat logprobs' ``bytes`` (None: the UTF-8 of each token's text)."""
     if rec.openai is not None:
-        return openai_result(rec, outputs, model, reasoning=reasoning)
+        return openai_result(rec, outputs, model, reasoning=reasoning, token_bytes=token_bytes,
+                             reasoning_field=reasoning_field)
     line: dict[str, Any] = {"id": rec.out_id}
     k = rec.sampling.get("logprobs")
-    if len(outputs) == 1:
-        line.update(_completion(outputs[0], include_token_ids, include_metrics, reasoning, k))
-    else:
-        line["choices"] = [{"index": i, **_completion(o, include_token_ids, include_metrics, reasoning, k)}
+    # One shape whatever n is: the first completion at the top level (``jq .text`` works for any n), and
+    # with n > 1 every completion in ``choices`` as well.
+    line.update(_completion(outputs[0], include_token_ids, include_metrics, reasoning, k, reasoning_field))
+    if len(outputs) > 1:
+        line["choices"] = [{"index": i, **_completion(o, include_token_ids, include_metrics, reasoning, k,
+                                                      reasoning_field)}
                            for i, o in enumerate(outputs)]
     if include_token_ids:
         line["prompt_token_ids"] = list(outputs[0].prompt_token_ids)

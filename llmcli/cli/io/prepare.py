@@ -11,7 +11,21 @@ from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
+from llmcli.engine.admission import bad_word_ids, truncate_prompt
+from llmcli.engine.sequence import RequestRejected
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
+
+# max_tokens of a record that sets none, when --max-tokens is not given either. OpenAI lines follow OpenAI's
+# API: a chat request runs until it stops or the context is full, a completions request stops at 16.
+PLAIN_MAX_TOKENS = 256
+OPENAI_COMPLETIONS_MAX_TOKENS = 16
+
+
+def default_max_tokens(rec: InputRecord) -> int | None:
+    """The built-in max_tokens of a record that sets none (None: until stop or the context is full)."""
+    if rec.openai is None:
+        return PLAIN_MAX_TOKENS
+    return None if rec.openai.chat else OPENAI_COMPLETIONS_MAX_TOKENS
 
 
 @dataclass
@@ -21,6 +35,7 @@ class PreparedRequest:
     record: InputRecord
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # n entries, each with n=1 (the i-th seeded seed+i)
+    limit_set: bool = True  # max_tokens came from the record; False: from --max-tokens or the built-in default
 
 
 class Preparer:
@@ -79,9 +94,8 @@ class Preparer:
             try:
                 params = self._params(rec)
                 if rec.kind == "prompt_token_ids":
-                    ids = self._check_ids(rec)
-                    self._check_length(rec, ids)
-                    out[i] = PreparedRequest(rec, ids, params)
+                    ids = self._check_length(rec, self._check_ids(rec))
+                    out[i] = PreparedRequest(rec, ids, params, self._limit_set(rec))
                     continue
                 if self.tokenizer is None:
                     raise FieldProblem(rec.prompt_field(), "the model has no tokenizer; give prompt_token_ids instead")
@@ -97,11 +111,11 @@ class Preparer:
         for (i, params), ids in zip(waiting, self._encode_texts(texts)):
             rec = recs[i]
             try:
-                self._check_length(rec, ids)
+                ids = self._check_length(rec, ids)
             except FieldProblem as problem:
                 rec.fail(problem.field, problem.message)
                 continue
-            out[i] = PreparedRequest(rec, ids, params)
+            out[i] = PreparedRequest(rec, ids, params, self._limit_set(rec))
         return out
 
     # -- sampling ---------------------------------------------------------------
@@ -109,7 +123,7 @@ class Preparer:
         # Most records carry the same sampling fields (often none): build their settings (and compile-check
         # their constraint) once. The engine only reads SamplingParams, so records may share them.
         try:
-            key = (rec.openai is not None, rec.structured_field,
+            key = (rec.openai.url if rec.openai is not None else None, rec.structured_field,
                    orjson.dumps(rec.sampling, option=orjson.OPT_SORT_KEYS))
         except TypeError:  # not serializable as is: built for this record alone
             return self._build_params(rec)
@@ -130,7 +144,7 @@ class Preparer:
         return found
 
     def _build_params(self, rec: InputRecord) -> list[SamplingParams]:
-        merged = {**self.defaults, **rec.sampling}
+        merged = {"max_tokens": default_max_tokens(rec), **self.defaults, **rec.sampling}
         if merged.get("structured_outputs") == NO_CONSTRAINT:
             merged["structured_outputs"] = None
         elif "structured_outputs" in rec.sampling:
@@ -143,9 +157,22 @@ class Preparer:
             # Said in JSON's words: a record writes null, not Python's None.
             why = re.sub(r"\bNone\b", "null", str(exc).split(": ", 1)[-1])
             raise FieldProblem(rec.field_name(name) if name else None, why) from None
+        for name, ids in (("logit_bias", base.logit_bias or ()), ("allowed_token_ids", base.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise FieldProblem(rec.field_name(name), f"token id {bad} is outside the vocabulary [0, "
+                                                         f"{self.vocab_size})")
+        try:
+            bad_word_ids(self.tokenizer, base.bad_words)
+        except RequestRejected as exc:
+            raise FieldProblem(rec.field_name("bad_words"), str(exc).removeprefix("bad_words: ")) from None
         seeds = [None if base.seed is None else base.seed + i for i in range(base.n)]
         # replace() keeps unset fields unset: the engine fills them from the model's generation config
         return [base.replace(n=1, seed=seed) for seed in seeds]
+
+    @staticmethod
+    def _limit_set(rec: InputRecord) -> bool:
+        return "max_tokens" in rec.sampling
 
     # -- prompt -----------------------------------------------------------------
     def _check_ids(self, rec: InputRecord) -> list[int]:
@@ -155,13 +182,17 @@ class Preparer:
             raise FieldProblem(rec.prompt_field(), f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def _check_length(self, rec: InputRecord, ids: list[int]) -> None:
+    def _check_length(self, rec: InputRecord, ids: list[int]) -> list[int]:
+        """``ids`` as the engine will run them (cut by truncate_prompt_tokens), checked against max_model_len."""
+        ids = truncate_prompt(ids, self._params(rec)[0], self.max_model_len)
         name = rec.prompt_field()
         if not ids:
             raise FieldProblem(name, "encodes to zero tokens")
         if len(ids) >= self.max_model_len:
             raise FieldProblem(name, f"prompt is {len(ids)} tokens, too long for max_model_len={self.max_model_len} "
-                                     "(it must leave room for one generated token)")
+                                     "(it must leave room for one generated token; truncate_prompt_tokens: -1 "
+                                     "keeps its end)")
+        return ids
 
     def _byte_limit(self) -> int:
         # No token stands for more bytes than its own vocabulary entry spells, so text longer than
@@ -178,8 +209,14 @@ class Preparer:
             return _string_bytes(rec.prompt) + _string_bytes(rec.chat_template_kwargs)
         return len(rec.prompt.encode())
 
+    def _truncated(self, rec: InputRecord) -> bool:
+        return rec.sampling.get("truncate_prompt_tokens", self.defaults.get("truncate_prompt_tokens")) is not None
+
     def _too_big(self, rec: InputRecord) -> str | None:
-        """Why ``rec``'s text can never fit, known without rendering or tokenizing it; None if it may."""
+        """Why ``rec``'s text can never fit, known without rendering or tokenizing it; None if it may (a record
+        that asks for truncate_prompt_tokens always may)."""
+        if self._truncated(rec):
+            return None
         if rec.kind == "messages" and len(rec.prompt) > self.max_model_len:
             # No template worth using renders a message as less than one token.
             return (f"holds {len(rec.prompt)} messages, more than max_model_len={self.max_model_len} tokens "

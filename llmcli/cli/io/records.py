@@ -119,6 +119,14 @@ _SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "repetition_penalty": (_is_number, "a number"),
     "presence_penalty": (_is_number, "a number"),
     "frequency_penalty": (_is_number, "a number"),
+    "min_tokens": (_is_int, "an integer"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "true or false"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "logit_bias": (lambda v: v is None or (isinstance(v, dict) and all(_is_number(x) for x in v.values())),
+                   "an object of token id: number"),
+    "bad_words": (lambda v: v is None or _is_stop(v), "a string or a list of strings"),
+    "allowed_token_ids": (lambda v: v is None or _is_int_list(v), "a list of integers or null"),
+    "truncate_prompt_tokens": (lambda v: v is None or _is_int(v), "an integer or null"),
 }
 SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
 
@@ -196,13 +204,14 @@ def _check_text(text: Any, name: str) -> str:
 
 
 # constraint fields, parsed by cli/io/structured_fields.py
-STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 def _known(openai_body: bool) -> set[str]:
     # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
     if openai_body:
-        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", "response_format", *OPENAI_BODY_EXTRA,
+        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *STRUCTURED_FIELDS, *OPENAI_BODY_EXTRA,
                 *_SAMPLING_CHECKS}
     return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS}
 
@@ -357,10 +366,12 @@ def parse_line(raw: RawLine) -> InputRecord:
     try:
         if "custom_id" in obj or "body" in obj:
             custom_id = obj.get("custom_id")
-            if not isinstance(custom_id, str) or not custom_id:
-                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
+            # Even a bad custom_id is an OpenAI line: its error line keeps the batch output's shape (and
+            # names it as written, so --resume finds it).
             rec.openai = OpenAIRequest(custom_id=custom_id, url="")
             rec.out_id, rec.key = custom_id, record_key(custom_id, openai=True)
+            if not isinstance(custom_id, str) or not custom_id:
+                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
             _parse_openai(rec, obj)
         else:
             if "id" in obj:

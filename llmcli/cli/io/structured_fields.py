@@ -1,4 +1,5 @@
-"""Structured-output fields of a record (OpenAI ``response_format``, vLLM-style ``guided_*``) and the
+"""Structured-output fields of a record (vLLM's ``structured_outputs``, OpenAI ``response_format``, the older
+vLLM ``guided_*``) and the
 ``--response-format`` / ``--json-schema`` files, as StructuredOutputsParams checked before the engine starts."""
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ from llmcli.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
+# vLLM's StructuredOutputsParams (>= 0.12): the constraints llmcli honours, and the keys it knows but cannot
+# honour (an input error when set, never ignored). disable_fallback is moot: llmcli has one grammar backend.
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUTS_UNSUPPORTED = {
+    "structural_tag": "structural tags are not supported",
+    "whitespace_pattern": "a custom whitespace pattern is not supported",
+    "disable_any_whitespace": "JSON without any whitespace is not supported",
+    "disable_additional_properties": "this switch is not supported (set additionalProperties: false in the schema)",
+}
+STRUCTURED_OUTPUTS_MOOT = ("disable_fallback",)
 NO_CONSTRAINT = "text"  # response_format {"type": "text"}: explicitly unconstrained (overrides a CLI default)
 
 
@@ -32,6 +43,27 @@ def response_format(value: Any, name: str) -> StructuredOutputsParams | str:
     raise FieldProblem(f"{name}.type", f'must be "json_schema", "json_object" or "text", got {kind!r}')
 
 
+def structured_outputs(value: Any, name: str) -> tuple[StructuredOutputsParams, str]:
+    """vLLM's ``structured_outputs`` object as a constraint, and the dotted name of the key that gave it."""
+    if not isinstance(value, dict):
+        raise FieldProblem(name, 'must be an object such as {"json": {...}}, {"regex": "..."} or {"choice": [...]}')
+    for key, item in value.items():
+        if key in STRUCTURED_OUTPUTS_UNSUPPORTED and item not in (None, False):
+            raise FieldProblem(f"{name}.{key}", STRUCTURED_OUTPUTS_UNSUPPORTED[key] + " by llmcli (it honours "
+                                                + ", ".join(STRUCTURED_OUTPUTS_KINDS) + ")")
+        if key not in STRUCTURED_OUTPUTS_KINDS and key not in STRUCTURED_OUTPUTS_UNSUPPORTED \
+                and key not in STRUCTURED_OUTPUTS_MOOT:
+            raise FieldProblem(f"{name}.{key}", "unknown constraint; give one of " + ", ".join(STRUCTURED_OUTPUTS_KINDS))
+    given = {k: value[k] for k in STRUCTURED_OUTPUTS_KINDS if value.get(k) not in (None, False)}
+    if len(given) != 1:
+        raise FieldProblem(name, "give exactly one of " + ", ".join(STRUCTURED_OUTPUTS_KINDS)
+                           + f" (got {', '.join(given) or 'none'})")
+    (kind, item), = given.items()
+    if kind == "json_object" and item is not True:
+        raise FieldProblem(f"{name}.json_object", "must be true or false")
+    return _params(f"{name}.{kind}", **{kind: item}), f"{name}.{kind}"
+
+
 def _params(name: str, **kwargs: Any) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kwargs)
@@ -41,12 +73,14 @@ def _params(name: str, **kwargs: Any) -> StructuredOutputsParams:
 
 def take_structured(src: dict[str, Any], prefix: str) -> tuple[StructuredOutputsParams | str | None, str | None]:
     """The record's constraint (or NO_CONSTRAINT, or None when it gives none) and the field that gave it."""
-    given = [f for f in ("response_format", *GUIDED_FIELDS) if f in src and src[f] is not None]
+    given = [f for f in ("structured_outputs", "response_format", *GUIDED_FIELDS) if f in src and src[f] is not None]
     if not given:
         return None, None
     if len(given) > 1:
         raise FieldProblem(prefix + given[1], f"conflicts with {given[0]}: give one structured-output field")
     name = prefix + given[0]
+    if given[0] == "structured_outputs":
+        return structured_outputs(src["structured_outputs"], name)
     if given[0] == "response_format":
         spec = response_format(src["response_format"], name)
         return spec, (f"{name}.json_schema.schema" if getattr(spec, "json", None) is not None else name)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import select
 import stat
 import sys
 import time
@@ -27,6 +28,19 @@ class LineSink:
         self.durable = durable  # fsync at checkpoints (a regular file; pipes cannot be synced)
         self.owned = owned
         self.failed: OSError | None = None
+        self._poll: Any = None  # OUT is a pipe: polled for its reader closing it (False: not a pipe)
+
+    def reader_gone(self) -> bool:
+        """Whether OUT is a pipe whose reader has closed it (``| head`` is done): nothing more can be read."""
+        if self._poll is None:
+            try:
+                fd = self.stream.fileno()
+                self._poll = select.poll() if stat.S_ISFIFO(os.fstat(fd).st_mode) else False
+            except (AttributeError, OSError, ValueError):
+                self._poll = False
+            if self._poll:
+                self._poll.register(fd, 0)  # only POLLERR: the read end is closed
+        return bool(self._poll) and bool(self._poll.poll(0))
 
     def write(self, data: bytes) -> None:
         self._check()
