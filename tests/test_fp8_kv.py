@@ -110,7 +110,8 @@ def test_fp8_decode_matches_torch(dtype, num_splits):
     q = torch.randn(len(lens), 8, 64, dtype=dtype, device=DEVICE)
     k = new_kv((len(lens), 2, 64), dtype, SCALES[0])
     v = new_kv((len(lens), 2, 64), dtype, SCALES[1])
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=torch.tensor(lens, dtype=torch.int32),
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots,
+                             context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                              block_tables=tables, max_seqlen_k=max(lens))
     (ref, out), ((rk, rv), (ok, ov)) = run_both(meta, q, k, v, k_cache, v_cache, num_splits)
     assert torch.equal(ok.view(torch.uint8), rk.view(torch.uint8)) and torch.equal(ov.view(torch.uint8), rv.view(torch.uint8))
@@ -128,11 +129,11 @@ def test_fp8_prefill_with_prefix_and_mixed_step_match_torch(dtype):
     q = torch.randn(total, 4, 64, dtype=dtype, device=DEVICE)
     k = new_kv((total, 2, 64), dtype, SCALES[0])
     v = new_kv((total, 2, 64), dtype, SCALES[1])
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    cu_k = torch.tensor([0] + torch.tensor(ctx).cumsum(0).tolist(), dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(ctx).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     for num_decode in (0, 2):
         rest = q_lens[num_decode:]
-        meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=torch.tensor(ctx, dtype=torch.int32),
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
                                  block_tables=tables, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=max(q_lens),
                                  max_seqlen_k=max(ctx), has_prefix=True, num_decode=num_decode,
                                  rest_max_seqlen_q=max(rest), rest_has_prefix=True)
