@@ -159,6 +159,7 @@ def test_bf16_greedy_matches_transformers(random_published):
     free = {"triton vs transformers": agreement(triton, hf), "torch vs transformers": agreement(torch_ref, hf),
             "triton vs torch": agreement(triton, torch_ref),
             "control: transformers eager vs sdpa": agreement(hf_eager, hf)}
+    control_tf = agreement(eager_tf, hf)
     if flash is not None:
         teacher["flash-attn vs transformers"] = agreement(flash_tf, hf)
         free["flash-attn vs transformers"] = agreement(flash, hf)
@@ -170,6 +171,7 @@ def test_bf16_greedy_matches_transformers(random_published):
     print(f"GREEDY TOKEN AGREEMENT, teacher-forced (bf16, {NUM_PROMPTS} prompts x {NEW_TOKENS} positions):")
     for name, rate in teacher.items():
         print(f"  {name:52s} {rate:.2%}")
+    print(f"  {'control: transformers eager vs sdpa':52s} {control_tf:.2%}")
     print("GREEDY TOKEN AGREEMENT, free-running (position by position):")
     for name, rate in free.items():
         print(f"  {name:52s} {rate:.2%}")
@@ -191,5 +193,8 @@ def test_bf16_greedy_matches_transformers(random_published):
           non_tie_mismatches(step_logits, eager_tf, hf, first_only=False, noise=noise) or "none")
     print("mismatches that are not near-ties:", bad or "none")
     assert not bad
+    # 95%, or where transformers' two attention implementations agree less with each other than that (a random
+    # model with many near-ties: Llama-3.2-1B, 35% of positions in round call 1), two points under their agreement
+    bar = min(0.95, control_tf - 0.02)
     for name, rate in teacher.items():
-        assert rate >= 0.95, f"teacher-forced {name}: {rate:.2%} < 95%"
+        assert rate >= bar, f"teacher-forced {name}: {rate:.2%} < {bar:.2%}"
