@@ -4,8 +4,7 @@ teacher-forced agreement with transformers, in one run (about 6 minutes on an H2
 
 1. kernel: one MoE block at Qwen3-30B-A3B's shapes (128 experts, top-8, hidden 2048, experts of 768), bf16,
    for 1 to 8,192 tokens: ``kernels/triton_moe.fused_moe`` against ``kernels/moe_reference.moe_reference``
-   (the loop over experts), time of each and the fused output's error against the loop in float32; then
-   (``tuning``) other tile shapes at 256 and 4,096 tokens, each checked, for the next choice of defaults.
+   (the loop over experts), time of each and the fused output's error against the loop in float32.
 2. engine: Qwen3-30B-A3B with ``--load-format dummy`` on the default bench workload (256 requests, prompts and
    outputs of 100-1024 tokens, temperature 0.6): output tok/s and the share of the MoE physical bound
    (``benchmarks/harness/bound.py``: dense weights each step, the experts a step's batch touches under uniform
@@ -48,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes and a tiny model, on the CPU")
-    p.add_argument("--sections", default="kernel,tuning,engine,agreement")
+    p.add_argument("--sections", default="kernel,engine,agreement")
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu"
@@ -107,42 +106,6 @@ def kernel_section(args: argparse.Namespace, failures: list[str]) -> list[list[A
             failures.append(f"kernel: {tokens} tokens, relative error {err:.2e} >= {tol:.0e}")
         rows.append([tokens, f"{1e3 * fused_s:.3f}", f"{1e3 * ref_s:.3f}", f"{ref_s / fused_s:.1f}x", f"{err:.2e}",
                      "ok" if ok else "FAIL"])
-    return rows
-
-
-def tuning_section(args: argparse.Namespace, failures: list[str]) -> list[list[Any]]:
-    """Other tiles than ``pick_tuning``'s at a decode batch and a prefill chunk, for the next round's choice:
-    ms per block and the bytes of the experts read (each once) per second."""
-    import torch
-
-    from llmcli.kernels.moe_reference import moe_reference, route
-    from llmcli.kernels.triton_moe import MoeTuning, fused_moe, pick_tuning
-
-    dev = args.device
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    experts, top_k, hidden, inter = (8, 2, 64, 32) if args.smoke else (128, 8, 2048, 768)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dev, dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dev, dtype)
-    expert_bytes = (w13.numel() + w2.numel()) * w13.element_size()
-    candidates = [MoeTuning(16), MoeTuning(16, block_n=128), MoeTuning(16, block_k=128), MoeTuning(16, num_stages=4),
-                  MoeTuning(32), MoeTuning(64, block_n=128, num_warps=8), MoeTuning(64, block_n=64, num_warps=4),
-                  MoeTuning(128, block_n=128, num_warps=8)]
-    rows = []
-    for tokens in (4, 16) if args.smoke else (256, 4096):
-        x = torch.randn(tokens, hidden, generator=g).to(dev, dtype)
-        weights, ids = route(torch.randn(tokens, experts, generator=g).to(dev), top_k, normalize=True)
-        ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
-        chosen = pick_tuning(tokens * top_k, experts)
-        for tuning in candidates[:2] if args.smoke else candidates:
-            out = fused_moe(x, w13, w2, weights, ids, tuning)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            if err >= (2e-2 if dtype == torch.bfloat16 else 1e-5):
-                failures.append(f"tuning {tuning}: {tokens} tokens, relative error {err:.2e}")
-            s = timed(lambda: fused_moe(x, w13, w2, weights, ids, tuning), dev, 2 if args.smoke else 20)
-            rows.append([tokens, f"{tuning.block_m}/{tuning.block_n}/{tuning.block_k} w{tuning.num_warps} "
-                         f"s{tuning.num_stages}" + (" (default)" if tuning == chosen else ""), f"{1e3 * s:.3f}",
-                         f"{expert_bytes / s / 1e12:.2f}"])
     return rows
 
 
@@ -315,10 +278,6 @@ def main(argv: list[str] | None = None) -> int:
         rows = kernel_section(args, failures)
         tables.append(("fused MoE kernel vs the reference loop (one block)",
                        md_table(["tokens", "fused ms", "loop ms", "speed-up", "rel err vs fp32 loop", "check"], rows)))
-    if "tuning" in sections:
-        rows = tuning_section(args, failures)
-        tables.append(("fused MoE tiles (block_m/block_n/block_k, warps, stages)",
-                       md_table(["tokens", "tiles", "ms", "expert TB/s (all experts once)"], rows)))
     if "engine" in sections:
         speed, rows = engine_section(args, failures)
         tables.append(("output speed against the MoE bound",

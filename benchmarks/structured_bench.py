@@ -10,7 +10,8 @@ and the engine's step timer for decode steps: ``wait`` (the host waiting for the
 is hidden behind the device), ``mask`` (filling token bitmasks on the host) and the host total.
 
 Dummy weights have no tokenizer and the GPU machine has no Qwen tokenizer offline, so a byte-level BPE
-tokenizer of Qwen3's size (151,646 ids) is built first (benchmarks/full_size_tokenizer.py, ~10 s).
+tokenizer of Qwen3's size (151,646 ids) is built first (benchmarks/synth_tokenizer.py, seconds; the one
+``job_gpu.py`` uses).
 
     python benchmarks/structured_bench.py                    # GPU: Qwen3-0.6B, 256 requests
     python benchmarks/structured_bench.py --device cpu --smoke   # a CPU smoke run on the tiny model
@@ -96,10 +97,10 @@ def main() -> int:
     else:
         knobs["load_format"] = "dummy"
         if args.tokenizer is None:
-            from full_size_tokenizer import save
+            from synth_tokenizer import write_model_dir
 
             start = time.perf_counter()
-            args.tokenizer = str(save(Path(tempfile.mkdtemp()) / "tokenizer"))
+            args.tokenizer = str(write_model_dir(args.model, Path(tempfile.mkdtemp()) / "tokenizer"))
             print(f"built the full-size tokenizer in {time.perf_counter() - start:.1f} s", flush=True)
     if args.tokenizer:
         knobs["tokenizer"] = args.tokenizer
