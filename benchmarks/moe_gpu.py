@@ -56,24 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn, device: str, reps: int) -> float:
     """Median seconds of ``reps`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    from benchmarks.harness.ceilings import time_op
+
+    return statistics.median(time_op(fn, device, reps, warmup=1))
 
 
 # -- 1. the kernel ----------------------------------------------------------------------------------------
@@ -125,6 +112,8 @@ def tiny_moe_config() -> Path:
 def greedy_probe(llm: Any, prompts: list[list[int]], device: str, new_tokens: int,
                  ) -> tuple[float, list[list[int]]]:
     from llmcli import SamplingParams
+
+    from benchmarks.harness.ceilings import sync
 
     sync(device)
     t = time.perf_counter()
