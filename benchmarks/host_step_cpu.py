@@ -9,12 +9,6 @@ steady batch (every request admitted and decoding, none finishing).
 
     python benchmarks/host_step_cpu.py                  # 256 sequences, 300 timed decode steps
     python benchmarks/host_step_cpu.py --batch 64 --steps 100 --temperature 0
-    python benchmarks/host_step_cpu.py --preset 4000    # a prefill-heavy-shaped job: host ms per mixed step
-
-``--preset N`` runs N prompts of 540-600 tokens with 32 greedy output tokens each (the prefill-heavy preset's
-shape) through the default scheduler (1024 sequences, 16,384-token steps, mixed steps) around the same stub, and
-prints the median host phases per step of each kind: what a mixed step of ~1,000 decode rows plus prompt chunks
-costs the host before any kernel launches (on the GPU, launching the step's kernels comes on top).
 
 On the GPU the ``forward`` and ``sample`` phases are kernel launches (a CUDA graph replay and the
 sampler's kernels) and copies through reused pinned buffers, which this stub does not reproduce; schedule,
@@ -24,7 +18,6 @@ prepare and postprocess are the same code. ``graph+sample`` is the default decod
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -39,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.harness.output import md_table  # noqa: E402
 from llmcli.config import Config  # noqa: E402
 from llmcli.engine.llm_engine import LLMEngine  # noqa: E402
 from llmcli.engine.model_runner import ModelRunner  # noqa: E402
@@ -53,17 +47,7 @@ class StubRunner(ModelRunner):
     """A ModelRunner with no model: ``launch`` runs for real, ``_forward`` returns canned hidden states."""
 
     def __init__(self, config: Config, num_blocks: int, vocab: int) -> None:  # noqa: D107 - no super().__init__
-        if hasattr(self, "init_host_state"):
-            self.init_host_state(config, torch.device("cpu"), num_blocks)
-        else:  # a commit from before init_host_state (to measure the old code with this script)
-            from llmcli.engine.uploader import Uploader
-            from llmcli.layers.sampler import Sampler
-
-            self.config, self.device, self.num_blocks, self.rank, self.world = config, torch.device("cpu"), num_blocks, 0, 1
-            self.sampler, self.uploader, self.prev_tokens, self.graphs = Sampler(), Uploader(self.device), None, None
-            from llmcli.engine.step_timer import StepTimer
-
-            self.timer = StepTimer()
+        self.init_host_state(config, torch.device("cpu"), num_blocks)
         # canned hidden states that are their own logits: the "lm_head" is the identity
         self._canned = torch.randn(config.max_num_seqs + config.max_num_batched_tokens, vocab)
         self.model = SimpleNamespace(compute_logits=lambda hidden: hidden)
@@ -112,7 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--temperature", type=float, default=0.6, help="as the default bench workload (0: greedy)")
     p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--json", action="store_true", help="print the numbers as one JSON object too")
     p.add_argument("--smoke", action="store_true", help="the CI smoke test: batch 16, 20 steps")
     p.add_argument("--paths", nargs="+", default=["eager", "graph", "graph+sample"],
                    help="decode paths: eager (no CUDA graphs: prepare_decode + forward), graph (the CUDA-graph "
@@ -171,13 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host time per decode step, batch {args.batch}, {args.steps} steps, temperature {args.temperature} "
           f"(stub forward; ms per step, median step)")
     names = list(rows[0][1])
-    print("| path | " + " | ".join(names) + " |")
-    print("|---|" + "---:|" * len(names))
-    for path, row in rows:
-        print(f"| {path} | " + " | ".join(f"{row[n]:.3f}" for n in names) + " |")
-    if args.json:
-        print(json.dumps({"batch": args.batch, "steps": args.steps,
-                          **{path: {f"{k}_ms": v for k, v in row.items()} for path, row in rows}}))
+    print(md_table(["path", *names], [[path, *(f"{row[n]:.3f}" for n in names)] for path, row in rows]))
     return 0
 
 
