@@ -13,17 +13,18 @@ import types
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import KernelInterface  # noqa: E402  (a JITFunction, or an InterpretedFunction under TRITON_INTERPRET)
 
 import llmcli.kernels  # noqa: E402
 
 
-def jit_kernels() -> list[tuple[str, JITFunction]]:
+def jit_kernels() -> list[tuple[str, KernelInterface]]:
     found = []
     for info in pkgutil.iter_modules(llmcli.kernels.__path__):
         module = importlib.import_module(f"llmcli.kernels.{info.name}")
         for name, value in vars(module).items():
-            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
+            if isinstance(value, KernelInterface) and getattr(value, "fn", None) is not None \
+                    and value.fn.__module__ == module.__name__:
                 found.append((f"{info.name}.{name}", value))
     return found
 
@@ -48,7 +49,7 @@ def test_kernel_globals_are_constexpr(name, kernel):
         if ref not in fn.__globals__:
             continue  # an attribute name (tl.arange's "arange") or a builtin
         value = fn.__globals__[ref]
-        ok = (isinstance(value, (JITFunction, types.ModuleType, triton.language.constexpr))
+        ok = (isinstance(value, (KernelInterface, types.ModuleType, triton.language.constexpr))
               or getattr(value, "__module__", "").startswith("triton")  # tl.dtype objects, decorators
               or callable(value) and getattr(value, "__triton_builtin__", False))
         if not ok:
