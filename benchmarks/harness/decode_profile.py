@@ -25,12 +25,13 @@ KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wi
 )
 
 
-def kernel_groups(op: Callable[[], Any], reps: int) -> dict[str, dict[str, float]]:
-    """Device time per step of each kernel group, from the profiler's kernel records (eager launches)."""
+def kernel_groups(op: Callable[[], Any], reps: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Device time per step of each kernel group, from the profiler's kernel records (eager launches), and of
+    each matmul shape (``matmul_shapes``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(reps):
             op()
         torch.cuda.synchronize()
@@ -43,7 +44,21 @@ def kernel_groups(op: Callable[[], Any], reps: int) -> dict[str, dict[str, float
         row = groups.setdefault(group, {"kernels": 0.0, "us": 0.0})
         row["kernels"] += evt.count / reps
         row["us"] += evt.self_device_time_total / reps
-    return groups
+    return groups, matmul_shapes(prof, reps)
+
+
+def matmul_shapes(prof: Any, reps: int) -> dict[str, float]:
+    """Device us per step of each (matmul op, input shapes): which linear layer of a family is slow, and how far
+    each runs from the machine's matmul rate (2*M*N*K over its time)."""
+    rows: dict[str, float] = {}
+    for evt in prof.key_averages(group_by_input_shape=True):
+        if evt.key in ("aten::mm", "aten::addmm") and evt.device_time_total > 0:
+            shapes = [s for s in evt.input_shapes if len(s) == 2]
+            (m, k), n = shapes[-2], shapes[-1][1]
+            us = evt.device_time_total / reps
+            tflops = 2 * m * n * k / (evt.device_time_total / evt.count) / 1e6
+            rows[f"{evt.key} {m}x{k} @ {k}x{n}: {evt.count / reps:g} a step, {tflops:.0f} TFLOP/s"] = us
+    return rows
 
 
 def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> dict[str, float]:
@@ -77,7 +92,7 @@ def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> d
             graphs, runner.graphs = runner.graphs, None
             try:
                 forward_sample()
-                out["kernel_groups"] = kernel_groups(forward_sample, 5)
+                out["kernel_groups"], out["matmul_shapes"] = kernel_groups(forward_sample, 5)
             except Exception as exc:  # the profile is a bonus: keep the timings below
                 log(f"kernel profile failed: {type(exc).__name__}: {exc}")
             finally:
@@ -176,6 +191,7 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     result.update(
         steps_timed=len(walls), total_ms=total_ms, total_ms_mean=1e3 * sum(walls) / len(walls),
         gpu_forward_ms=probe.get("forward_ms"), gpu_forward_sample_ms=gpu_ms, kernel_groups=probe.get("kernel_groups"),
+        matmul_shapes=probe.get("matmul_shapes"),
         host_ms=(total_ms - gpu_ms) if gpu_ms is not None else None,
         prepare_probe_ms=probe.get("prepare_ms"),
         step_timer=(timers or {}).get("decode"),

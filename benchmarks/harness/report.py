@@ -134,6 +134,12 @@ def final_tables(report: Report) -> str:
                      "profiler; kernel time only, no launch gaps):\n\n"
                      + md_table(["model", "batch", "kernel group", "kernels", "ms", "share"], krows))
 
+    mrows = [[name, shape, fmt_f(us / 1e3, 3)] for name, b in d["decode_breakdown"].items()
+             for shape, us in sorted((b.get("matmul_shapes") or {}).items(), key=lambda kv: -kv[1])]
+    if mrows:
+        parts.append("The GEMM group of that step by matmul shape (device ms per step):\n\n"
+                     + md_table(["model", "matmul", "ms"], mrows))
+
     trows = []
     for name, e in d["llmcli"].items():
         for kind, st in (e.get("step_timer") or {}).items():
