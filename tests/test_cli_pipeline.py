@@ -313,10 +313,11 @@ def test_token_budget_of_records_prepared_after_the_first_token(tiny_model, tmp_
 
 def test_100k_records_of_100_tokens_run_in_bounded_memory(tiny_model, tmp_path):
     # Issue #12: a large file never sits in memory whole. 100,000 records of ~100 prompt tokens each (half
-    # token ids, half text) end with a peak RSS within 100 MiB of a 2,000-record run's. A pipeline that
-    # holds every record's text and token ids (Python ints in lists: ~1 KiB per 100 ids, plus the text and the
-    # text records' own ids: ~2.5 KiB a record) would add ~250 MiB here. (It ran 200,000 records until
-    # 2026-12-03: 640 s, 39% of the suite; half the records keep the margin at 2.5x and the time at half.)
+    # token ids, half text) end with a peak RSS within 150 MiB of a 2,000-record run's (measured 2026-12-03 on
+    # the 2-core machine: 323 MB and 414 MB, +89 MiB, 316 s). A pipeline that holds every record's text and
+    # token ids (Python ints in lists: ~1 KiB per 100 ids, plus the text and the text records' own ids: ~2.5 KiB
+    # a record) would add ~250 MiB more. (It ran 200,000 records with a 200 MiB margin until 2026-12-03: 640 s,
+    # 39% of the suite.)
     vocab = orjson.loads((tiny_model / "config.json").read_bytes())["vocab_size"]
     words = "the quick brown fox jumps over a lazy dog and runs far away".split()
 
@@ -334,4 +335,4 @@ def test_100k_records_of_100_tokens_run_in_bounded_memory(tiny_model, tmp_path):
         peaks[n] = peak_rss_kib(command(tiny_model, str(inp), "-o", str(out), "-q", "--max-tokens", "1",
                                         "--max-num-seqs", "64"), {})
         assert out.read_bytes().count(b"\n") == n
-    assert peaks[100_000] - peaks[2_000] < 100 * 1024, peaks
+    assert peaks[100_000] - peaks[2_000] < 150 * 1024, peaks
