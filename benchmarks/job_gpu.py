@@ -46,6 +46,7 @@ API = r'''
 import json, sys, time
 t0 = time.perf_counter()
 from llmcli import LLM, SamplingParams
+from llmcli.engine.prompt_encoding import encode_texts
 args = json.loads(sys.argv[1])
 records = [json.loads(l) for l in open(args["input"])]
 start = time.perf_counter()
@@ -54,8 +55,7 @@ startup = time.perf_counter() - start
 ready_epoch = time.time()
 tok_start = time.perf_counter()
 if "prompt" in records[0]:
-    enc = llm.tokenizer.backend_tokenizer.encode_batch([r["prompt"] for r in records], add_special_tokens=False)
-    ids = [e.ids for e in enc]
+    ids = encode_texts(llm.tokenizer, [r["prompt"] for r in records])  # as the CLI encodes plain prompts
 else:
     ids = [r["prompt_token_ids"] for r in records]
 tokenize = time.perf_counter() - tok_start

@@ -7,6 +7,7 @@ from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
 from llmcli.engine.admission import truncate_prompt
 from llmcli.engine.outputs import CompletionOutput, RequestOutput
+from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
 from llmcli.engine.structured.grammar import GrammarError
 from llmcli.sampling_params import SamplingParams
@@ -94,14 +95,12 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError(f"model {self.engine.config.model} has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **(chat_template_kwargs or {}))
-            # the template already wrote any special tokens it wants
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        texts = [self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, **(chat_template_kwargs or {})) for conversation in conversations]
+        # chat=True: the template already wrote any special tokens it wants (no second BOS)
+        prompts = [{"prompt": text, "prompt_token_ids": ids}
+                   for text, ids in zip(texts, encode_texts(self.tokenizer, texts, chat=True))]
         return self.generate(prompts, sampling_params)
 
     def _prompt(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:

@@ -11,7 +11,8 @@ is the Qwen3 one):
 * ``generation_config.json`` whose ``eos_token_id`` lists the family's EOS ids (Llama 3: three)
 * tokenizer files            a byte-level BPE trained here with ``tokenizers`` on a small built-in English
                              corpus with the family's special tokens, wrapped in ``PreTrainedTokenizerFast`` with
-                             a chat template in the family's format (written for these tests)
+                             a chat template in the family's format (written for these tests); Llama's and
+                             Mistral's put their BOS before a plain text, as the published ones do
 
 The weights are initialised with a large ``initializer_range`` so that the
 logits are well spread: greedy decoding then varies across prompts and
@@ -108,10 +109,13 @@ MISTRAL_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 
 
 def build_tokenizer(vocab_size: int = 600, special_tokens: list[str] | None = None, eos: str = "<|im_end|>",
-                    pad: str = "<|endoftext|>", chat_template: str = CHAT_TEMPLATE):
-    """A byte-level BPE tokenizer wrapped in ``PreTrainedTokenizerFast`` (ChatML and its tokens by default)."""
+                    pad: str = "<|endoftext|>", chat_template: str = CHAT_TEMPLATE, bos: str | None = None):
+    """A byte-level BPE tokenizer wrapped in ``PreTrainedTokenizerFast`` (ChatML and its tokens by default).
+
+    With ``bos`` (one of ``special_tokens``), ``tokenizer(text)`` puts it first, through a post-processor as
+    the published Llama 3 and Mistral tokenizers do; without, it adds nothing (Qwen)."""
     special_tokens = special_tokens or SPECIAL_TOKENS
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -126,9 +130,13 @@ def build_tokenizer(vocab_size: int = 600, special_tokens: list[str] | None = No
     )
     # Repeat the corpus a few times so frequent pieces clear min_frequency.
     tok.train_from_iterator(training_corpus() * 3, trainer=trainer)
+    if bos is not None:
+        bos_id = tok.token_to_id(bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=None,
+        bos_token=bos,
         eos_token=eos,
         pad_token=pad,
         unk_token=None,
@@ -151,6 +159,7 @@ class Family:
     pad: str = "<|endoftext|>"
     generation_eos: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")  # generation_config.json's eos_token_id
     chat_template: str = CHAT_TEMPLATE
+    bos: str | None = None  # the token the tokenizer puts before a plain text (its chat template writes its own)
     # config.json entries removed after writing, as published checkpoints leave them out (head_dim: derived)
     unwritten: tuple[str, ...] = ()
 
@@ -173,7 +182,7 @@ FAMILIES: dict[str, Family] = {
                                          "rope_theta": 10_000.0}},
                     tuple(LLAMA3_SPECIAL_TOKENS), eos="<|eot_id|>", pad="<|end_of_text|>",
                     generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
-                    chat_template=LLAMA3_CHAT_TEMPLATE, unwritten=("head_dim",)),
+                    chat_template=LLAMA3_CHAT_TEMPLATE, bos="<|begin_of_text|>", unwritten=("head_dim",)),
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM",
                     {"tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": 4096,
                      "max_window_layers": 2}),
@@ -191,14 +200,14 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
                       tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
-                      chat_template=MISTRAL_CHAT_TEMPLATE, unwritten=("head_dim",)),
+                      chat_template=MISTRAL_CHAT_TEMPLATE, bos="<s>", unwritten=("head_dim",)),
 }
 
 
 def build_family_tokenizer(family: str):
     spec = FAMILIES[family]
     return build_tokenizer(special_tokens=list(spec.special_tokens), eos=spec.eos, pad=spec.pad,
-                           chat_template=spec.chat_template)
+                           chat_template=spec.chat_template, bos=spec.bos)
 
 
 def _round_up(n: int, multiple: int) -> int:

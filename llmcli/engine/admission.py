@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmcli.config import Config
+from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
 from llmcli.sampling_params import SamplingParams
 
@@ -36,11 +37,12 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
 
 
 def encode_prompt(tokenizer: Any | None, prompt: str | list[int], model: str) -> list[int]:
-    """Token ids of a prompt given as text (no special tokens added) or already as ids."""
+    """Token ids of a prompt given as plain text (with the tokenizer's special tokens, BOS for Llama 3 and
+    Mistral) or already as ids."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestRejected(f"model {model} has no tokenizer: give prompts as token ids")
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_texts(tokenizer, [prompt])[0]
     return list(prompt)
 
 

@@ -12,6 +12,7 @@ from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
 from llmcli.engine.admission import bad_word_ids, truncate_prompt
+from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
 
@@ -82,6 +83,7 @@ class Preparer:
         out: list[PreparedRequest | InputRecord] = list(recs)
         waiting: list[tuple[int, list[SamplingParams]]] = []
         texts: list[str] = []
+        rendered: list[bool] = []  # texts[k] came from a chat template
         chats = [i for i, r in enumerate(recs) if r.error is None and r.kind == "messages"]
         rendered_of: dict[int, str | FieldProblem] = {}
         if self.tokenizer is not None:
@@ -108,7 +110,8 @@ class Preparer:
                 continue
             waiting.append((i, params))
             texts.append(text)
-        for (i, params), ids in zip(waiting, self._encode_texts(texts)):
+            rendered.append(rec.kind == "messages")
+        for (i, params), ids in zip(waiting, self._encode_texts(texts, rendered)):
             rec = recs[i]
             try:
                 ids = self._check_length(rec, ids)
@@ -237,19 +240,15 @@ class Preparer:
         if why is not None:
             raise FieldProblem(rec.prompt_field(), why)
 
-    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of whole prompts (no special tokens added: a chat template already wrote any it wants).
-
-        A fast tokenizer's own batch encoding runs on several threads outside the GIL. It is called
-        directly (not through ``tokenizer(...)``, which first resets truncation and padding on the shared
-        Rust tokenizer and so cannot run while another thread decodes with it).
-        """
-        if not texts:
-            return []
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None and backend.truncation is None and backend.padding is None:
-            return [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
-        return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    def _encode_texts(self, texts: list[str], rendered: list[bool]) -> list[list[int]]:
+        """Token ids of whole prompts, in order: plain texts with the tokenizer's special tokens (as vLLM adds
+        them), chat renders with none (their template wrote its own), each kind as one batch."""
+        ids: list[list[int]] = [[] for _ in texts]
+        for chat in (False, True):
+            where = [k for k, r in enumerate(rendered) if r == chat]
+            for k, enc in zip(where, encode_texts(self.tokenizer, [texts[k] for k in where], chat=chat)):
+                ids[k] = enc
+        return ids
 
     # -- chat templates ---------------------------------------------------------
     def _kwargs_of(self, rec: InputRecord) -> dict[str, Any]:
