@@ -102,12 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def meta(args: argparse.Namespace) -> dict[str, Any]:
     m: dict[str, Any] = {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                          "command": " ".join([Path(sys.executable).name] + sys.argv), "args": vars(args),
-                         "python": platform.python_version(), "torch": torch.__version__,
-                         "cuda": torch.version.cuda, "host": platform.node(), "platform": platform.platform()}
+                         "python": platform.python_version(), "cuda": torch.version.cuda, "host": platform.node()}
     if args.device == "cuda":
         props = torch.cuda.get_device_properties(0)
         m.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
-    for mod in ("transformers", "triton", "llmcli"):
+    for mod in ("torch", "transformers", "triton", "llmcli"):
         with contextlib.suppress(Exception):
             m[mod] = __import__(mod).__version__
     with contextlib.suppress(Exception):

@@ -23,23 +23,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the GPU tests' checkpoint writer and greedy comparisons
 
+import torch  # noqa: E402
 from greedy_compare import agreement  # noqa: E402
-
-
-def write_checkpoint(out: Path) -> Path:
-    from tiny_qwen3 import write_random_published  # the GPU tests' writer: same weights as tests/test_gpu_e2e.py
-
-    import torch
-
-    path = write_random_published(REPO / "configs" / "Qwen3-0.6B" / "config.json", out)
-    torch.cuda.empty_cache()  # the engine sizes its KV pool from free memory
-    return path
+from tiny_qwen3 import write_random_published  # noqa: E402
 
 
 def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int,
            forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]] | None]:
     """Free-running greedy outputs at this TP size; with ``forced``, also the teacher-forced tokens."""
-    import torch
     from greedy_compare import regroup, teacher_forced_prompts
     from llmcli import LLM, SamplingParams
 
@@ -90,7 +81,9 @@ def main() -> None:
         rng = random.Random(0)
         prompts = [[rng.randrange(151936) for _ in range(rng.randint(8, 700))] for _ in range(args.prompts)]
         with tempfile.TemporaryDirectory() as tmp:
-            path = write_checkpoint(Path(tmp))
+            # the GPU tests' writer: the same weights as tests/test_gpu_e2e.py's
+            path = write_random_published(REPO / "configs" / "Qwen3-0.6B" / "config.json", Path(tmp))
+            torch.cuda.empty_cache()  # the engine sizes its KV pool from free memory
             print(f"checkpoint written; greedy at TP={args.tp[0]}", flush=True)
             base, _ = greedy(path, prompts, args.tp[0], args.new_tokens)
             runs = {}
