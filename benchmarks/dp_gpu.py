@@ -7,17 +7,15 @@ Every run is the real command (``llmcli generate IN -o OUT --load-format dummy -
 - ``one-gpu`` (the default with one GPU): the plain engine, then ``-dp 1`` through the data-parallel pool
   (``LLMCLI_DP_FORCE_POOL=1``: the replica is a process of its own behind the driver), on Qwen3-0.6B.
 - ``dp``: DP=1 (plain engine) vs DP=2 for each of ``--models``.
-- ``kill``: DP=2, one replica SIGKILLed once an eighth of the records are written: every record exactly
-  once, the same answers as DP=1, no process left, every GPU's memory back where it started.
 - ``tp-vs-dp``: DP=2 x TP=1 vs DP=1 x TP=2 on the last of ``--models``.
 - ``ray``: DP=2 with ``--distributed-backend ray`` (a local Ray instance the command starts), if Ray imports.
 
-(``-dp`` above the visible GPUs stopping at once is tests/test_dp_placement.py's.) On two or more GPUs the
-default is ``dp kill tp-vs-dp ray``. Prints one table last; writes ``$OUT/dp.json`` when OUT is set; exit
-status 1 when a run failed a check.
+On two or more GPUs the default is ``dp tp-vs-dp ray``. Prints one table last; writes ``$OUT/dp.json`` when
+OUT is set; exit status 1 when a run failed a check. (``-dp`` above the visible GPUs: tests/test_dp_placement.py;
+a replica killed mid-run: tests/test_data_parallel.py.)
 
     python benchmarks/dp_gpu.py                  # one H200: the one-gpu part (~2 min); two H200s: issue #17's matrix
-    python benchmarks/dp_gpu.py --smoke          # CPU, a tiny random Qwen3: one-gpu (~1 min; --parts one-gpu dp kill)
+    python benchmarks/dp_gpu.py --smoke          # CPU, a tiny random Qwen3: one-gpu (~1 min; --parts one-gpu dp)
 """
 from __future__ import annotations
 
@@ -39,13 +37,13 @@ for path in (REPO, REPO / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from benchmarks.harness.cli_process import CLI, watch_command  # noqa: E402
-from benchmarks.harness.gpu_watch import GpuWatch, gpu_memory_mib  # noqa: E402
+from benchmarks.harness.cli_process import CLI, GpuWatch, gpu_memory_mib, watch_command  # noqa: E402
+from benchmarks.harness.output import fmt_f, md_table  # noqa: E402
 from benchmarks.harness.workload import (  # noqa: E402
-    TINY_CONFIG, add_workload_args, make_workload, model_facts, write_requests_jsonl)
+    add_workload_args, make_workload, model_facts, write_requests_jsonl, write_tiny_config)
 from processes import env, wait_gone  # noqa: E402
 
-ALL_PARTS = ("one-gpu", "dp", "kill", "tp-vs-dp", "ray")
+ALL_PARTS = ("one-gpu", "dp", "tp-vs-dp", "ray")
 
 
 @dataclass
@@ -69,7 +67,6 @@ class Run:
     gpus: dict[str, dict[str, int]] = field(default_factory=dict)
     processes_left: list[int] = field(default_factory=list)
     gpu_mib_left: dict[str, int] = field(default_factory=dict)
-    killed: dict[str, Any] = field(default_factory=dict)
     message: str = ""
     stderr_tail: str = ""
 
@@ -85,8 +82,7 @@ def read_outputs(out: Path) -> dict[int, list[int]]:
 
 
 def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, folder: Path, *, dp: int = 1,
-             tp: int = 1, backend: str = "local", force_pool: bool = False,
-             kill_replica_after: int | None = None) -> tuple[Run, dict[int, list[int]]]:
+             tp: int = 1, backend: str = "local", force_pool: bool = False) -> tuple[Run, dict[int, list[int]]]:
     """One ``llmcli generate``, checked: records exactly once, nothing left behind."""
     out = folder / f"{re.sub(r'[^A-Za-z0-9]+', '-', label)}.jsonl"
     flags = ["--load-format", "dummy", "--include-token-ids", "--unordered", "--overwrite", "--device", args.device,
@@ -107,7 +103,7 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
     cmd = [sys.executable, "-c", CLI, "generate", str(jsonl), "-o", str(out), "--model", model, *flags]
     with tempfile.TemporaryFile("w+") as err, GpuWatch() as watch:
         proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        seen, run.killed, timed_out, run.seconds = watch_command(proc, out, args.run_timeout, kill_replica_after)
+        seen, timed_out, run.seconds = watch_command(proc, args.run_timeout)
         run.exit_status = proc.returncode
         run.message = f"no exit within {args.run_timeout:.0f} s (--run-timeout): killed" if timed_out else ""
         err.seek(0)
@@ -119,10 +115,6 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
     run.gpus = {g: {"before_mib": before.get(g, 0), "peak_mib": watch.gpu_peak.get(g, 0), "after_mib": after[g]}
                 for g in after}
     run.replica_lines = re.findall(r"(data-parallel replica \d+.*)", stderr)
-    if run.killed:
-        resent = re.search(r"sending its (\d+) unfinished request", stderr)
-        run.killed.update(reported="killed by signal SIGKILL" in stderr,
-                          resent=int(resent.group(1)) if resent else None)
     answers: dict[int, list[int]] = {}
     try:
         answers = read_outputs(out)
@@ -165,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default: one-gpu with one GPU, everything else with two or more")
     ap.add_argument("--models", nargs="+", default=[str(REPO / "configs" / "Qwen3-0.6B"),
                                                     str(REPO / "configs" / "Qwen3-8B")],
-                    help="the first runs one-gpu, kill and ray; all run dp; the last runs tp-vs-dp")
+                    help="the first runs one-gpu and ray; all run dp; the last runs tp-vs-dp")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 and a small workload")
     ap.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny, one-gpu")
@@ -181,17 +173,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if getattr(args, name) == ap.get_default(name):
                 setattr(args, name, value)
     args.engine_flags = args.engine_args.split()
-    if args.device == "cpu":  # a small KV pool, one sequence at a time: runs long enough for a kill to land mid-way
+    if args.device == "cpu":  # a small KV pool, two sequences at a time: a tiny model's run in seconds
         args.engine_flags = ["--num-kvcache-blocks", "128", "--kvcache-block-size", "16", "--max-num-seqs", "2",
                              *args.engine_flags]
     return args
 
 
 def table(runs: list[Run]) -> str:
-    lines = ["| run | model | DP x TP | backend | exit | records (exactly once) | output tokens | generation s "
-             "| output tok/s | vs DP=1 | identical | GPUs: peak GiB | left: processes, GiB |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---|---|---|"]
-    base_rate: dict[str, float] = {}
+    rows, base_rate = [], {}
     for r in runs:
         if r.dp == 1 and r.tp == 1 and r.backend == "local" and r.tok_s:
             base_rate.setdefault(r.model, r.tok_s)
@@ -200,11 +189,12 @@ def table(runs: list[Run]) -> str:
         peaks = ", ".join(f"{g}: {v['peak_mib'] / 1024:.1f}" for g, v in r.gpus.items()) or "n/a"
         left = f"{len(r.processes_left)}, " + (", ".join(f"GPU {g} +{m / 1024:.1f}" for g, m in r.gpu_mib_left.items())
                                                or "0")
-        lines.append(f"| {r.label} | {r.model} | {r.dp} x {r.tp} | {r.backend} | {r.exit_status} | {r.records}/"
-                     f"{r.expected} ({'yes' if r.exactly_once else 'NO'}) | {r.output_tokens:,} | "
-                     f"{r.generation_s if r.generation_s is not None else 'n/a'} | "
-                     f"{f'{r.tok_s:,.0f}' if r.tok_s else 'n/a'} | {ratio} | {r.identical} | {peaks} | {left} |")
-    return "\n".join(lines)
+        rows.append([r.label, r.model, f"{r.dp} x {r.tp}", r.backend, r.exit_status, f"{r.records}/{r.expected} "
+                     f"({'yes' if r.exactly_once else 'NO'})", f"{r.output_tokens:,}", fmt_f(r.generation_s),
+                     fmt_f(r.tok_s, 0), ratio, r.identical, peaks, left])
+    return md_table(["run", "model", "DP x TP", "backend", "exit", "records (exactly once)", "output tokens",
+                     "generation s", "output tok/s", "vs DP=1", "identical", "GPUs: peak GiB", "left: processes, GiB"],
+                    rows, right={4, 6, 7, 8, 9})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,16 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and gpus == 0:
         print("no CUDA device visible: use --smoke (CPU, tiny model)", file=sys.stderr)
         return 2
-    parts = args.parts or (["one-gpu"] if args.device == "cuda" and gpus < 2 else ["dp", "kill", "tp-vs-dp", "ray"])
+    parts = args.parts or (["one-gpu"] if args.device == "cuda" and gpus < 2 else ["dp", "tp-vs-dp", "ray"])
     if args.device == "cuda" and gpus < 2 and any(p != "one-gpu" for p in parts):
         print(f"only {gpus} GPU visible: skipping {[p for p in parts if p != 'one-gpu']} (they need two)", flush=True)
         parts = [p for p in parts if p == "one-gpu"]
     folder = Path(tempfile.mkdtemp(prefix="llmcli-dp-"))
-    models = args.models
-    if args.tiny:
-        (folder / "Qwen3-tiny").mkdir()
-        (folder / "Qwen3-tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
-        models = [str(folder / "Qwen3-tiny")]
+    models = [str(write_tiny_config(folder))] if args.tiny else args.models
     print(f"dp_gpu: {gpus} GPU(s) visible, device {args.device}; parts {parts}; models "
           f"{[Path(m).name for m in models]}", flush=True)
     started = time.monotonic()
@@ -252,11 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             against_plain("DP=1 via the pool", first, "plain engine", force_pool=True)
         for model in models if "dp" in parts else []:
             against_plain("DP=2", model, dp=2)
-        if "kill" in parts:
-            run = against_plain("DP=2, SIGKILL replica 1", first, dp=2, kill_replica_after=max(1, args.num_prompts // 8))
-            run.message = run.message or ("" if run.killed else "the kill did not land (the run ended first)")
         if "tp-vs-dp" in parts:
-            if not any(r.dp == 2 and r.model == Path(last).name and not r.killed for r in runs):
+            if not any(r.dp == 2 and r.model == Path(last).name for r in runs):
                 against_plain("DP=2", last, dp=2)
             against_plain("TP=2", last, tp=2)
         if "ray" in parts:
@@ -272,14 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(os.environ["OUT"], "dp.json").write_text(json.dumps(
                 {"parts": parts, "gpus": gpus, "seconds": round(time.monotonic() - started, 1),
                  "runs": [asdict(r) for r in runs]}, indent=1))
-    for r in runs:
-        if r.killed:
-            print(f"\nkill: {json.dumps(r.killed)}; processes left {r.processes_left}; GPU memory left "
-                  f"{r.gpu_mib_left or 'none'} (MiB above the start)")
     print(f"\n## Data parallelism ({time.monotonic() - started:.0f} s)\n")
     print(table(runs))
     bad = [r.label for r in runs if r.exit_status != 0 or r.identical.endswith("NO") or not r.exactly_once
-           or r.processes_left or r.message or (r.killed and not r.killed.get("reported"))]
+           or r.processes_left or r.message]
     print(f"\n{len(bad)} failed run(s){': ' + '; '.join(bad) if bad else ''}")
     return 1 if bad else 0
 

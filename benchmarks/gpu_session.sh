@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device-machine call: install carried wheels, then the stages named on the command line.
 #   smoke   start-up + a small batch (fails fast if the GPU path is broken)
-#   e2e     tests/test_gpu_e2e.py (bf16 greedy agreement with transformers)
-#   kernels tests/test_triton_kernels.py + test_triton_elementwise.py on the GPU (bf16, CUDA graphs; ~2 min)
+#   e2e     tests/test_gpu_e2e.py on Qwen3-0.6B and Llama-3.2-1B (bf16 greedy agreement with transformers)
+#   kernels tests/test_triton_kernels.py, test_triton_elementwise.py, test_sampler_filter.py on the GPU (bf16, CUDA
+#           graphs; ~2 min)
 #   bench   benchmarks/bench_vs_hf.py: llmcli vs transformers, ceilings, the physical bound; args in BENCH_ARGS
 #   speed   benchmarks/host_step_cpu.py (host ms per decode step on this CPU), then benchmarks/speed_gpu.py: the
 #           default workload on 0.6B and 8B and the prefill-heavy preset on 0.6B, share of the bound (~5 min);
-#           args in SPEED_ARGS
+#           args in SPEED_ARGS (SPEED_ARGS="--preset sampling": Qwen3's top-k/top-p defaults; "--preset families":
+#           Llama-3.1-8B and Qwen2.5-7B next to Qwen3-8B; "--preset attention": flash-attn against triton)
 #   job     benchmarks/job_gpu.py: `llmcli generate` wall vs the engine alone, args in JOB_ARGS
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   startup benchmarks/startup_gpu.py: process launch to a ready engine; run it FIRST on a fresh machine;
@@ -16,10 +18,13 @@
 #           .whl/llguidance-*.whl), args in STRUCTURED_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), args in TP_ARGS
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
-#   moe     tests/test_triton_moe.py on the GPU, then benchmarks/moe_gpu.py: the fused MoE kernel vs the loop,
-#           Qwen3-30B-A3B against the MoE bound, agreement with transformers (~6 min); args in MOE_ARGS
-# Retired stages (decode-gemm, prefill-graphs, elementwise, decode-attn, prefill-attn, host-diag, launch, ...):
-# benchmarks/RESULTS.md, "Scripts retired in round 26", says where each script lives in history.
+#   fp8     tests/test_fp8_kv.py on the GPU, then speed_gpu.py --preset fp8: the FP8 KV cache on 0.6B and FP8
+#           weights on 8B against bf16, each against its bound (~5 min)
+#   moe     tests/test_triton_moe.py on the GPU, test_gpu_e2e.py on a 4-layer random Qwen3-30B-A3B, then
+#           speed_gpu.py --preset moe: Qwen3-30B-A3B against the MoE bound (~6 min)
+# Retired stages and scripts (decode-gemm, prefill-graphs, elementwise, host-diag, real_path_gpu.py, fp8_gpu.py,
+# moe_gpu.py, families_gpu.py, ...): benchmarks/RESULTS.md, "Scripts retired in the round of 2026-12-02", says
+# what each answered and where it lives in history.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -55,9 +60,9 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     smoke) timeout 240 python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1 ;;
-    e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e.log" ;;
+    e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "not A3B" 2>&1 | tee "$OUT/e2e.log" ;;
     kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-      tests/test_triton_elementwise.py 2>&1 | tee "$OUT/kernels.log" | tail -5 ;;
+      tests/test_triton_elementwise.py tests/test_sampler_filter.py 2>&1 | tee "$OUT/kernels.log" | tail -5 ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     speed) timeout 30 python3 benchmarks/host_step_cpu.py --steps 200 2>&1 | tee "$OUT/host_step.log"
       timeout 330 python3 benchmarks/speed_gpu.py ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed.log" ;;
@@ -68,8 +73,11 @@ for stage in "$@"; do
     structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
+    fp8) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py 2>&1 | tee "$OUT/fp8_kernels.log" | tail -5
+      timeout 330 python3 benchmarks/speed_gpu.py --preset fp8 2>&1 | tee "$OUT/fp8.log" ;;
     moe) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | tee "$OUT/moe_kernels.log" | tail -5
-      timeout 480 python3 benchmarks/moe_gpu.py ${MOE_ARGS:-} 2>&1 | tee "$OUT/moe.log" ;;
+      timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k A3B 2>&1 | tee "$OUT/moe_e2e.log"
+      timeout 330 python3 benchmarks/speed_gpu.py --preset moe 2>&1 | tee "$OUT/moe.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
   esac
 done

@@ -1,19 +1,12 @@
 #!/usr/bin/env python
 """Host time per decode step at batch 256, on a CPU: the engine's own loop around a stub forward.
 
-The real scheduler, block manager, step preparation (``engine/step_inputs.py``), in-flight token
-substitution, sampler call (on small random logits) and postprocess run exactly as in a bench run;
-only the model's forward is replaced by a lookup of precomputed logits, so the model's compute does not
-hide the host's work. The step timer's phases are printed in milliseconds per decode step, measured at a
-steady batch (every request admitted and decoding, none finishing).
+Everything but the model's forward (canned logits) runs as in a bench run, so the model's compute does not hide
+the host's work; the step timer's phases in ms per decode step at a steady batch (benchmarks/README.md).
+``graph+sample`` is the default decode path on CUDA (``sample_in_graph``); ``graph`` is it without.
 
     python benchmarks/host_step_cpu.py                  # 256 sequences, 300 timed decode steps
     python benchmarks/host_step_cpu.py --batch 64 --steps 100 --temperature 0
-
-On the GPU the ``forward`` and ``sample`` phases are kernel launches (a CUDA graph replay and the
-sampler's kernels) and copies through reused pinned buffers, which this stub does not reproduce; schedule,
-prepare and postprocess are the same code. ``graph+sample`` is the default decode path on CUDA
-(``sample_in_graph``); ``graph`` is that path with ``sample_in_graph=False``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """The whole job, not just the engine: `llmcli generate` wall time against the engine alone, in one GPU run.
 
-Two jobs (issue 12), each run through the CLI (a subprocess, wall clock) and
-through the API (a subprocess: ``LLM(...)`` start-up, then ``generate`` on token
-ids), ``--repeat`` times each, alternating; the table reports the last round:
+Two jobs (issue 12): ``label`` (20,000 text records, ``configs/bench-label-20k.toml``) and ``bench`` (the
+default bench workload as JSONL), each through the CLI (a subprocess, wall clock) and the API (a subprocess:
+``LLM(...)``, then ``generate`` on token ids), ``--repeat`` times alternating; the table reports the last round.
+CLI overhead = CLI wall - API start-up - API generate. Dummy weights, a full-size synthetic tokenizer
+(``synth_tokenizer.py``).
 
-- ``label``: 20,000 text records (``configs/bench-label-20k.toml`` holds the
-  flags), ``--max-tokens 32 --temperature 0 --ignore-eos``;
-- ``bench``: the default bench workload as JSONL (256 records of
-  ``prompt_token_ids`` with per-record ``max_tokens``, temperature 0.6, EOS ignored).
-
-CLI overhead = CLI wall - API start-up - API generate. The model folder is a
-copy of the config with a full-size synthetic tokenizer (``synth_tokenizer.py``),
-weights are dummy. Smoke test on CPU (tiny model, small counts):
-
-    python benchmarks/job_gpu.py --smoke
+    python benchmarks/job_gpu.py --smoke          # CPU: the tiny model, small counts
     python benchmarks/job_gpu.py                  # one H200: Qwen3-0.6B, ~5 minutes
 """
 from __future__ import annotations
@@ -35,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
+from benchmarks.harness.cli_process import run_child  # noqa: E402
 from benchmarks.harness.workload import write_requests_jsonl  # noqa: E402
 from llmcli.cli.bench import Workload, make_requests  # noqa: E402
 from synth_tokenizer import vocabulary, words, write_model_dir  # noqa: E402
@@ -85,16 +79,10 @@ def write_bench_job(path: Path, n: int, vocab_size: int, lo_hi: tuple[int, int],
     write_requests_jsonl(path, make_requests(w, vocab_size, avoid=set()))
 
 
-def engine_flags(engine: dict) -> list[str]:
-    flags = []
-    for k, v in engine.items():
-        flags += [f"--{k.replace('_', '-')}", str(v)]
-    return flags
-
-
 def run_cli(model: Path, inp: Path, out: Path, engine: dict, sampling_flags: list[str]) -> dict:
     cmd = [sys.executable, "-m", "llmcli", "generate", str(inp), "-o", str(out), "--overwrite", "--model", str(model),
-           "--verbose", *engine_flags(engine), *sampling_flags]
+           "--verbose",
+           *(f for k, v in engine.items() for f in (f"--{k.replace('_', '-')}", str(v))), *sampling_flags]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, timeout=900)
     wall = time.perf_counter() - start
@@ -107,22 +95,6 @@ def run_cli(model: Path, inp: Path, out: Path, engine: dict, sampling_flags: lis
     return dict(wall_s=wall, ready_s=float(ready.group(1)) if ready else None,
                 generation_s=float(gen.group(1)) if gen else None, phases=phases.group(1) if phases else "",
                 lines=out.read_bytes().count(b"\n"))
-
-
-def run_api(model: Path, inp: Path, engine: dict, sampling: dict) -> dict:
-    arg = json.dumps(dict(model=str(model), input=str(inp), engine=engine, sampling=sampling))
-    launched = time.time()
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", API, arg], capture_output=True, timeout=900)
-    wall = time.perf_counter() - start
-    out = proc.stdout.decode(errors="replace")
-    if proc.returncode != 0 or "RESULT " not in out:
-        raise SystemExit(f"API run failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
-    result = json.loads(out.split("RESULT ", 1)[1])
-    # from launching the process to a ready engine: interpreter start, imports (the file is read after
-    # them, so they are import_s), and LLM(); the input file is read between imports and LLM()
-    result["ready_from_launch_s"] = result["ready_epoch"] - launched
-    return dict(result, wall_s=wall)
 
 
 def main() -> None:
@@ -163,8 +135,7 @@ def main() -> None:
     if args.prepare_only:
         print(f"inputs in {work}: {', '.join(str(j[0]) for j in jobs.values())}; model folder {model}")
         return
-    env_note = os.environ.get("TOKENIZERS_PARALLELISM")
-    print(f"TOKENIZERS_PARALLELISM={env_note}", flush=True)
+    print(f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM')}", flush=True)
     rows = []
     for name, (inp, flags, sampling) in jobs.items():
         last = {}
@@ -172,16 +143,17 @@ def main() -> None:
             cli = run_cli(model, inp, work / f"{name}.out.jsonl", engine, flags)
             print(f"[{name} {round_}] CLI wall {cli['wall_s']:.1f} s, engine ready after {cli['ready_s']} s, "
                   f"generation {cli['generation_s']} s, start-up phases: {cli['phases']}", flush=True)
-            api = run_api(model, inp, engine, sampling)
+            # the child reads the input after its imports, so import_s is the imports alone
+            api = run_child(API, dict(model=str(model), input=str(inp), engine=engine, sampling=sampling))
             print(f"[{name} {round_}] API start-up {api['startup_s']:.1f} s ({api['phases']}), tokenize "
                   f"{api['tokenize_s']:.2f} s, generate {api['generate_s']:.1f} s, {api['prompt_tokens']:,} prompt "
                   f"tokens (imports before LLM(): {api['import_s']:.1f} s; engine ready "
-                  f"{api['ready_from_launch_s']:.1f} s after the process was launched)", flush=True)
+                  f"{api['from_launch_s']:.1f} s after the process was launched)", flush=True)
             last = dict(cli=cli, api=api)
         cli, api = last["cli"], last["api"]
         overhead = cli["wall_s"] - api["startup_s"] - api["generate_s"]
         rows.append((name, cli["wall_s"], cli["ready_s"], cli["generation_s"], api["startup_s"],
-                     api["ready_from_launch_s"], api["generate_s"], overhead, api["prompt_tokens"]))
+                     api["from_launch_s"], api["generate_s"], overhead, api["prompt_tokens"]))
     print("\nAPI start-up: LLM() alone; from launch: process launch to a ready engine (imports included)")
     print("job    | CLI wall | CLI ready | CLI gen | API start-up | from launch | API generate | CLI overhead | "
           "prompt tokens")

@@ -2,47 +2,60 @@
 """The speed presets: llmcli's default workload and the prefill-heavy preset, against the physical bound.
 
 For each model one engine per variant: ``base`` (the defaults), ``name=value`` (any engine setting, e.g.
-``sample_in_graph=false`` or ``max_num_seqs=512``; ``name`` alone is ``name=true``), several joined with
-``+``. Each engine first reproduces the base engine's greedy tokens on 16 short requests (a setting that
-breaks the maths shows before its speed is believed), then times the default workload with ``mixed_steps`` off
-and on (first engine of a model; off on the others) and, on a 0.6B model's first engine, the prefill-heavy
-preset (``configs/bench-prefill-heavy.toml``, ~40 s a run) off and on. Per run: output tok/s, share of the
-physical bound, host ms per decode step at batch 256, share of decode steps where the device waited for the host.
+``sample_in_graph=false``, ``quantization=fp8`` or ``kv_cache_dtype=fp8``; ``name`` alone is ``name=true``;
+``sampling=qwen3-defaults`` or ``sampling=mixed`` is the workload's sampling, as ``llmcli bench --sampling``),
+several joined with ``+``. Each engine first reproduces the base engine's greedy tokens on 16 short requests (a
+setting that breaks the maths shows before its speed is believed), then times the default workload with
+``mixed_steps`` off and on (first engine of a model; off on the others) and, on a 0.6B model's first engine, the
+prefill-heavy preset (``configs/bench-prefill-heavy.toml``, ~40 s a run) off and on. Per run: output tok/s,
+ratio to the base engine, share of the physical bound (FP8 weights and KV at one byte), host ms per decode step
+at batch 256, share of decode steps where the device waited for the host. ``--preset`` names what the retired
+one-question scripts measured (``PRESETS``; benchmarks/RESULTS.md, "Scripts retired").
 
     python benchmarks/speed_gpu.py                                          # one H200, ~5 min (--time-budget 280)
     python benchmarks/speed_gpu.py --models configs/Qwen3-0.6B --variants base   # default + prefill-heavy, ~2.5 min
+    python benchmarks/speed_gpu.py --preset fp8                             # FP8 KV on 0.6B, FP8 weights on 8B
     python benchmarks/speed_gpu.py --smoke                                  # CPU, tiny random model (seconds)
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
 import traceback
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/: the greedy comparison
 
 from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
-from benchmarks.harness.ceilings import sync, time_op  # noqa: E402
-from benchmarks.harness.llmcli_run import compiled_so_far  # noqa: E402
+from benchmarks.harness.ceilings import free_memory, measure_ceilings, sync  # noqa: E402
+from benchmarks.harness.llmcli_run import compiled_so_far, setting_kwargs  # noqa: E402
 from benchmarks.harness.output import md_table, say  # noqa: E402
-from benchmarks.harness.workload import model_facts, write_tiny_config  # noqa: E402
-from llmcli.cli.bench import Workload, make_requests, parse_length  # noqa: E402
+from benchmarks.harness.workload import NEUTRAL, model_facts, write_tiny_config  # noqa: E402
+from greedy_compare import agreement  # noqa: E402
+from llmcli.cli.bench import Workload, make_requests, parse_length, request_params  # noqa: E402
 from llmcli.engine.step_timer import HOST_PHASES  # noqa: E402
 
 PREFILL_HEAVY = REPO / "configs" / "bench-prefill-heavy.toml"
-# filters explicit, as llmcli bench sets them: a generation_config.json (top_k 20, top_p 0.95) changes the workload
-NEUTRAL = dict(top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+SMALL, BIG = "configs/Qwen3-0.6B", "configs/Qwen3-8B"
+SAMPLINGS = ["base", "sampling=qwen3-defaults", "sampling=mixed"]
+# what the retired one-question scripts measured (fp8_gpu.py, moe_gpu.py, real_path_gpu.py, families_gpu.py);
+# a preset sets these options over the command line's
+PRESETS: dict[str, dict[str, Any]] = {
+    "fp8": dict(models=[SMALL, BIG], variants=["base", "kv_cache_dtype=fp8"],
+                later_variants=["base", "quantization=fp8"], prefill_heavy=False),
+    "moe": dict(models=["configs/Qwen3-30B-A3B"], variants=["base"]),
+    "sampling": dict(models=[SMALL, BIG], variants=SAMPLINGS, later_variants=SAMPLINGS, prefill_heavy=False),
+    "attention": dict(models=[SMALL, BIG], variants=["base", "attention_backend=flash-attn"],
+                      later_variants=["base", "attention_backend=flash-attn"], prefill_heavy=False),
+    "families": dict(models=["configs/Llama-3.1-8B", "configs/Qwen2.5-7B", BIG], variants=["base"]),
+}
 WAIT_IDLE_MS = 0.02  # a wait this short means the tokens were there already: the device had run dry
 
 
@@ -67,26 +80,10 @@ def jobs_for(model: str, args: argparse.Namespace) -> dict[str, Workload]:
     return jobs
 
 
-def variant_kwargs(variant: str) -> dict[str, Any]:
-    """``base``, ``name`` (a switch on) or ``name=value``, joined with ``+``, as LLM keyword arguments."""
-    out: dict[str, Any] = {}
-    for part in variant.split("+"):
-        if part != "base":
-            name, eq, value = part.partition("=")
-            out[name] = _value(value) if eq else True
-    return out
-
-
-def _value(text: str) -> Any:
-    """A variant's ``name=value``: true/false, an int (``max_num_seqs=1024``), a float, else the string."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+def variant_kwargs(variant: str) -> tuple[dict[str, Any], str]:
+    """A variant's engine settings, and its workload's sampling mode (``sampling=...``; plain by default)."""
+    kwargs = setting_kwargs(variant.split("+"))
+    return kwargs, kwargs.pop("sampling", "plain")
 
 
 def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, float]]]:
@@ -107,27 +104,9 @@ def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, fl
     return records
 
 
-def ceilings(device: str, tiny: bool) -> dict[str, float]:
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    numel = (2**30 if device == "cuda" and not tiny else 2**22) // dtype.itemsize
-    src = torch.randn(numel, device=device).to(dtype)
-    dst = torch.empty_like(src)
-    copy_s = statistics.median(time_op(lambda: dst.copy_(src), device, 10, warmup=3))
-    n = 8192 if device == "cuda" and not tiny else 256
-    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    mm_s = statistics.median(time_op(lambda: a @ b, device, 10, warmup=3))
-    del src, dst, a, b
-    out = {"copy_bytes_per_s": 2 * numel * dtype.itemsize / copy_s, "matmul_flops_per_s": 2 * n**3 / mm_s}
-    say(f"ceilings: copy {out['copy_bytes_per_s'] / 1e12:.3f} TB/s, matmul {out['matmul_flops_per_s'] / 1e12:.1f} "
-        f"TFLOP/s ({dtype})")
-    return out
-
-
-def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], temperature: float, device: str,
+def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], workload: Workload, device: str,
               records: list) -> dict[str, Any]:
-    from llmcli import SamplingParams
-
-    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, **NEUTRAL) for o in outs]
+    params = [request_params(workload, i, o) for i, o in enumerate(outs)]
     del records[:]
     variants_before = compiled_so_far()["triton_variants"]
     sync(device)
@@ -157,11 +136,6 @@ def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], temperature: 
             "device_idle_share": (sum(r[3] * 1000 < WAIT_IDLE_MS for r in decode) / len(decode)) if decode else None}
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-    return same / max(1, sum(len(r) for r in a))
-
-
 @dataclass
 class ModelCase:
     path: Path
@@ -171,6 +145,7 @@ class ModelCase:
     probe: list[list[int]]  # short greedy requests whose tokens every engine must reproduce
     variants: list[str]
     base_tokens: list[list[int]] | None = None
+    base_tok_s: dict[tuple[str, bool], float] = field(default_factory=dict)  # the first engine's, per run
 
 
 def model_case(model_dir: Path, variants: list[str], args: argparse.Namespace) -> ModelCase:
@@ -191,7 +166,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
     from llmcli import LLM, SamplingParams
 
     facts, variant = case.facts, case.variants[n_engine]
-    kwargs = dict(load_format="dummy", device=args.device, seed=0, **variant_kwargs(variant))
+    settings, sampling = variant_kwargs(variant)
+    kwargs = dict(load_format="dummy", device=args.device, seed=0, **settings)
     if args.tiny:  # small budgets, so that prompts prefill in several steps beside running decodes
         kwargs.update(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=512, max_num_seqs=8,
                       max_num_batched_tokens=96)
@@ -203,7 +179,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
         records = step_records(engine)
         for mixed in (False, True):  # also the warm-up of this engine
             engine.scheduler.mixed_steps = mixed
-            out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **NEUTRAL))
+            out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, **NEUTRAL))
             tokens = [list(o.token_ids) for o in out]
             case.base_tokens = case.base_tokens or tokens
             agree = agreement(case.base_tokens, tokens)
@@ -220,9 +196,12 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     continue
                 engine.scheduler.mixed_steps = mixed
                 engine.scheduler.block_manager.reset_prefix_cache()  # no run reuses an earlier run's prompts
-                r = timed_run(llm, prompts, outs, workload.temperature, args.device, records)
+                r = timed_run(llm, prompts, outs, replace(workload, sampling=sampling), args.device, records)
+                cfg = engine.config
                 bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
-                                       max_concurrent=engine.config.max_num_seqs)
+                                       max_concurrent=cfg.max_num_seqs,
+                                       weight_elem_bytes=1 if cfg.quant_config is not None else None,
+                                       kv_elem_bytes=1 if cfg.kv_torch_dtype.itemsize == 1 else None)
                 if n_engine == 0 and not mixed:
                     print_bound(f"{facts['name']} {job}", bound)
                 share = bound["floor_s"] / r["wall_s"] if bound.get("floor_s") else None
@@ -233,16 +212,16 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     + f"; Triton variants first needed in this run: {r['new_variants']}")
                 if r["output_tokens"] != r["expected_tokens"]:
                     failures.append(f"{job}: {r['output_tokens']} output tokens, expected {r['expected_tokens']}")
+                base = case.base_tok_s.setdefault((job, mixed), r["output_tok_s"])
                 rows.append([facts["name"], job, variant, mixed, f"{r['output_tok_s']:,.0f}",
-                             f"{r['wall_s']:.2f}", "n/a" if share is None else f"{100 * share:.1f}%",
+                             f"{r['output_tok_s'] / base:.2f}x", f"{r['wall_s']:.2f}",
+                             "n/a" if share is None else f"{100 * share:.1f}%",
                              "n/a" if r["host_ms"] is None else f"{r['host_ms']:.3f} @{r['host_batch']}",
                              "n/a" if r["device_idle_share"] is None else f"{100 * r['device_idle_share']:.0f}%"])
     finally:
         llm.shutdown()
         del llm
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(args.device)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -255,8 +234,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engines to build for the first model (see the module docstring)")
     p.add_argument("--later-variants", nargs="+", default=["base"], help="engines to build for the other models")
     p.add_argument("--no-prefill-heavy", dest="prefill_heavy", action="store_false")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="models and variants of a retired script (PRESETS)")
     p.add_argument("--time-budget", type=float, default=280, help="seconds; later runs are skipped past it")
     args = p.parse_args(argv)
+    for name, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, name, value)
     if args.smoke:
         args.device, args.tiny = "cpu", True
     return args
@@ -267,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.time_budget
     if args.tiny:
         args.models = [str(write_tiny_config())]
-        if args.device == "cpu":  # no CUDA graphs on the CPU: the variants would be the same engine
-            args.variants = args.later_variants = ["base"]
-    ceil = ceilings(args.device, args.tiny)
+        if args.device == "cpu":  # no CUDA graphs on the CPU: engine variants would be the same engine
+            args.variants = args.later_variants = ["base", "sampling=mixed"]
+    ceil = measure_ceilings(args.device, args.tiny, fp8=any("quantization" in v for v in
+                                                            args.variants + args.later_variants))
     rows: list[list[Any]] = []
     failures: list[str] = []
     cases = [model_case(Path(m), args.variants if i == 0 else args.later_variants, args)
@@ -288,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"{case.facts['name']} {case.variants[n_engine]}: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
     say("\n## speed presets\n")
-    say(md_table(["model", "workload", "engine", "mixed_steps", "output tok/s", "wall s", "of bound",
-                  "host ms/decode step", "decode steps device idle"], rows, right={4, 5, 6, 7, 8}))
+    say(md_table(["model", "workload", "engine", "mixed_steps", "output tok/s", "vs base", "wall s", "of bound",
+                  "host ms/decode step", "decode steps device idle"], rows, right={4, 5, 6, 7, 8, 9}))
     say(f"\ndevice idle: share of decode steps whose tokens were ready (< {WAIT_IDLE_MS} ms wait) when the host came.")
     for failure in failures:
         say(f"FAILED {failure}")

@@ -16,16 +16,15 @@ cache folders (a cold compile on a warm machine), ``+serial`` sets LLMCLI_SIDE_C
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.harness.cli_process import run_child  # noqa: E402
+
 HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.fsdp", "torch.distributed.tensor",
          "torch.onnx", "transformers.generation.utils", "transformers.modeling_utils", "sklearn")
 CHILD = r'''
@@ -44,19 +43,6 @@ print("RESULT " + json.dumps(dict(ready_epoch=ready, import_s=t1 - t0, llm_s=t2 
                                   heavy=[m for m in args["heavy"] if m in sys.modules])), flush=True)
 llm.shutdown()
 '''
-
-
-def run_once(model: str, engine: dict, env: dict[str, str]) -> dict:
-    arg = json.dumps(dict(model=model, engine=engine, heavy=HEAVY))
-    launched = time.time()
-    proc = subprocess.run([sys.executable, "-c", CHILD, arg], capture_output=True, timeout=600,
-                          env={**os.environ, **env}, cwd=REPO)
-    out = proc.stdout.decode(errors="replace")
-    if proc.returncode != 0 or "RESULT " not in out:
-        raise SystemExit(f"start-up run failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
-    result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
-    result["from_launch_s"] = result["ready_epoch"] - launched
-    return result
 
 
 def main() -> None:
@@ -86,7 +72,7 @@ def main() -> None:
             if "cold" in flags:
                 fresh = Path(tempfile.mkdtemp(dir=scratch))
                 env.update(TRITON_CACHE_DIR=str(fresh / "triton"), TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"))
-            r = run_once(model, engine, env)
+            r = run_child(CHILD, dict(model=model, engine=engine, heavy=HEAVY), env, timeout_s=600)
             label = f"{tag} #{i}"
             rows.append((label, r))
             print(f"[{label}] ready {r['from_launch_s']:.1f} s after launch (imports {r['import_s']:.1f} s, LLM() "

@@ -9,9 +9,8 @@ grammar compile times (per distinct schema, on the compiler's threads, and the o
 and the engine's step timer for decode steps: ``wait`` (the host waiting for the device: large when the host
 is hidden behind the device), ``mask`` (filling token bitmasks on the host) and the host total.
 
-Dummy weights have no tokenizer and the GPU machine has no Qwen tokenizer offline, so a byte-level BPE
-tokenizer of Qwen3's size (151,646 ids) is built first (benchmarks/synth_tokenizer.py, seconds; the one
-``job_gpu.py`` uses).
+Dummy weights have no tokenizer (nor has the GPU machine offline): a byte-level BPE one of Qwen3's size is built
+first (benchmarks/synth_tokenizer.py, seconds).
 
     python benchmarks/structured_bench.py                    # GPU: Qwen3-0.6B, 256 requests
     python benchmarks/structured_bench.py --device cpu --smoke   # a CPU smoke run on the tiny model

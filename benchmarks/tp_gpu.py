@@ -4,9 +4,8 @@ Needs a machine with at least two GPUs (device kind nvidia-h200-x2). Part 1 writ
 Qwen3-0.6B checkpoint (published config) so that both runs share
 the same weights — with ``--load-format dummy`` each rank would draw its own shard. Part 2 runs
 ``llmcli bench`` (the default workload, dummy weights) for Qwen3-8B at each TP size in a subprocess.
-Part 3 kills rank 1 of a TP=2 engine mid-run, then
-interrupts one with SIGINT (what Ctrl-C sends), and reports how fast and how cleanly the main process
-ended. Prints one table; writes ``$OUT/tp.json`` when OUT is set.
+Prints one table; writes ``$OUT/tp.json`` when OUT is set. (A rank killed or interrupted mid-run: the CPU
+tests, tests/test_tensor_parallel.py and tests/test_cli_reliability.py.)
 """
 from __future__ import annotations
 
@@ -24,23 +23,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the GPU tests' checkpoint writer and greedy comparisons
 
+import torch  # noqa: E402
 from greedy_compare import agreement  # noqa: E402
-
-
-def write_checkpoint(out: Path) -> Path:
-    from tiny_qwen3 import write_random_published  # the GPU tests' writer: same weights as tests/test_gpu_e2e.py
-
-    import torch
-
-    path = write_random_published(REPO / "configs" / "Qwen3-0.6B" / "config.json", out)
-    torch.cuda.empty_cache()  # the engine sizes its KV pool from free memory
-    return path
+from tiny_qwen3 import write_random_published  # noqa: E402
 
 
 def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int,
            forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]] | None]:
     """Free-running greedy outputs at this TP size; with ``forced``, also the teacher-forced tokens."""
-    import torch
     from greedy_compare import regroup, teacher_forced_prompts
     from llmcli import LLM, SamplingParams
 
@@ -70,69 +60,6 @@ def bench(model: str, tp: int, extra: list[str], timeout_s: float) -> dict:
     return json.loads(done.stdout)
 
 
-FAILURE_SCRIPT = """
-import json, logging, sys
-from llmcli import LLM, SamplingParams
-
-if __name__ == "__main__":
-    logging.basicConfig(format="%(asctime)s %(threadName)s %(name)s %(levelname)s: %(message)s")
-    logging.getLogger("llmcli").setLevel(logging.DEBUG)
-    llm = LLM(sys.argv[1], load_format="dummy", dtype="bfloat16", tensor_parallel_size=2,
-              gpu_memory_utilization=0.4, max_model_len=8192)
-    runner = llm.engine.model_runner
-    print("READY", json.dumps({"pids": runner.worker_pids, "shm": runner.shm_name}), flush=True)
-    llm.generate([[5 + i] * 100 for i in range(64)], SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True))
-    print("FINISHED", flush=True)
-"""
-
-
-def failure_check(model: str, how: str, after_s: float = 3.0, extra_env: dict | None = None) -> dict:
-    """A TP=2 engine on the GPUs, mid-generate: SIGKILL of rank 1 (``kill-worker``) or SIGINT to the whole
-    process group (``ctrl-c``). Reports how the main process ended, how fast, and what it left behind."""
-    import signal
-    import threading
-    import time
-
-    from processes import env, wait_gone
-
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-c", FAILURE_SCRIPT, model], stdout=subprocess.PIPE,
-                                stderr=err, text=True, env={**env(), "PYTHONFAULTHANDLER": "1", **(extra_env or {})},
-                                start_new_session=True)
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(240)
-        if not line or not line[0].startswith("READY "):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            err.seek(0)
-            return {"error": f"the engine did not start: {err.read()[-1500:]}"}
-        ready = json.loads(line[0][len("READY "):])
-        time.sleep(after_s)
-        start = time.monotonic()
-        if how == "kill-worker":
-            os.kill(ready["pids"][0], signal.SIGKILL)
-        else:
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=90)
-            hung = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            hung = True
-        seconds = time.monotonic() - start
-        err.seek(0)
-        text = err.read()
-    said = [ln for ln in text.splitlines() if "rank 1" in ln or "KeyboardInterrupt" in ln]
-    return {"how": how, "exit_status": proc.returncode, "seconds_to_exit": round(seconds, 1), "hung": hung,
-            "finished_anyway": "FINISHED" in out, "message": said[0][:200] if said else text[-300:],
-            "workers_left": wait_gone(ready["pids"], 15),
-            "segment_left": Path("/dev/shm", ready["shm"]).exists(), "env": extra_env or {},
-            "stderr_tail": "\n".join(ln for ln in text.splitlines() if "DEBUG" not in ln or "llmcli" in ln)[-4000:]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
@@ -141,9 +68,6 @@ def main() -> None:
     parser.add_argument("--bench-model", default=str(REPO / "configs" / "Qwen3-8B"))
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--skip-failures", action="store_true",
-                        help="skip killing a worker / Ctrl-C of a TP=2 engine mid-run")
-    parser.add_argument("--failure-model", default=str(REPO / "configs" / "Qwen3-0.6B"))
     parser.add_argument("--bench-args", default="", help="extra llmcli bench flags, one string")
     parser.add_argument("--bench-timeout", type=float, default=240, help="seconds per llmcli bench run")
     parser.add_argument("--stack-dump-after", type=float, default=0,
@@ -157,7 +81,9 @@ def main() -> None:
         rng = random.Random(0)
         prompts = [[rng.randrange(151936) for _ in range(rng.randint(8, 700))] for _ in range(args.prompts)]
         with tempfile.TemporaryDirectory() as tmp:
-            path = write_checkpoint(Path(tmp))
+            # the GPU tests' writer: the same weights as tests/test_gpu_e2e.py's
+            path = write_random_published(REPO / "configs" / "Qwen3-0.6B" / "config.json", Path(tmp))
+            torch.cuda.empty_cache()  # the engine sizes its KV pool from free memory
             print(f"checkpoint written; greedy at TP={args.tp[0]}", flush=True)
             base, _ = greedy(path, prompts, args.tp[0], args.new_tokens)
             runs = {}
@@ -188,15 +114,6 @@ def main() -> None:
             print(f"| {Path(args.bench_model).name} | {tp} | {r['output_tokens_per_s']:,.0f} | "
                   f"{r['total_tokens_per_s']:,.0f} | {r['requests_per_s']:.2f} | {r['ttft_ms']['p50']:.0f} | "
                   f"{r['tpot_ms']['p50']:.1f} | {d.get('steps', 0):,} | {launch:.2f} / {d.get('wait_ms', 0.0):.2f} |")
-    if not args.skip_failures:
-        report["failures"] = {}
-        cases = [("kill-worker", None), ("ctrl-c", None)]
-        for how, extra in cases:
-            print(f"TP=2 engine, {how} mid-run {extra or ''}", flush=True)
-            r = failure_check(args.failure_model, how, extra_env=extra)
-            report["failures"][f"{how} {json.dumps(extra) if extra else ''}".strip()] = r
-            print(json.dumps({k: v for k, v in r.items() if k != "stderr_tail"}), flush=True)
-            print(r["stderr_tail"][-2500:], flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "tp.json").write_text(json.dumps(report, indent=1))
 

@@ -25,9 +25,6 @@ SMOKES = [
     (["logprobs_cost.py", "--smoke"], "| logprobs=5: ms per decode step"),
     (["structured_bench.py", "--smoke", "--device", "cpu"], "every request produced its full length: True"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
-    (["real_path_gpu.py", "--smoke"], "correctness failures: none"),
-    (["moe_gpu.py", "--smoke"], "all checks passed"),
-    (["families_gpu.py", "--smoke"], "families: ok"),
 ]
 
 

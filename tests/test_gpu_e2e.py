@@ -3,7 +3,8 @@
 A random-weight Qwen3-0.6B checkpoint (the published config, weights drawn
 here) is written as safetensors; 16 prompts x 64 greedy tokens are compared. The same
 for Llama-3.2-1B (llama3 rope scaling, no q/k norm: the fused kernel's rotary-only
-form, tied embeddings): ``-k Llama`` runs that one alone.
+form, tied embeddings): ``-k Llama`` runs that one alone; and for Qwen3-30B-A3B cut to
+4 layers (layer 1 dense), the fused MoE kernel's bf16 agreement: ``-k A3B``.
 
 Random weights make bf16 near-ties common (about a fifth of transformers' own
 greedy steps have two logits within 2% of the largest), and free-running
@@ -37,13 +38,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NUM_PROMPTS, NEW_TOKENS = 16, 64
+# a published config cut down to fit beside its engines (the 30B mixture of experts: 4 of its 48 layers)
+OVERRIDES = {"Qwen3-30B-A3B": {"num_hidden_layers": 4, "mlp_only_layers": [1]}}
 
 
-@pytest.fixture(scope="module", params=["Qwen3-0.6B", "Llama-3.2-1B"])
+@pytest.fixture(scope="module", params=["Qwen3-0.6B", "Llama-3.2-1B", "Qwen3-30B-A3B"])
 def random_published(request, tmp_path_factory) -> tuple[Path, int]:
     """(checkpoint, vocab size) of a random-weight published config."""
     config = CONFIGS / request.param / "config.json"
-    out = write_random_published(config, tmp_path_factory.mktemp(f"{request.param}_random"))
+    out = write_random_published(config, tmp_path_factory.mktemp(f"{request.param}_random"),
+                                 overrides=OVERRIDES.get(request.param))
     torch.cuda.empty_cache()
     return out, json.loads(config.read_text())["vocab_size"]
 

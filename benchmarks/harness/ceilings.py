@@ -1,7 +1,6 @@
-"""The machine's ceilings (device-to-device copy bandwidth, matmul rate) and the timing helpers they use."""
+"""The machine's ceilings (device-to-device copy bandwidth, matmul rates) and the timing helpers they use."""
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
@@ -10,7 +9,6 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.harness.output import log, say
-from benchmarks.harness.report import Report
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -34,55 +32,46 @@ def time_op(op: Callable[[], Any], device: str, reps: int, warmup: int) -> list[
     for _ in range(warmup):
         op()
     sync(device)
-    times = []
-    if device == "cuda":
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for a, b in pairs:
-            a.record()
-            op()
-            b.record()
-        torch.cuda.synchronize()
-        times = [a.elapsed_time(b) / 1e3 for a, b in pairs]
-    else:
+    if device != "cuda":
+        times = []
         for _ in range(reps):
             t = time.perf_counter()
             op()
             times.append(time.perf_counter() - t)
-    return times
+        return times
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in pairs:
+        a.record()
+        op()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in pairs]
 
 
-# -- 1. ceilings -------------------------------------------------------------------------------------
+def measure_ceilings(device: str, tiny: bool, fp8: bool = False) -> dict[str, Any]:
+    """Copy bandwidth (bytes read + written), the matmul rate, and with ``fp8`` the row-wise scaled FP8 matmul
+    rate (``torch._scaled_mm``, what ``quantization=fp8`` runs); medians, bf16 on the GPU, fp32 on the CPU."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    big = device == "cuda" and not tiny
+    numel, n, reps = ((2 << 30) // dtype.itemsize, 8192, 20) if big else (2**20, 256, 5)
+    src = torch.randn(numel, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    out: dict[str, Any] = {"device": device, "dtype": str(dtype).removeprefix("torch."), "matmul_n": n}
+    out["copy_bytes_per_s"] = 2 * numel * dtype.itemsize / statistics.median(
+        time_op(lambda: dst.copy_(src), device, reps, warmup=3))
+    del src, dst
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    out["matmul_flops_per_s"] = 2 * n**3 / statistics.median(time_op(lambda: a @ b, device, reps, warmup=5))
+    if fp8:
+        from llmcli.layers.quantization.fp8 import quantize_per_channel, quantize_per_token
 
-def measure_ceilings(args: argparse.Namespace, report: Report) -> None:
-    dev, dtype = args.device, DTYPES[args.ceiling_dtype]
-    out = report.data["ceilings"]
-    out.update(device=dev, dtype=args.ceiling_dtype)
-    if args.copy_bw is not None:
-        out.update(copy_bytes_per_s=args.copy_bw * 1e12, copy_source="--copy-bw")
-    else:
-        numel = int(args.copy_gib * 2**30) // dtype.itemsize
-        src = torch.randn(numel, device=dev).to(dtype) if dev == "cpu" else torch.randn(numel, dtype=dtype, device=dev)
-        dst = torch.empty_like(src)
-        times = time_op(lambda: dst.copy_(src), dev, args.ceiling_reps, warmup=3)
-        moved = 2 * numel * dtype.itemsize  # read once, written once
-        med = statistics.median(times)
-        out.update(copy_bytes_per_s=moved / med, copy_tensor_bytes=numel * dtype.itemsize, copy_median_s=med,
-                   copy_reps=len(times), copy_source="measured")
-        del src, dst
-        free_memory(dev)
-    say(f"copy bandwidth: {out['copy_bytes_per_s'] / 1e12:.3f} TB/s ({out['copy_source']}; bytes read + written)")
-    if args.matmul_tflops is not None:
-        out.update(matmul_flops_per_s=args.matmul_tflops * 1e12, matmul_source="--matmul-tflops")
-    else:
-        n = args.matmul_n
-        a = torch.randn(n, n, device=dev).to(dtype)
-        b = torch.randn(n, n, device=dev).to(dtype)
-        c = torch.empty(n, n, dtype=dtype, device=dev)
-        times = time_op(lambda: torch.matmul(a, b, out=c), dev, args.ceiling_reps, warmup=5)
-        med = statistics.median(times)
-        out.update(matmul_flops_per_s=2 * n ** 3 / med, matmul_n=n, matmul_median_s=med, matmul_reps=len(times),
-                   matmul_source="measured")
-        del a, b, c
-        free_memory(dev)
-    how = out["matmul_source"] + (f", {args.ceiling_dtype} {out['matmul_n']}^3" if "matmul_n" in out else "")
-    say(f"matmul rate: {out['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({how})")
+        (qa, sa), (qb, sb) = quantize_per_token(a.to(torch.bfloat16)), quantize_per_channel(b.float())
+        out["fp8_matmul_flops_per_s"] = 2 * n**3 / statistics.median(time_op(
+            lambda: torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16),
+            device, reps, warmup=3))
+    del a, b
+    free_memory(device)
+    say(f"ceilings: copy {out['copy_bytes_per_s'] / 1e12:.3f} TB/s (read + written), matmul "
+        f"{out['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({out['dtype']} {n}^3)"
+        + (f", FP8 matmul {out['fp8_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s" if fp8 else ""))
+    return out

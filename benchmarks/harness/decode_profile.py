@@ -11,10 +11,11 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.harness.ceilings import sync
+from benchmarks.harness.ceilings import sync, time_op
 from benchmarks.harness.llmcli_run import timer_delta, timer_summary
 from benchmarks.harness.output import fmt_f, log, say
 from benchmarks.harness.report import Report, fail
+from benchmarks.harness.workload import NEUTRAL
 
 KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
     ("attention", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash")),
@@ -25,13 +26,12 @@ KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wi
 )
 
 
-def kernel_groups(op: Callable[[], Any], reps: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Device time per step of each kernel group, from the profiler's kernel records (eager launches), and of
-    each matmul shape (``matmul_shapes``)."""
+def kernel_groups(op: Callable[[], Any], reps: int) -> dict[str, dict[str, float]]:
+    """Device time per step of each kernel group, from the profiler's kernel records (eager launches)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             op()
         torch.cuda.synchronize()
@@ -39,26 +39,11 @@ def kernel_groups(op: Callable[[], Any], reps: int) -> tuple[dict[str, dict[str,
     for evt in prof.key_averages():
         if evt.device_type != DeviceType.CUDA or evt.self_device_time_total <= 0:
             continue
-        name = evt.key
-        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in evt.key for k in keys)), "other")
         row = groups.setdefault(group, {"kernels": 0.0, "us": 0.0})
         row["kernels"] += evt.count / reps
         row["us"] += evt.self_device_time_total / reps
-    return groups, matmul_shapes(prof, reps)
-
-
-def matmul_shapes(prof: Any, reps: int) -> dict[str, float]:
-    """Device us per step of each (matmul op, input shapes): which linear layer of a family is slow, and how far
-    each runs from the machine's matmul rate (2*M*N*K over its time)."""
-    rows: dict[str, float] = {}
-    for evt in prof.key_averages(group_by_input_shape=True):
-        if evt.key in ("aten::mm", "aten::addmm") and evt.device_time_total > 0:
-            shapes = [s for s in evt.input_shapes if len(s) == 2]
-            (m, k), n = shapes[-2], shapes[-1][1]
-            us = evt.device_time_total / reps
-            tflops = 2 * m * n * k / (evt.device_time_total / evt.count) / 1e6
-            rows[f"{evt.key} {m}x{k} @ {k}x{n}: {evt.count / reps:g} a step, {tflops:.0f} TFLOP/s"] = us
-    return rows
+    return groups
 
 
 def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> dict[str, float]:
@@ -92,28 +77,13 @@ def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> d
             graphs, runner.graphs = runner.graphs, None
             try:
                 forward_sample()
-                out["kernel_groups"], out["matmul_shapes"] = kernel_groups(forward_sample, 5)
+                out["kernel_groups"] = kernel_groups(forward_sample, 5)
             except Exception as exc:  # the profile is a bonus: keep the timings below
                 log(f"kernel profile failed: {type(exc).__name__}: {exc}")
             finally:
                 runner.graphs = graphs
         for label, op in (("forward_ms", forward), ("forward_sample_ms", forward_sample)):
-            for _ in range(3):
-                op()
-            sync(device)
-            if device == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(reps):
-                    op()
-                b.record()
-                torch.cuda.synchronize()
-                out[label] = a.elapsed_time(b) / reps
-            else:
-                t = time.perf_counter()
-                for _ in range(reps):
-                    op()
-                out[label] = 1e3 * (time.perf_counter() - t) / reps
+            out[label] = 1e3 * statistics.mean(time_op(op, device, reps, warmup=3))  # back to back, events between
     return out
 
 
@@ -127,18 +97,16 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     if engine.has_unfinished():
         raise RuntimeError("the engine still has requests; the probe needs it idle")
     batch = args.breakdown_batch
-    max_seqs = getattr(engine.config, "max_num_seqs", batch)
+    max_seqs = engine.config.max_num_seqs
     if batch > max_seqs:
         log(f"breakdown batch {batch} > max_num_seqs {max_seqs}; using {max_seqs}")
         batch = max_seqs
-    ctx = args.breakdown_context or mean_prompt
-    steps, warm = args.breakdown_steps, args.breakdown_warmup
+    ctx, steps, warm = mean_prompt, args.breakdown_steps, min(5, args.breakdown_steps)
     rng = random.Random(args.seed + 2)
-    params = SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
-                            max_tokens=warm + steps + 3, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=warm + steps + 3, **NEUTRAL)
     for i in range(batch):
         engine.add_request([rng.randrange(facts["vocab"]) for _ in range(ctx)], params, request_id=f"probe-{i}")
-    preempt0 = getattr(engine.stats, "num_preemptions", 0)
+    preempt0 = engine.stats.num_preemptions
     t = time.perf_counter()
     for _ in range(100000):  # prefill every probe sequence
         if not sched.waiting and all(s.num_completion_tokens >= 1 for s in sched.running):
@@ -146,8 +114,7 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
         engine.step()
     prefill_s = time.perf_counter() - t
     running = len(sched.running)
-    result: dict[str, Any] = {"batch_requested": args.breakdown_batch, "batch": running, "context": ctx,
-                              "prefill_s": prefill_s}
+    result: dict[str, Any] = {"batch_requested": batch, "batch": running, "context": ctx, "prefill_s": prefill_s}
     report.data["decode_breakdown"][name] = result
     if running != batch:
         log(f"only {running} of {batch} probe sequences run together (KV pool or max_num_seqs)")
@@ -163,7 +130,7 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
         if not is_prefill and "done" not in probe:
             probe["done"] = True
             try:
-                probe.update(probe_device_time(runner, seqs, args.gpu_reps, args.device))
+                probe.update(probe_device_time(runner, seqs, 20 if args.device == "cuda" else 3, args.device))
             except Exception as exc:
                 probe["error"] = f"{type(exc).__name__}: {exc}"
                 print(traceback.format_exc(), file=sys.stderr, flush=True)
@@ -191,11 +158,10 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     result.update(
         steps_timed=len(walls), total_ms=total_ms, total_ms_mean=1e3 * sum(walls) / len(walls),
         gpu_forward_ms=probe.get("forward_ms"), gpu_forward_sample_ms=gpu_ms, kernel_groups=probe.get("kernel_groups"),
-        matmul_shapes=probe.get("matmul_shapes"),
         host_ms=(total_ms - gpu_ms) if gpu_ms is not None else None,
         prepare_probe_ms=probe.get("prepare_ms"),
         step_timer=(timers or {}).get("decode"),
-        preemptions=getattr(engine.stats, "num_preemptions", 0) - preempt0,
+        preemptions=engine.stats.num_preemptions - preempt0,
         batch_tokens_per_s=running / (total_ms / 1e3),
     )
     if result["preemptions"]:

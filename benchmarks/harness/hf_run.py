@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import time
 from typing import Any
@@ -16,17 +15,8 @@ from benchmarks.harness.report import Report, fail
 from benchmarks.harness.workload import check_lengths
 
 
-def hf_cb_config(args: argparse.Namespace) -> Any:
-    from transformers import ContinuousBatchingConfig
-
-    kw = json.loads(args.hf_cb_kwargs) if args.hf_cb_kwargs else {}
-    if args.tiny:  # the CPU has no memory probe in some versions: size the cache by hand
-        kw = {"block_size": 16, "num_blocks": 128, "max_batch_tokens": 256, **kw}
-    return ContinuousBatchingConfig(**kw), kw
-
-
 def hf_collect(manager: Any, expected: dict[str, int], deadline: float, label: str,
-               every: float) -> tuple[dict[str, Any], str | None]:
+               every: float = 15.0) -> tuple[dict[str, Any], str | None]:
     """Finished results by request id; stops at the deadline or if the generation thread dies."""
     got: dict[str, Any] = {}
     last = time.perf_counter()
@@ -53,30 +43,25 @@ def hf_collect(manager: Any, expected: dict[str, int], deadline: float, label: s
 def run_hf(args: argparse.Namespace, report: Report, facts: dict[str, Any], prompts: list[list[int]],
            outs: list[int], deadline: float) -> None:
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
     name = facts["name"]
     entry: dict[str, Any] = {"transformers": transformers.__version__}
     report.data["transformers"][name] = entry
     dtype = DTYPES[args.dtype]
     cfg = AutoConfig.from_pretrained(facts["path"])
-    cb_config, cb_kwargs = hf_cb_config(args)
-    entry["cb_kwargs"] = cb_kwargs
-    gen_kw: dict[str, Any] = {"max_new_tokens": max(outs), "eos_token_id": -1}
-    if args.temperature > 0:
-        gen_kw.update(do_sample=True, temperature=args.temperature)
-    else:
-        gen_kw.update(do_sample=False)
-    hints = None
-    with contextlib.suppress(ImportError):
+    # the CPU has no memory probe in some versions: the tiny run sizes the cache by hand
+    cb_kwargs = {"block_size": 16, "num_blocks": 128, "max_batch_tokens": 256} if args.tiny else {}
+    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    gen = GenerationConfig(max_new_tokens=max(outs), eos_token_id=-1, **sampling)
+    hints: dict[str, Any] = {}
+    with contextlib.suppress(ImportError):  # the GPU image's own transformers may predate workload hints
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
-        hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=max(outs),
-                              num_requests=len(prompts))
-
-    candidates = [args.hf_attn] + [a for a in (args.hf_attn_fallbacks or "").split(",") if a and a != args.hf_attn]
+        hints["workload_hints"] = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
+                                                max_generated_length=max(outs), num_requests=len(prompts))
     model = manager = None
-    for impl in candidates:
+    for impl in dict.fromkeys([args.hf_attn, "sdpa"]):  # sdpa: where this transformers rejects the name asked for
         try:
             t = time.perf_counter()
             torch.manual_seed(args.seed)
@@ -84,11 +69,8 @@ def run_hf(args: argparse.Namespace, report: Report, facts: dict[str, Any], prom
                 model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=impl)
             model = model.to(args.device).eval()
             entry["init_s"] = time.perf_counter() - t
-            kwargs: dict[str, Any] = {"generation_config": GenerationConfig(**gen_kw),
-                                      "continuous_batching_config": cb_config}
-            if hints is not None:
-                kwargs["workload_hints"] = hints
-            manager = model.init_continuous_batching(**kwargs)
+            manager = model.init_continuous_batching(generation_config=gen, **hints,
+                                                     continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs))
             entry["attn_requested"] = impl
             break
         except Exception as exc:
@@ -98,10 +80,9 @@ def run_hf(args: argparse.Namespace, report: Report, facts: dict[str, Any], prom
             free_memory(args.device)
     if manager is None:
         raise RuntimeError(f"no attention implementation worked: {entry.get('attn_failures')}")
-    entry["attn_used"] = getattr(model.config, "_attn_implementation", None)
+    entry["attn_used"] = model.config._attn_implementation
     if entry["attn_requested"] != args.hf_attn:
-        say(f"NOTE: transformers rejected attn_implementation={args.hf_attn!r}; "
-            f"running with {entry['attn_requested']!r} instead")
+        say(f"NOTE: transformers rejected attn_implementation={args.hf_attn!r}; running with sdpa instead")
     entry["params"] = sum(p.numel() for p in model.parameters())
     log(f"transformers {name}: model ready in {entry['init_s']:.1f} s, attention {entry['attn_used']}, "
         f"{entry['params']:,} parameters")
@@ -109,30 +90,18 @@ def run_hf(args: argparse.Namespace, report: Report, facts: dict[str, Any], prom
     incomplete = None
     try:
         with torch.no_grad():
-            if hasattr(manager, "warmup"):
-                t = time.perf_counter()
-                manager.warmup()
-                entry["cb_warmup_s"] = time.perf_counter() - t
-            resolved = getattr(manager, "continuous_batching_config", None)
-            if resolved is not None:
-                entry["cb_config"] = {k: str(getattr(resolved, k)) for k in (
-                    "block_size", "num_blocks", "max_batch_tokens", "max_memory_percent", "max_requests_per_batch",
-                    "use_cuda_graph", "use_async_batching", "allow_block_sharing", "scheduler_type")
-                    if hasattr(resolved, k)}
+            t = time.perf_counter()
+            getattr(manager, "warmup", lambda: None)()  # likewise
+            entry["cb_warmup_s"] = time.perf_counter() - t
             manager.start()
-            if args.hf_warmup_requests:
-                wrng = random.Random(args.seed + 1)
-                warm = {}
-                for i in range(args.hf_warmup_requests):
-                    rid = manager.add_request([wrng.randrange(facts["vocab"]) for _ in range(16)],
-                                              request_id=f"warm-{i}", max_new_tokens=4, eos_token_id=-1)
-                    warm[rid] = 4
-                t = time.perf_counter()
-                _, why = hf_collect(manager, warm, min(deadline, time.perf_counter() + 600), "transformers warm-up",
-                                    args.progress_every)
-                entry["warmup_s"] = time.perf_counter() - t
-                if why:
-                    raise RuntimeError(f"warm-up failed: {why}")
+            wrng = random.Random(args.seed + 1)
+            warm = {manager.add_request([wrng.randrange(facts["vocab"]) for _ in range(16)], request_id=f"warm-{i}",
+                                        max_new_tokens=4, eos_token_id=-1): 4 for i in range(4)}
+            t = time.perf_counter()
+            _, why = hf_collect(manager, warm, min(deadline, time.perf_counter() + 600), "transformers warm-up")
+            entry["warmup_s"] = time.perf_counter() - t
+            if why:
+                raise RuntimeError(f"warm-up failed: {why}")
 
             expected: dict[str, int] = {}
             log(f"transformers {name}: timing {len(prompts)} requests, {sum(outs):,} output tokens "
@@ -141,16 +110,15 @@ def run_hf(args: argparse.Namespace, report: Report, facts: dict[str, Any], prom
             t = time.perf_counter()
             for i, (p, o) in enumerate(zip(prompts, outs)):
                 rid = manager.add_request(p, request_id=f"req-{i}", max_new_tokens=o, eos_token_id=-1)
-                expected[rid if rid is not None else f"req-{i}"] = o
-            got, incomplete = hf_collect(manager, expected, deadline, f"transformers {name}", args.progress_every)
+                expected[rid] = o
+            got, incomplete = hf_collect(manager, expected, deadline, f"transformers {name}")
             sync(args.device)
             wall = time.perf_counter() - t
     finally:
         with contextlib.suppress(Exception):
             manager.stop(block=True, timeout=60, hard_stop=incomplete is not None)
         with contextlib.suppress(Exception):
-            if hasattr(manager, "destroy"):
-                manager.destroy()
+            manager.destroy()
         del manager, model
         free_memory(args.device)
 

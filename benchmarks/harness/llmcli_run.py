@@ -10,37 +10,45 @@ from typing import Any
 from benchmarks.harness.ceilings import free_memory, sync
 from benchmarks.harness.output import log, say
 from benchmarks.harness.report import Report, fail, section
-from benchmarks.harness.workload import check_lengths
+from benchmarks.harness.workload import NEUTRAL, check_lengths
+
+
+def setting_kwargs(specs: list[str]) -> dict[str, Any]:
+    """Engine settings as ``name=value`` (``name`` alone: true) or ``base`` (nothing), as LLM keyword arguments."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        if spec != "base":
+            name, eq, value = spec.partition("=")
+            out[name] = _value(value) if eq else True
+    return out
+
+
+def _value(text: str) -> Any:
+    """true/false, an int (``max_num_seqs=1024``), a float, else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def llmcli_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {"load_format": "dummy", "dtype": args.dtype, "device": args.device, "seed": args.seed}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "attention_backend",
-                 "kvcache_block_size", "num_kvcache_blocks", "max_model_len"):
-        value = getattr(args, name)
-        if value is not None:
-            kw[name] = value
-    if args.enforce_eager:
-        kw["enforce_eager"] = True
-    return kw
+    return {"load_format": "dummy", "dtype": args.dtype, "device": args.device, "seed": args.seed,
+            **setting_kwargs(args.engine)}
 
 
-def timer_summary(engine: Any) -> dict[str, dict[str, float]] | None:
-    timer = getattr(engine, "step_timer", None)
-    if timer is None:
-        return None
-    if hasattr(timer, "summary"):
-        return {k: dict(v) for k, v in timer.summary().items()}
-    return dict(timer) if isinstance(timer, dict) else None
+def timer_summary(engine: Any) -> dict[str, dict[str, float]]:
+    return {k: dict(v) for k, v in engine.step_timer.summary().items()}
 
 
-def timer_delta(before: dict | None, after: dict | None) -> dict[str, dict[str, float]] | None:
+def timer_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """Per-step means over the steps between two summaries (summaries hold means over all steps so far)."""
-    if after is None:
-        return None
     out = {}
     for kind, row in after.items():
-        prev = (before or {}).get(kind, {})
+        prev = before.get(kind, {})
         steps = row.get("steps", 0) - prev.get("steps", 0)
         if steps <= 0:
             continue
@@ -80,9 +88,7 @@ def llmcli_generate(llm: Any, prompts: list[list[int]], outs: list[int], tempera
                     device: str) -> tuple[float, list[int]]:
     from llmcli import SamplingParams
 
-    # filters explicit: the model's generation_config.json (top_k 20, top_p 0.95) would change the workload
-    params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
-                             max_tokens=o, ignore_eos=True) for o in outs]
+    params = [SamplingParams(temperature=temperature, max_tokens=o, **NEUTRAL) for o in outs]
     sync(device)
     t = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -107,24 +113,18 @@ def run_llmcli(args: argparse.Namespace, report: Report, facts: dict[str, Any], 
             "device", "dtype", "attention_backend", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
             "max_model_len", "enforce_eager", "enable_prefix_caching", "gpu_memory_utilization")}
         runner = engine.model_runner
-        mem = getattr(runner, "memory_report", None)
-        if mem is not None and hasattr(mem, "as_dict"):
-            entry["memory_report"] = mem.as_dict()
-        entry["kv_blocks"] = getattr(runner, "num_blocks", None)
-        entry["cuda_graphs"] = getattr(runner, "graphs", None) is not None
+        entry.update(memory_report=runner.memory_report.as_dict(), kv_blocks=runner.num_blocks,
+                     cuda_graphs=runner.graphs is not None)
         log(f"llmcli {name}: ready in {entry['init_s']:.1f} s, backend {entry['config']['attention_backend']}, "
             f"{entry['kv_blocks']} KV blocks, CUDA graphs {'on' if entry['cuda_graphs'] else 'off'}")
 
         # warm-up: other tokens than the timed prompts, so it leaves no prefix-cache hits behind
         wrng = random.Random(args.seed + 1)
-        n_warm = args.warmup_requests
-        if n_warm:
-            warm_prompts = [[wrng.randrange(facts["vocab"]) for _ in range(16)] for _ in range(n_warm)]
-            wt, _ = llmcli_generate(llm, warm_prompts, [4] * n_warm, args.temperature, args.device)
-            entry["warmup_s"] = wt
+        warm_prompts = [[wrng.randrange(facts["vocab"]) for _ in range(16)] for _ in range(4)]
+        entry["warmup_s"], _ = llmcli_generate(llm, warm_prompts, [4] * 4, args.temperature, args.device)
 
         before = timer_summary(engine)
-        preempt0 = getattr(engine.stats, "num_preemptions", 0)
+        preempt0 = engine.stats.num_preemptions
         compiled0 = compiled_so_far()
         log(f"llmcli {name}: timing {len(prompts)} requests, {sum(outs):,} output tokens")
         wall, got = llmcli_generate(llm, prompts, outs, args.temperature, args.device)
@@ -135,7 +135,7 @@ def run_llmcli(args: argparse.Namespace, report: Report, facts: dict[str, Any], 
         say(f"llmcli {name}: compiled during the timed run: {entry['compiled_during_timed_run']}")
         entry.update(requests=len(prompts), output_tokens=sum(got), expected_output_tokens=sum(outs), wall_s=wall,
                      output_tok_s=sum(got) / wall, prompt_tokens=sum(len(p) for p in prompts),
-                     preemptions=getattr(engine.stats, "num_preemptions", 0) - preempt0,
+                     preemptions=engine.stats.num_preemptions - preempt0,
                      step_timer=timer_delta(before, timer_summary(engine)))
         bad = check_lengths(got, outs)
         entry["lengths_ok"] = not bad

@@ -99,11 +99,9 @@ def final_tables(report: Report) -> str:
 
     c = d["ceilings"]
     parts.append(md_table(["ceiling", "value", "how"], [
-        ["copy bandwidth (read + write)", f"{fmt_f((c.get('copy_bytes_per_s') or 0) / 1e12, 3)} TB/s",
-         c.get("copy_source", "n/a")],
+        ["copy bandwidth (read + write)", f"{fmt_f((c.get('copy_bytes_per_s') or 0) / 1e12, 3)} TB/s", "measured"],
         ["matmul rate", f"{fmt_f((c.get('matmul_flops_per_s') or 0) / 1e12, 1)} TFLOP/s",
-         c.get("matmul_source", "n/a") + (f", {c.get('dtype')} {c['matmul_n']}^3" if "matmul_n" in c else "")],
-    ], right={1}))
+         f"measured, {c.get('dtype')} {c.get('matmul_n')}^3"]], right={1}))
 
     bounds = bound_table(d["bounds"])
     if bounds:
@@ -133,12 +131,6 @@ def final_tables(report: Report) -> str:
         parts.append("Where the device time of that decode step goes (the same step launched eagerly under the "
                      "profiler; kernel time only, no launch gaps):\n\n"
                      + md_table(["model", "batch", "kernel group", "kernels", "ms", "share"], krows))
-
-    mrows = [[name, shape, fmt_f(us / 1e3, 3)] for name, b in d["decode_breakdown"].items()
-             for shape, us in sorted((b.get("matmul_shapes") or {}).items(), key=lambda kv: -kv[1])]
-    if mrows:
-        parts.append("The GEMM group of that step by matmul shape (device ms per step):\n\n"
-                     + md_table(["model", "matmul", "ms"], mrows))
 
     trows = []
     for name, e in d["llmcli"].items():

@@ -12,6 +12,9 @@ from llmcli.cli.bench import Workload, make_requests
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_MODELS = ["configs/Qwen3-0.6B", "configs/Qwen3-8B"]
+# every filter explicit and EOS ignored: a generation_config.json (Qwen3's: top_k 20, top_p 0.95) must not change
+# the workload
+NEUTRAL = dict(top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, ignore_eos=True)
 TINY_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -28,8 +31,8 @@ def resolve_model(path: str) -> Path:
     return p.resolve()
 
 
-def write_tiny_config() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="llmcli-bench-")) / "Qwen3-tiny"
+def write_tiny_config(parent: Path | None = None) -> Path:
+    folder = Path(parent or tempfile.mkdtemp(prefix="llmcli-bench-")) / "Qwen3-tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
     return folder
@@ -102,13 +105,6 @@ def make_workload(args: argparse.Namespace, facts: dict[str, Any]) -> tuple[list
                  output_len=(args.min_output, args.max_output), temperature=args.temperature, seed=args.seed)
     reqs = make_requests(w, facts["vocab"], set(facts["eos_token_ids"]))
     return [r[0] for r in reqs], [r[1] for r in reqs], "llmcli.cli.bench.make_requests"
-
-
-def describe_workload(prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
-    ins = [len(p) for p in prompts]
-    return {"requests": len(prompts), "prompt_tokens": sum(ins), "output_tokens": sum(outs),
-            "prompt_len_min": min(ins), "prompt_len_max": max(ins), "prompt_len_mean": sum(ins) / len(ins),
-            "output_len_min": min(outs), "output_len_max": max(outs), "output_len_mean": sum(outs) / len(outs)}
 
 
 def check_lengths(got: list[int], want: list[int]) -> list[str]:
