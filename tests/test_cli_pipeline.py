@@ -221,7 +221,6 @@ def test_memory_does_not_grow_with_the_input(tiny_model, tmp_path):
 def test_text_too_long_before_and_after_the_first_token(tiny_model, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import llmcli.cli.generate as generate_module
     from llmcli.cli.app import app
 
     long_text = " ".join(["fox"] * 400)  # far beyond --max-model-len 256 once tokenized
@@ -236,7 +235,7 @@ def test_text_too_long_before_and_after_the_first_token(tiny_model, tmp_path, mo
     assert result.exit_code == 2, result.output
     assert f"{inp}:6: prompt: prompt is" in result.stderr and not out.exists()
     # Beyond them (here: after 2 records): the others run, the long one gets an error record, exit 1.
-    monkeypatch.setattr(generate_module, "CHECK_AHEAD", 2)
+    monkeypatch.setenv("LLMCLI_CHECK_AHEAD", "2")
     out = tmp_path / "late.jsonl"
     result = CliRunner().invoke(app, [*args, "-o", str(out)])
     assert result.exit_code == 1, result.output
@@ -296,13 +295,12 @@ def test_token_budget_of_records_prepared_after_the_first_token(tiny_model, tmp_
     """The progress total counts records not yet tokenized at their neighbours' mean, then at their own."""
     from typer.testing import CliRunner
 
-    import llmcli.cli.generate as generate_module
     from llmcli.cli.app import app
 
     budgets = [2, 4, 6, 8, 10, 12]  # the first two (mean 3) are prepared before the first token
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"The fox {i}", "max_tokens": m}
                                               for i, m in enumerate(budgets)])
-    monkeypatch.setattr(generate_module, "CHECK_AHEAD", 2)
+    monkeypatch.setenv("LLMCLI_CHECK_AHEAD", "2")
     result = CliRunner().invoke(app, ["generate", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model",
                                       str(tiny_model), "--device", "cpu", "--num-kvcache-blocks", "128",
                                       "--kvcache-block-size", "16", "--max-model-len", "256", "--max-num-seqs", "2",

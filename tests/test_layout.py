@@ -188,3 +188,32 @@ def test_cli_io_sits_below_the_commands():
            if target.startswith("llmcli.cli") and not target.startswith("llmcli.cli.io")
            and target != "llmcli.cli.usage_error"]
     assert not bad, "cli/io importing the commands above it:\n" + "\n".join(bad)
+
+
+GENERATE = "llmcli.cli.generate"  # the orchestrator: the package itself
+GENERATE_STEPS = [f"{GENERATE}.{step}" for step in ("open_input", "check_input", "prepare_input", "run_engine",
+                                                      "report")]
+
+
+def step_imports_against_the_pipeline(text: str, path: Path) -> list[str]:
+    """Imports of a step or of the orchestrator by a module of the `generate` package (the orchestrator aside)."""
+    if not module_name(path).startswith(GENERATE + "."):
+        return []
+    return [f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+            for line, target in imports_of_text(text, path)
+            if target in (GENERATE, *GENERATE_STEPS) and target != module_name(path)]
+
+
+def test_generate_steps_hand_off_forward_only():
+    # `generate` reads as a pipeline (ARCHITECTURE.md): each step takes the previous step's hand-off from the
+    # orchestrator, so no step (nor a piece they share) imports another step or the orchestrator
+    assert set(GENERATE_STEPS) <= MODULES
+    bad = [problem for path in SOURCES for problem in step_imports_against_the_pipeline(path.read_text(), path)]
+    assert not bad, "generate's steps calling each other instead of handing off:\n" + "\n".join(bad)
+
+
+def test_the_pipeline_rule_catches_a_step_calling_another():
+    step = PACKAGE / "cli" / "generate" / "prepare_input.py"
+    assert step_imports_against_the_pipeline("from llmcli.cli.generate.run_engine import run_engine\n", step)
+    assert step_imports_against_the_pipeline("from llmcli.cli.generate import run_generate\n", step)
+    assert not step_imports_against_the_pipeline("from llmcli.cli.generate.handoff import Prepared\n", step)

@@ -1,5 +1,4 @@
-"""What `generate` checks before the first token, and how it reports it: OUT, whether IN is the input a
-resumed OUT answers, repeated ids, unknown fields, records invalid or too big for the KV pool."""
+"""What `generate` checks before the first token, and how it says so: OUT, resumed input, ids, fields, KV pool."""
 from __future__ import annotations
 
 import os

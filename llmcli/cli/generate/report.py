@@ -1,0 +1,39 @@
+"""Step 5 of `generate`: what the run did, on stderr (late errors, summary, interruption), and its exit code."""
+from __future__ import annotations
+
+import time
+
+from llmcli.cli.generate.checks import report_errors
+from llmcli.cli.generate.handoff import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, Outcome
+from llmcli.cli.io.prepare import OPENAI_COMPLETIONS_MAX_TOKENS, PLAIN_MAX_TOKENS
+from llmcli.cli.progress import GenerateSummary, say, summary_table
+
+
+def report(outcome: Outcome) -> int:
+    """The exit code: 0 all answered, 1 some failed (in this run or the one it resumes), 130/143 interrupted."""
+    job, plan, counts, stats = outcome.job, outcome.plan, outcome.counts, outcome.stats
+    opts, console = job.opts, job.console
+    report_errors(console, plan.source, outcome.rejected, opts.max_errors_shown)
+    if not opts.quiet:
+        console.print(summary_table(GenerateSummary(
+            total=plan.total, answered=counts.answered, failed=counts.failed, skipped=plan.skipped,
+            prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens,
+            # The progress display's clock stopped with the last record: its final rates are these.
+            wall_s=time.perf_counter() - job.started, generate_s=outcome.generate_s,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            preemptions=stats.num_preemptions, interrupted=counts.interrupted,
+            default_limited=counts.default_limited)))
+        if counts.default_limited:
+            limit = (f"--max-tokens {opts.sampling['max_tokens']}" if "max_tokens" in opts.sampling else
+                     f"the default max_tokens: {PLAIN_MAX_TOKENS} for plain records, "
+                     f"{OPENAI_COMPLETIONS_MAX_TOKENS} for OpenAI completions, the context for OpenAI chat")
+            say(console, f"{counts.default_limited} records stopped at a length limit they do not set ({limit}); "
+                         "give max_tokens in a record, or --max-tokens, to let them run longer")
+    if counts.interrupted:
+        say(console, f"interrupted ({counts.signal_name}): {outcome.written} records written; "
+                     "run the same command with --resume to finish")
+        return EXIT_INTERRUPTED if counts.signal_name == "SIGINT" else EXIT_TERMINATED
+    if counts.failed:
+        return EXIT_FAILED
+    # A resume finishes the run that wrote error records: it fails as that run did.
+    return EXIT_FAILED if plan.resumed.errors else EXIT_OK
