@@ -230,15 +230,6 @@ build(td._decode_partition_kernel, dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLO
 print("fp8 partition compiled")
 build(td._decode_reduce_kernel, dict(HEAD_DIM=128, MAX_SPLITS_PAD=td.MAX_SPLITS), num_warps=td.NUM_WARPS)
 print("reduce compiled")
-from llmcli.kernels import triton_decode_flat as fd
-FLAT = {**PTRS, "meta_ptr": "*i32", "slot_ptr": "*i32", "total_ptr": "*i32", "row_start_ptr": "*i32"}
-for group, fp8 in ((7, False), (1, False), (2, True)):
-    kv = "*fp8e4nv" if fp8 else "*bf16"
-    build(fd._flat_decode_kernel, dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, BLOCK_N=fd.BLOCK_N, FP8=fp8),
-          {**FLAT, "k_cache_ptr": kv, "v_cache_ptr": kv}, num_warps=fd.NUM_WARPS, num_stages=fd.NUM_STAGES)
-build(fd._plan_kernel, dict(BLOCK_SIZE=256, BLOCK_N=fd.BLOCK_N, PREFIX=fd.PREFIX_BLOCK, BLOCK_E=fd.PLAN_BLOCK), FLAT)
-build(fd._flat_combine_kernel, dict(GROUP=7, HEAD_DIM=128, BLOCK_N=fd.BLOCK_N, COMBINE=fd.COMBINE_BLOCK), FLAT)
-print("flat compiled")
 """
 
 
@@ -253,7 +244,6 @@ def test_decode_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert out.count("partition compiled") == 10 and out.count("reduce compiled") == 1, out
-    assert out.count("flat compiled") == 1, out
 
 
 def test_backend_split_decode_layer_after_layer():
@@ -271,110 +261,6 @@ def test_backend_split_decode_layer_after_layer():
     outs = [backend.forward(q, kv, kv, k_cache, v_cache) for _ in range(3)]  # three "layers"
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
     assert rel_err(outs[0], ref) <= TOL[torch.float32]
-
-
-# -- the flat (stream-K) decode kernel ----------------------------------------------------------------
-def check_flat_decode(ctx_lens, shape, dtype, programs):
-    """The flat kernel, its plan laid out for ``programs`` programs, against the torch reference; the output and
-    the partials poisoned with NaN, so an unwritten head or a partial read before it was written fails."""
-    from llmcli.kernels import triton_decode_flat as flat
-
-    q, k_cache, v_cache, tables, lens, ref = decode_case(ctx_lens, shape, dtype)
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = shape[1], shape[3]
-    bn = flat.tile_keys(block_size)
-    plan = flat.make_plan(programs, flat.tiles_needed(batch, num_kv_heads, tables.shape[1] * block_size, bn),
-                          batch, num_heads // num_kv_heads, head_dim, bn, DEVICE)
-    plan.part_out.fill_(float("nan"))
-    plan.part_lse.fill_(float("nan"))
-    flat.plan(plan, tables, lens, num_kv_heads, block_size)
-    out = flat.flat_decode(q, k_cache, v_cache, lens, head_dim ** -0.5, plan, out=nan_like(q.shape, dtype))
-    assert torch.isfinite(out).all(), "unwritten or NaN output"
-    assert (out[lens == 0] == 0).all(), "padding rows must be zeros"
-    assert rel_err(out, ref) <= TOL[dtype]
-    return plan
-
-
-@pytest.mark.parametrize("shape", SHAPES + [QWEN25_SHAPE])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("programs", [1, 7])
-def test_flat_decode_matches_torch(shape, dtype, programs):
-    """One program streaming every tile, and seven whose runs start and end inside segments (a row's head)."""
-    block_size = shape[3]
-    lens = [1, 0, block_size, block_size + 1, 64, 65, 130] + torch.randint(1, 400, (2,)).tolist()
-    check_flat_decode(lens, shape, dtype, programs)
-
-
-@gpu_only
-@pytest.mark.parametrize("batch", [1, 3, 64, 256])
-@pytest.mark.parametrize("max_ctx", [1024, 8192])
-@pytest.mark.parametrize("shape", [(16, 8, 128, 256), (28, 4, 128, 256), (32, 4, 128, 16), (8, 1, 64, 256)])
-def test_flat_decode_gpu_sizes(batch, max_ctx, shape):
-    max_ctx = min(max_ctx, 2048) if batch > 64 else max_ctx  # keep the pool a few GiB at most
-    lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
-    lens[0] = max_ctx
-    programs = 4 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    check_flat_decode(lens, shape, torch.bfloat16, programs)
-
-
-def test_flat_decode_merges_a_segment_spread_over_many_programs():
-    """More programs than tiles: one tile each, so a segment's partials outnumber one load of the combine."""
-    from llmcli.kernels import triton_decode_flat as flat
-
-    plan = check_flat_decode([600, 0, 37], (8, 1, 128, 16), torch.float16, programs=64)
-    tiles = -(-600 // 16) + -(-37 // 16)
-    assert int(plan.total) == tiles and tiles < 64 and -(-600 // 16) > flat.COMBINE_BLOCK
-
-
-def test_backend_flat_decode_through_graph_buffers_layer_after_layer():
-    """The flat kernel behind the backend: a decode step padded to a graph batch, the tile map laid out once
-    (``begin_forward``) and read by three layers, as a graph replays it."""
-    from dataclasses import replace
-
-    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
-    dtype, n, padded = torch.float32 if not ON_GPU else torch.bfloat16, 3, 8
-    ctx_lens = [5, 100, 300]
-    k_cache, v_cache, tables, slots = make_case(ctx_lens, [1] * n, num_kv_heads, head_dim, block_size, dtype)
-    q = torch.randn(padded, num_heads, head_dim, dtype=dtype, device=DEVICE)
-    kv = torch.zeros(padded, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=DEVICE),
-                             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE),
-                             block_tables=tables, max_seqlen_k=max(ctx_lens))
-    scale = head_dim ** -0.5
-    ref = reference(meta, q[:n], kv[:n], kv[:n], k_cache.clone(), v_cache.clone(), num_heads, scale)
-    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, block_size)
-    backend.decode_tuning = replace(backend.decode_tuning, kernel="flat", programs_per_sm=1)
-    backend._num_sms = 5  # five programs: runs that cut the rows' segments
-    backend.init_graph_buffers(16, 64, DEVICE)
-    plan = backend._plan
-    backend.prepare_for_replay(meta, padded)
-    assert backend._plan is plan, "the graph's plan must be the one sized up front"
-    outs = [backend.forward(q, kv, kv, k_cache, v_cache) for _ in range(3)]
-    assert all(torch.equal(out, outs[0]) for out in outs[1:])
-    assert (outs[0][n:] == 0).all()
-    assert rel_err(outs[0][:n], ref) <= TOL[dtype]
-
-
-@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
-def test_engine_on_flat_decode_matches_hf(tiny_model, hf_oracle, run_factory, monkeypatch):
-    """The flat kernel in every place decode rows meet attention: graph steps with padding rows (replayed
-    eagerly), eager decode, and mixed steps' decode rows; HF's greedy tokens."""
-    from dataclasses import replace
-
-    from llmcli.kernels import triton_backend
-
-    monkeypatch.setattr(triton_backend, "DEFAULT_TUNING",
-                        replace(triton_backend.DEFAULT_TUNING, kernel="flat", programs_per_sm=1))
-    monkeypatch.setattr(triton_backend, "_DEFAULT_SMS", 3)
-    run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=3,
-                      max_num_batched_tokens=24, mixed_steps=True)
-    runner = run.llm.engine.model_runner
-    assert runner.backend.flat
-    runner.graphs = eager_decode_graphs(runner, sample_in_graph=True)
-    prompts = random_prompts([45, 9, 30, 3, 20], seed=409)
-    check_against_hf(run, hf_oracle, prompts, max_new=8)
-    steps = run.llm.engine.step_timer.steps
-    assert steps.get("mixed", 0) > 0 and steps.get("decode", 0) > 0
 
 
 def test_choose_num_splits():

@@ -163,7 +163,6 @@ class DecodeGraphs:
         row = dict(zip(I64_ROWS, self.i64[:, :bs]))
         pending = row["pending"]
         ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], row["ids"])
-        self.backend.begin_forward()
         return self.model(ids, row["positions"])
 
     def _sampler_body(self, filtered: bool) -> Callable[[int], torch.Tensor]:

@@ -106,23 +106,6 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
                                 tuning=backend.decode_tuning, row_order=order)
         return run
 
-    if getattr(backend, "flat", False):  # the flat kernel: one variant of each of its three kernels
-        def flat_decode() -> object:
-            from llmcli.kernels import triton_decode_flat as flat
-
-            group = heads // kv_heads
-            bn = flat.tile_keys(bs, backend.decode_tuning.block_n)
-            q = torch.zeros(1, heads, dim, dtype=dtype, device=device)
-            cache = torch.zeros(1, bs, kv_heads, dim, dtype=kv_dtype or dtype, device=device)
-            table, lens = torch.zeros(1, max_blocks, **i32), torch.ones(1, **i32)
-            programs = backend.decode_tuning.programs_per_sm * backend._sms(device)  # an int the kernels take
-            plan = flat.make_plan(programs, flat.tiles_needed(1, kv_heads, bs, bn), 1, group, dim, bn, device)
-            flat.plan(plan, table[:, :1], lens, kv_heads, bs)
-            t = backend.decode_tuning
-            return flat.flat_decode(q, cache, cache, lens, scale, plan, num_warps=t.num_warps,
-                                    num_stages=t.num_stages)
-        return tasks + [flat_decode]
-
     # one launch per compiled variant: split or not, and how Triton specializes the count itself (1, a
     # multiple of 16, other); the reduce reads every split as one MAX_SPLITS-wide tile, so the count sets no block width
     variants: dict[tuple, int] = {}

@@ -102,11 +102,6 @@ class AttentionBackend(ABC):
         """Called once per step before the forward pass."""
         self.metadata = metadata
 
-    def begin_forward(self) -> None:
-        """Device work every layer of a step shares, launched before the first layer; ``prepare`` launches it
-        for an eager step, and a decode graph's body calls it so that its capture holds it. Most backends have
-        none."""
-
     @abstractmethod
     def forward(
         self,

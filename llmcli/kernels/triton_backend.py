@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from llmcli.kernels import triton_decode_flat as flat
 from llmcli.kernels import triton_elementwise
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, KVScales, QKNormRotary
 from llmcli.kernels.triton_decode import (
@@ -51,8 +50,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._rest_cu_q: torch.Tensor | None = None
         self._rest_lens: torch.Tensor | None = None
         self._rest_tables: torch.Tensor | None = None
-        self._plan: flat.FlatPlan | None = None  # the flat decode kernel's tile map and partials
-        self._plan_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (tables, lens) begin_forward lays out
 
     # -- per-step ----------------------------------------------------------------
     def _sms(self, device: torch.device) -> int:
@@ -81,49 +78,14 @@ class TritonAttentionBackend(AttentionBackend):
         if old is not None and old.device.type == "cuda":
             self._outgrown.append(old)
 
-    @property
-    def flat(self) -> bool:
-        """Decode rows go through the flat (stream-K) kernel, ``triton_decode_flat``."""
-        return self.decode_tuning.kernel == "flat"
-
-    def _ensure_plan(self, batch: int, table_width: int, device: torch.device) -> None:
-        """A tile map for ``batch`` rows of block tables ``table_width`` wide (only ever grows)."""
-        bn = flat.tile_keys(self.block_size, self.decode_tuning.block_n)
-        need = flat.tiles_needed(batch, self.num_kv_heads, table_width * self.block_size, bn)
-        p = self._plan
-        if p is not None and p.capacity >= need and p.max_batch >= batch and p.block_n == bn \
-                and p.tile_meta.device == device:
-            return
-        if p is not None:
-            for t in (p.tile_meta, p.tile_slot, p.row_start, p.total, p.part_out, p.part_lse):
-                self._retire(t)
-        programs = self.decode_tuning.programs_per_sm * self._sms(device)
-        self._plan = flat.make_plan(programs, need, batch, self.num_heads // self.num_kv_heads, self.head_dim,
-                                    bn, device)
-
-    def _lay_out(self, tables: torch.Tensor, lens: torch.Tensor) -> None:
-        """Size the flat kernel's plan for these decode rows; ``begin_forward`` then writes it."""
-        self._ensure_plan(lens.numel(), tables.shape[1], lens.device)
-        self._plan_rows = (tables, lens)
-        self.begin_forward()
-
-    def begin_forward(self) -> None:
-        if self._plan_rows is not None and self._plan is not None:
-            flat.plan(self._plan, *self._plan_rows, self.num_kv_heads, self.block_size)
-
     def prepare(self, metadata: AttentionMetadata) -> None:
         super().prepare(metadata)
-        self._plan_rows = None
         if metadata.is_prefill:
-            if metadata.num_decode:  # a mixed step: its decode rows go through the decode kernel
+            if metadata.num_decode:  # a mixed step: its decode rows go through the split-KV decode kernel
                 nd = metadata.num_decode
                 device = metadata.context_lens.device
-                if self.flat:
-                    assert metadata.block_tables is not None
-                    self._lay_out(metadata.block_tables[:nd], metadata.context_lens[:nd])
-                else:
-                    self.num_splits = self._splits_for(nd, metadata.max_seqlen_k, device)
-                    self._ensure_scratch(nd, self.num_splits, device)
+                self.num_splits = self._splits_for(nd, metadata.max_seqlen_k, device)
+                self._ensure_scratch(nd, self.num_splits, device)
                 self._rest_cu_q = metadata.cu_seqlens_q[nd:] - nd
                 # Triton compiles one kernel per 16-byte alignment of each pointer: views that start at row nd
                 # would need (and compile, mid-run) other variants than a prefill step's whenever nd % 4 != 0
@@ -137,18 +99,11 @@ class TritonAttentionBackend(AttentionBackend):
             # not filled in by the caller: the table width bounds every context (a host-side shape)
             max_seqlen_k = metadata.block_tables.shape[1] * self.block_size
         device = metadata.context_lens.device
-        if self.flat:
-            assert metadata.block_tables is not None
-            self._lay_out(metadata.block_tables, metadata.context_lens)
-            return
         self.num_splits = self._splits_for(batch, max_seqlen_k, device)
         self._ensure_scratch(batch, self.num_splits, device)
 
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
         super().init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
-        if self.flat:  # the plan for the widest graph now, so capture never allocates it
-            self._ensure_plan(max_batch_size, max_blocks_per_seq, device)
-            return
         # Size the scratch for the hungriest graph batch now, so capture never allocates it.
         max_len = max_blocks_per_seq * self.block_size
         worst = max(range(1, max_batch_size + 1), key=lambda b: b * self._splits_for(b, max_len, device))
@@ -184,20 +139,9 @@ class TritonAttentionBackend(AttentionBackend):
                                      kv_scales=kv_scales)
             return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out)
         assert meta.block_tables is not None and k_cache is not None
-        return self._decode(q, k_cache, v_cache, meta, meta.batch_size, None, kv_scales)
-
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, rows: int, out: torch.Tensor | None,
-                kv_scales: KVScales) -> torch.Tensor:
-        """Attention of the first ``rows`` rows (all of a decode step's, a mixed step's decode rows)."""
-        assert meta.block_tables is not None
-        t = self.decode_tuning
-        if self.flat:
-            assert self._plan is not None and self._plan_rows is not None, "no tile map laid out for this step"
-            return flat.flat_decode(q, k_cache, v_cache, meta.context_lens[:rows], self.scale, self._plan,
-                                    out=out, kv_scales=kv_scales, num_warps=t.num_warps, num_stages=t.num_stages)
-        return paged_decode(q, k_cache, v_cache, meta.block_tables[:rows], meta.context_lens[:rows], self.scale,
-                            num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out,
-                            tuning=t, row_order=self._order(meta), kv_scales=kv_scales)
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
+                            num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse,
+                            tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales)
 
     def _order(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The decode rows' launch order (longest first), where the launch settings take one."""
@@ -209,7 +153,9 @@ class TritonAttentionBackend(AttentionBackend):
         nd = meta.num_decode
         out = torch.empty_like(q) if out is None else out
         assert meta.block_tables is not None and k_cache is not None
-        self._decode(q[:nd], k_cache, v_cache, meta, nd, out[:nd], kv_scales)
+        paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
+                     num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd],
+                     tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales)
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
                 prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,

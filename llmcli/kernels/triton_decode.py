@@ -56,9 +56,6 @@ class DecodeTuning:
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
     heads_fastest: bool = True  # grid (kv heads, rows, splits): a row's heads side by side, rows in row_order
-    # "split": this module's kernel; "flat": triton_decode_flat's, a fixed grid over every row's tiles
-    kernel: str = "split"
-    programs_per_sm: int = 4  # the flat kernel's programs
 
 
 DEFAULT_TUNING = DecodeTuning()
