@@ -226,7 +226,7 @@ for group in (1, 2, 4):
 # an FP8 KV cache: e4m3 tiles widened to q's bf16 for the dots
 build(td._decode_partition_kernel, dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=td.BLOCK_N,
       SPLIT=True, HEADS_FASTEST=True, FP8=True), {**PTRS, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
-      num_warps=td.NUM_WARPS, num_stages=td.NUM_STAGES)
+      num_warps=td.NUM_WARPS, num_stages=td.FP8_NUM_STAGES)
 print("fp8 partition compiled")
 build(td._decode_reduce_kernel, dict(HEAD_DIM=128, MAX_SPLITS_PAD=td.MAX_SPLITS), num_warps=td.NUM_WARPS)
 print("reduce compiled")
@@ -268,6 +268,16 @@ def test_choose_num_splits():
     assert choose_num_splits(256, 8, 8192) == 1  # enough programs already
     assert choose_num_splits(1, 8, 100) == 1  # too short to split
     assert choose_num_splits(1, 1, 10**6) <= 64
+    # at least one (row, KV head) program per SM: no split (Qwen2.5-7B's 4 KV heads at batch 33 and up)
+    assert choose_num_splits(33, 4, 40960, 132) == 1 and choose_num_splits(32, 4, 40960, 132) > 1
+
+
+def test_decode_pipeline_depth_by_cache_dtype():
+    from llmcli.kernels.triton_decode import DEFAULT_TUNING, FP8_NUM_STAGES, decode_stages
+
+    assert decode_stages(DEFAULT_TUNING, torch.bfloat16) == DEFAULT_TUNING.num_stages == 5
+    assert decode_stages(DEFAULT_TUNING, torch.float8_e4m3fn) == FP8_NUM_STAGES == 3
+    assert decode_stages(DEFAULT_TUNING, torch.float32) == 2
 
 
 # -- prefill ----------------------------------------------------------------------

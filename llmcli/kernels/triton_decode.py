@@ -45,7 +45,13 @@ MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the para
 PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 MAX_SPLITS = 64  # a power of two: the combine reads every split's partial as one tile this wide
 NUM_WARPS = 4
-NUM_STAGES = 3  # software pipelining of the K/V tile loads (cp.async on Hopper)
+# Software pipelining of the K/V tile loads (cp.async on Hopper). The block-table entry is loaded one stage
+# before its tile, so 3 stages keep one K/V tile in flight per program and 5 keep two (72 KiB of shared memory at
+# 64 x 128 bf16). 5 measured faster end to end on every model tried (benchmarks/RESULTS.md, calls F2, G2-G4:
+# Qwen2.5-0.5B +6.6%, Qwen2.5-7B +0.5-0.7%, Qwen3-0.6B +0.3-0.5%, Qwen3-8B +0.0-0.4%, with the split rule below);
+# an FP8 cache keeps the 3 it was measured with.
+NUM_STAGES = 5
+FP8_NUM_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -189,19 +195,29 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms:
                       programs_per_sm: int = PROGRAMS_PER_SM, min_tokens: int = MIN_TOKENS_PER_SPLIT) -> int:
     """How many partitions to cut each context into, from host-side sizes only.
 
-    With fewer than ~3 programs per SM the GPU cannot keep enough loads in flight, so
-    split until there are about ``programs_per_sm`` per SM, but never give a split fewer than
-    ``min_tokens`` keys of the longest context. (Measured on an H200 at Qwen3-0.6B
-    shapes: batch 1 x 8k keys goes from 0.16 to 2.2 TB/s with 64 splits.) A decode graph is
-    captured before any context is known, for the table width (max_model_len keys), so there
-    only the programs-per-SM bound applies; rows shorter than that leave some splits empty.
+    With fewer (row, KV head) programs than SMs some SMs would idle, so split until there are
+    about ``programs_per_sm`` per SM, but never give a split fewer than ``min_tokens`` keys of the
+    longest context. (Measured on an H200 at Qwen3-0.6B shapes: batch 1 x 8k keys goes from 0.16
+    to 2.2 TB/s with 64 splits.) With at least one program per SM, no split: splitting there cut
+    each context into a few tiles a program plus a reduce, and a model with few KV heads (4:
+    Qwen2.5-7B, batches 33-98) paid it on every layer (calls F1-F2: 49 against 31 us a layer at
+    batch 96 with 5 stages). A decode graph is captured before any context is known, for the table
+    width (max_model_len keys), so there only the programs-per-SM bound applies; rows shorter than
+    that leave some splits empty.
     """
     programs = max(1, batch * num_kv_heads)
-    if programs >= 3 * num_sms:
+    if programs >= num_sms:
         return 1
     wanted = triton.cdiv(programs_per_sm * num_sms, programs)
     useful = max(1, max_seqlen_k // min_tokens)
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def decode_stages(tuning: DecodeTuning, cache_dtype: torch.dtype) -> int:
+    """The pipeline depth a launch over a cache of ``cache_dtype`` gets."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return min(tuning.num_stages, FP8_NUM_STAGES)
+    return tuning.num_stages if torch.finfo(cache_dtype).bits <= 16 else 2  # float32 (tests): 2
 
 
 def scratch_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) -> tuple[int, int]:
@@ -261,7 +277,7 @@ def paged_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=split,
         HEADS_FASTEST=tuning.heads_fastest, row_order_ptr=row_order, v_scale=float(kv_scales[1]), FP8=fp8,
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages if k_cache.element_size() <= 2 else 2,
+        num_warps=tuning.num_warps, num_stages=decode_stages(tuning, k_cache.dtype),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
