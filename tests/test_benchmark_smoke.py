@@ -25,6 +25,7 @@ SMOKES = [
     (["logprobs_cost.py", "--smoke"], "| logprobs=5: ms per decode step"),
     (["structured_bench.py", "--smoke", "--device", "cpu"], "every request produced its full length: True"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
+    (["step_gaps_gpu.py", "--smoke"], "0 failed model(s)"),
 ]
 
 
