@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks.harness.ceilings import DTYPES, free_memory, sync  # noqa: E402
+from benchmarks.harness.bound import Shape, active_params  # noqa: E402
+from benchmarks.harness.ceilings import DTYPES, free_memory, measure_ceilings, sync  # noqa: E402
 from benchmarks.harness.device_idle import idle_report, load_trace, trace_spans  # noqa: E402
 from benchmarks.harness.output import fmt_f, log, md_table, say  # noqa: E402
 from benchmarks.harness.workload import (  # noqa: E402
@@ -58,7 +59,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_model(args: argparse.Namespace, model_dir: Path, trace_dir: Path) -> dict[str, Any]:
+def step_floors_ms(facts: dict[str, Any], contexts: list[int], elem_bytes: int,
+                   ceilings: dict[str, Any]) -> tuple[float, float]:
+    """The least time one decode step of these contexts takes (memory, compute): every weight (the bound's
+    ``weight_bytes``) and every cached key and value read once at the copy bandwidth; the linear layers' and the
+    attention's FLOPs at the matmul rate (``benchmarks/harness/bound.py``'s terms, for one step)."""
+    shape = Shape(facts, contexts, [1] * len(contexts), elem_bytes)
+    memory = (shape.weight_bytes + sum(contexts) * shape.kv_bytes_per_token) / ceilings["copy_bytes_per_s"]
+    flops = 2 * active_params(facts) * len(contexts) \
+        + 4 * facts["layers"] * facts["heads"] * facts["head_dim"] * sum(contexts)
+    return 1e3 * memory, 1e3 * flops / ceilings["matmul_flops_per_s"]
+
+
+def run_model(args: argparse.Namespace, model_dir: Path, trace_dir: Path, ceilings: dict[str, Any]) -> dict[str, Any]:
     from llmcli import LLM, SamplingParams
 
     facts = model_facts(model_dir)
@@ -85,7 +98,10 @@ def run_model(args: argparse.Namespace, model_dir: Path, trace_dir: Path) -> dic
         while engine.has_unfinished():
             if starts and decode_steps >= starts[0]:
                 starts.pop(0)
-                result["windows"].append(profile_window(args, engine, step, decode_steps, trace_dir, facts["name"]))
+                window = profile_window(args, engine, step, decode_steps, trace_dir, facts["name"])
+                window["floor_ms_memory"], window["floor_ms_compute"] = step_floors_ms(
+                    facts, window.pop("contexts"), DTYPES[args.dtype].itemsize, ceilings)
+                result["windows"].append(window)
                 continue
             step()
         sync(args.device)
@@ -104,7 +120,8 @@ def profile_window(args: argparse.Namespace, engine: Any, step: Any, at: int, tr
     from torch.profiler import ProfilerActivity, profile
 
     n = args.steps
-    batch = len(engine.scheduler.running)
+    running = engine.scheduler.running
+    batch, contexts = len(running), [len(seq) for seq in running]
     sync(args.device)
     t = time.perf_counter()
     kinds = [step() for _ in range(n)]
@@ -121,7 +138,8 @@ def profile_window(args: argparse.Namespace, engine: Any, step: Any, at: int, tr
     device, waits = trace_spans(load_trace(path))
     with contextlib.suppress(OSError):
         path.unlink()
-    window = {"at_decode_step": at, "batch": batch, "steps": n, "kinds": sorted(set(k or "none" for k in kinds)),
+    window = {"at_decode_step": at, "batch": batch, "contexts": contexts, "mean_context": sum(contexts) / max(batch, 1),
+              "steps": n, "kinds": sorted(set(k or "none" for k in kinds)),
               "wall_ms_per_step": plain_ms, "wall_ms_per_step_profiled": profiled_ms,
               **idle_report(device, n, waits)}
     log(f"{name} @ decode step {at} (batch {batch}): {plain_ms:.2f} ms/step, profiled {profiled_ms:.2f}; "
@@ -130,23 +148,28 @@ def profile_window(args: argparse.Namespace, engine: Any, step: Any, at: int, tr
 
 
 def print_tables(results: list[dict[str, Any]]) -> None:
-    rows = []
+    rows, group_rows = [], []
     for r in results:
         for w in r["windows"]:
+            head = [r["model"], w["at_decode_step"], w["batch"], f"{w['mean_context']:.0f}",
+                    fmt_f(w["wall_ms_per_step"]), fmt_f(w["wall_ms_per_step_profiled"]),
+                    f"{fmt_f(w['floor_ms_memory'])} / {fmt_f(w['floor_ms_compute'])}"]
             if not w.get("device_records"):
-                rows.append([r["model"], w["at_decode_step"], w["batch"], fmt_f(w["wall_ms_per_step"]),
-                             fmt_f(w["wall_ms_per_step_profiled"]), "no device records", "", "", "", "", ""])
+                rows.append(head + ["no device records"] + [""] * 5)
                 continue
-            b = w["gap_buckets"]
-            rows.append([r["model"], w["at_decode_step"], w["batch"], fmt_f(w["wall_ms_per_step"]),
-                         fmt_f(w["wall_ms_per_step_profiled"]), fmt_f(w["window_us_per_step"] / 1e3),
-                         fmt_f(w["busy_us_per_step"] / 1e3), f"{w['idle_us_per_step']:.0f} ({100 * w['idle_share']:.1f}%)",
-                         f"{w['records_per_step']:.0f}",
-                         " / ".join(f"{x['idle_us_per_step']:.0f}" for x in b),
-                         fmt_f(w["host_wait_us_per_step"] / 1e3)])
-    say(md_table(["model", "decode step", "batch", "wall ms/step", "profiled", "device window ms", "busy ms",
-                  "idle us (share)", "records", "idle us in gaps <1 / 1-3 / 3-10 / 10-50 / >50 us", "host waits ms"],
-                 rows))
+            rows.append(head + [fmt_f(w["busy_us_per_step"] / 1e3),
+                                f"{w['idle_us_per_step']:.0f} ({100 * w['idle_share']:.1f}%)",
+                                f"{w['records_per_step']:.0f}",
+                                " / ".join(f"{x['idle_us_per_step']:.0f}" for x in w["gap_buckets"]),
+                                fmt_f(w["host_wait_us_per_step"] / 1e3)])
+            group_rows.append([r["model"], w["at_decode_step"], w["batch"]] + [
+                "; ".join(f"{g} {v['us'] / 1e3:.2f} ms ({v['records']:.0f})" for g, v in w["groups"].items())])
+    say(md_table(["model", "decode step", "batch", "mean context", "wall ms/step", "profiled", "floor ms (memory / compute)",
+                  "device busy ms", "idle us (share)", "records", "idle us in gaps <1 / 1-3 / 3-10 / 10-50 / >50 us",
+                  "host waits ms"], rows))
+    if group_rows:
+        say("\ndevice time per step by kernel group (records per step)")
+        say(md_table(["model", "decode step", "batch", "groups"], group_rows, right={1, 2}))
     for r in results:
         for w in r["windows"]:
             if w.get("worst_pairs"):
@@ -162,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.environ.get("OUT")
     json_path = Path(args.json_out) if args.json_out else (Path(out_dir) / "step_gaps.json" if out_dir else None)
     results, failures = [], 0
+    ceilings = measure_ceilings(args.device, tiny=args.smoke)
     with tempfile.TemporaryDirectory(prefix="llmcli-gaps-") as tmp:
         for m in models:
             try:
-                results.append(run_model(args, m, Path(tmp)))
+                results.append(run_model(args, m, Path(tmp), ceilings))
             except Exception as exc:  # the other models still run
                 failures += 1
                 say(f"FAILED: {m.name}: {type(exc).__name__}: {exc}")

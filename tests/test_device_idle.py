@@ -52,3 +52,31 @@ def test_short_names_and_an_empty_window():
     assert short("void cutlass::Kernel2<cutlass_80_tensorop>(Params)") == "void cutlass::Kernel2"
     assert short("x" * 60, 10) == "x" * 9 + "…"
     assert idle_report([], steps=3) == {"device_records": 0}
+
+
+def test_kernel_groups_of_a_window():
+    from benchmarks.harness.device_idle import group_times
+
+    spans = [Span("nvjet_sm90_tst_128x64", 0, 10), Span("_decode_partition_kernel", 10, 6),
+             Span("_rms_norm_kernel", 16, 2), Span("Memcpy HtoD (Pinned -> Device)", 18, 1),
+             Span("nvjet_sm90_tst_128x64", 20, 10), Span("void at::native::index_elementwise_kernel", 30, 2)]
+    g = group_times(spans, steps=2)
+    assert list(g)[0] == "GEMM" and g["GEMM"] == {"records": 1.0, "us": 10.0}
+    assert g["attention"]["us"] == 3.0 and g["elementwise (Triton kernels)"]["us"] == 1.0
+    assert g["copies and fills"]["us"] == 0.5 and g["other"]["us"] == 1.0
+
+
+def test_step_floors_count_every_weight_and_the_batch_kv_once():
+    from benchmarks.harness.workload import TINY_CONFIG, model_facts, write_tiny_config
+    from benchmarks.step_gaps_gpu import step_floors_ms
+
+    facts = model_facts(write_tiny_config())
+    c = TINY_CONFIG
+    H, L, V, I = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
+    nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    layer = H * nh * hd + 2 * H * nkv * hd + nh * hd * H + 3 * H * I + 2 * H + 2 * hd  # tied embeddings
+    params = V * H + L * layer + H
+    kv_per_token = 2 * L * nkv * hd * 4  # float32
+    memory, compute = step_floors_ms(facts, [10, 30], 4, {"copy_bytes_per_s": 1e9, "matmul_flops_per_s": 1e12})
+    assert memory == pytest.approx(1e3 * (params * 4 + 40 * kv_per_token) / 1e9)
+    assert compute == pytest.approx(1e3 * (2 * (params - V * H) * 2 + 4 * L * nh * hd * 40) / 1e12)

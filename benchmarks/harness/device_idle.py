@@ -16,6 +16,14 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 WAIT_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cuEventSynchronize",
               "cuStreamSynchronize")
 GAP_BUCKETS_US = (1.0, 3.0, 10.0, 50.0)  # upper edges; a last bucket holds the rest
+KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
+    ("attention", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash")),
+    ("kv store", ("_store_kv_kernel",)),  # the triton backend's store is inside _qk_norm_rotary_kernel now
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
+    ("elementwise (Triton kernels)", ("_rms_norm_kernel", "_silu_and_mul_kernel", "_qk_norm_rotary_kernel")),
+    ("fused elementwise (torch.compile)", ("triton_",)),
+    ("copies and fills", ("Memcpy", "Memset")),
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,21 @@ def trace_spans(trace: dict[str, Any]) -> tuple[list[Span], list[Span]]:
         elif e.get("cat") in ("cuda_runtime", "cuda_driver") and span.name in WAIT_CALLS:
             waits.append(span)
     return sorted(device, key=lambda s: s.start_us), sorted(waits, key=lambda s: s.start_us)
+
+
+def kernel_group(name: str) -> str:
+    """The group of ``KERNEL_GROUPS`` a device record's name falls in ("other" if none)."""
+    return next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
+
+
+def group_times(device: Iterable[Span], steps: int) -> dict[str, dict[str, float]]:
+    """Per step, each kernel group's records and device time (records on two streams at once both count)."""
+    groups: dict[str, dict[str, float]] = {}
+    for s in device:
+        row = groups.setdefault(kernel_group(s.name), {"records": 0.0, "us": 0.0})
+        row["records"] += 1 / steps
+        row["us"] += s.dur_us / steps
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]["us"]))
 
 
 def short(name: str, width: int = 48) -> str:
@@ -83,7 +106,7 @@ def idle_report(device: Iterable[Span], steps: int, waits: Iterable[Span] = (), 
         "window_us_per_step": window / steps, "busy_us_per_step": busy / steps,
         "idle_us_per_step": (window - busy) / steps, "idle_share": (window - busy) / window if window else 0.0,
         "gaps_per_step": len(gaps) / steps, "gap_buckets": buckets,
-        "host_wait_us_per_step": wait_us / steps,
+        "host_wait_us_per_step": wait_us / steps, "groups": group_times(spans, steps),
         "worst_pairs": [{"before": b, "after": a, "gaps_per_step": len(v) / steps, "idle_us_per_step": sum(v) / steps,
                          "mean_gap_us": sum(v) / len(v)} for (b, a), v in worst],
     }
