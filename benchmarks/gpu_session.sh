@@ -44,6 +44,11 @@ import: using the image's"; rm -rf /tmp/site/transformers* /tmp/site/tokenizers*
 else
   export PYTHONPATH=$PWD
 fi
+# llmcli's own dependencies that the image may lack (it has no orjson: the fifth session lost a call's first stage
+# to that): stop here, naming them, rather than fail inside every stage
+MISSING=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('orjson', 'xxhash', 'typer', 'rich', \
+'safetensors', 'transformers') if u.find_spec(m) is None))")
+if [ -n "$MISSING" ]; then echo "gpu_session: missing on this machine: $MISSING; carry their wheels in .whl/"; return 1 2>/dev/null || exit 1; fi
 # The image's torch has no usable .pyc files (run 18: 1,483 modules compiled from source at every start, ~5 s).
 # A pip install writes them once; so does this, into a cache folder, once per machine and outside the timings.
 PYC_STATE=$(python3 -c "import sys, os, glob, importlib.util as u; d = os.path.dirname(u.find_spec('torch').origin); \
