@@ -283,9 +283,9 @@ def test_kill_9_mid_run_then_resume_answers_every_row_once(tmp_path):
 STREAM_SCRIPT = """
 import resource, sys
 from llmcli.cli.io.index import index_input, read_records
-from llmcli.cli.io.table_formats import open_input_table
+from llmcli.cli.io.table_formats import input_format, open_input_table
 from llmcli.cli.io.tables import ColumnFlags, TableInput, resolve_columns
-table = open_input_table(sys.argv[1], "auto")
+table = open_input_table(sys.argv[1], input_format(sys.argv[1]))
 columns = resolve_columns(table, ColumnFlags(prompt_column="body", id_column="ticket_id", keep_columns=["lang"]))
 source = TableInput(table, columns, rows_in_carry=False)
 index = index_input(source, set(), lambda rec: None)
