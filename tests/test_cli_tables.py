@@ -317,3 +317,16 @@ def test_a_million_row_parquet_input_streams_in_flat_memory(tmp_path):
         assert result.returncode == 0, result.stderr.decode()
         peaks[n] = int(result.stdout.decode().split()[-1])
     assert peaks[1_000_000] - peaks[10_000] < 150 * 1024, peaks
+
+
+def test_regex_constrains_every_record_and_two_job_constraints_are_refused(tmp_path):
+    import re
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'{"prompt": "a number"}\n{"prompt": "another"}\n')
+    result = generate(inp, tmp_path / "o.jsonl", "--regex", "[0-9]{3}", "--max-tokens", "8")
+    assert result.exit_code == 0, result.output
+    assert all(re.fullmatch("[0-9]{3}", line["text"]) for line in read_jsonl(tmp_path / "o.jsonl"))
+    (tmp_path / "schema.json").write_text('{"type": "object"}')
+    both = generate(inp, tmp_path / "p.jsonl", "--choice", "a,b", "--json-schema", str(tmp_path / "schema.json"))
+    assert both.exit_code == 2 and "--choice and --json-schema: give only one" in both.output

@@ -30,7 +30,7 @@ def run_generate(opts: GenerateOptions, console: Console) -> int:
     A step that ends the run early (bad input, nothing to run, a closed pipe) has said why and raises EndRun;
     whatever the steps opened (OUT's lock, IN, the engine, the preparing thread) is closed on every way out.
     """
-    tables = plan_tables(opts)
+    tables = plan_tables(opts, console)
     with ExitStack() as resources:
         try:
             opened = open_input(tables, console, resources)

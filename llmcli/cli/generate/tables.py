@@ -19,7 +19,7 @@ from llmcli.cli.progress import say
 from llmcli.cli.usage_error import UsageError
 
 
-def plan_tables(opts: GenerateOptions) -> TablePlan:
+def plan_tables(opts: GenerateOptions, console: Console) -> TablePlan:
     """What the run reads and writes; UsageError when the formats or the columns cannot work."""
     in_fmt = input_format(opts.input, opts.input_format) if opts.input else "jsonl"
     out_fmt = output_format(opts.output)
@@ -36,6 +36,9 @@ def plan_tables(opts: GenerateOptions) -> TablePlan:
         raise UsageError(f"a {in_fmt} IN must be a file or a folder, not -")
     table = open_input_table(opts.input, in_fmt)
     columns = resolve_columns(table, flags)
+    if columns.settings and not opts.quiet:
+        say(console, "each row's own settings from its columns " + ", ".join(columns.settings)
+                     + " (an empty cell leaves the command line's)")
     if out_fmt == "jsonl":
         return TablePlan(opts, table, columns)
     if os.path.exists(opts.output) and os.path.samefile(opts.output, opts.input):

@@ -116,7 +116,7 @@ def finalize(out: str, fmt: str, table: TableFile, columns: TableColumns, reason
                     **{name: col.slice(start, n) for name, col in results.items()}}
             writer.write(pa.RecordBatch.from_arrays(list(cols.values()), names=list(cols)))
             start += n
-        if start == 0:
+        if writer.empty:
             writer.write(_empty_batch(results, columns))
         writer.close()
     except BaseException:
@@ -156,6 +156,10 @@ class _TableSink:
 
     def __init__(self, path: Path, fmt: str) -> None:
         self.path, self.fmt, self._writer, self._file = path, fmt, None, open(path, "wb")
+
+    @property
+    def empty(self) -> bool:
+        return self._writer is None
 
     def write(self, batch: Any) -> None:
         if self.fmt in ("csv", "tsv"):

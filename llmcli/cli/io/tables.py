@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import difflib
+import os
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -195,23 +196,23 @@ class TableInput(InputFile):
 
     def __init__(self, table: TableFile, columns: TableColumns, rows_in_carry: bool) -> None:
         self.columns = columns
-        self._file = tempfile.TemporaryFile(prefix="llmcli-table-")
+        spool = tempfile.NamedTemporaryFile(prefix="llmcli-table-", delete=False)
         try:
-            write = self._file.write
-            buffer: list[bytes] = []
-            for line in table_lines(table, columns, rows_in_carry):
-                buffer.append(line)
-                if len(buffer) >= 4096:
-                    write(b"".join(buffer))
-                    buffer.clear()
-            write(b"".join(buffer))
+            with spool:
+                buffer: list[bytes] = []
+                for line in table_lines(table, columns, rows_in_carry):
+                    buffer.append(line)
+                    if len(buffer) >= 4096:
+                        spool.write(b"".join(buffer))
+                        buffer.clear()
+                spool.write(b"".join(buffer))
+            super().__init__(spool.name)  # opened, then unlinked below: gone with the process, however it ends
         except UsageError:
-            self._file.close()
             raise
         except Exception as exc:  # noqa: BLE001 - pyarrow's errors: a damaged part, a bad CSV row
-            self._file.close()
             raise UsageError(f"cannot read IN {table.path}: {str(exc).strip().splitlines()[0]}") from None
-        self._file.seek(0)
+        finally:
+            os.unlink(spool.name)
 
     def parse(self, raw: RawLine) -> InputRecord:
         """The record of a spooled row, its errors naming the row and the column."""
