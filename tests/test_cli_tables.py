@@ -330,3 +330,34 @@ def test_regex_constrains_every_record_and_two_job_constraints_are_refused(tmp_p
     (tmp_path / "schema.json").write_text('{"type": "object"}')
     both = generate(inp, tmp_path / "p.jsonl", "--choice", "a,b", "--json-schema", str(tmp_path / "schema.json"))
     assert both.exit_code == 2 and "--choice and --json-schema: give only one" in both.output
+
+
+def test_settings_columns_carry_each_rows_constraint(tmp_path):
+    import re
+
+    # a list column of choices and a JSON-schema column as text: each row's own constraint
+    rows = {"prompt": ["one", "two"], "guided_choice": [["red", "blue"], None],
+            "guided_json": [None, '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], '
+                                  '"additionalProperties": false}']}
+    inp = tmp_path / "c.parquet"
+    pq.write_table(pa.table(rows), inp)
+    result = generate(inp, tmp_path / "c.jsonl", "--max-tokens", "24")
+    assert result.exit_code == 0, result.output
+    first, second = read_jsonl(tmp_path / "c.jsonl")
+    assert first["text"] in ("red", "blue") and first["id"] == 0
+    if second["finish_reason"] == "stop":
+        assert set(orjson.loads(second["text"])) == {"a"}
+    else:  # cut at max_tokens: still a prefix of such an object
+        assert re.match(r'\{\s*"a"\s*:\s*-?[0-9]', second["text"]), second
+
+
+def test_input_format_hf_reads_a_folder_of_a_dataset_repositorys_data_files(tmp_path, reference):
+    data = tmp_path / "repo" / "data"
+    data.mkdir(parents=True)
+    table = pa.table({"id": ROWS["ticket_id"], "prompt": ROWS["body"]})
+    pq.write_table(table.slice(0, 2), data / "train-00000-of-00002.parquet")
+    pq.write_table(table.slice(2), data / "train-00001-of-00002.parquet")
+    result = generate(tmp_path / "repo", tmp_path / "o.jsonl", "--input-format", "hf")
+    assert result.exit_code == 0, result.output
+    assert [(line["id"], line["text"]) for line in read_jsonl(tmp_path / "o.jsonl")] == \
+        [(i, reference[i]["text"]) for i in ROWS["ticket_id"]]
