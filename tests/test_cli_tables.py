@@ -361,3 +361,27 @@ def test_input_format_hf_reads_a_folder_of_a_dataset_repositorys_data_files(tmp_
     assert result.exit_code == 0, result.output
     assert [(line["id"], line["text"]) for line in read_jsonl(tmp_path / "o.jsonl")] == \
         [(i, reference[i]["text"]) for i in ROWS["ticket_id"]]
+
+
+@pytest.mark.parametrize("ext", ["tsv", "arrow"])
+def test_tsv_and_arrow_outputs(tmp_path, reference, ext):
+    inp = write_table(tmp_path, "parquet")
+    out = tmp_path / f"labels.{ext}"
+    result = generate(inp, out, "--prompt-column", "body", "--id-column", "ticket_id", "--keep-columns", "body")
+    assert result.exit_code == 0, result.output
+    if ext == "arrow":
+        got = pa.ipc.open_file(out).read_all()
+    else:
+        got = pcsv.read_csv(out, parse_options=pcsv.ParseOptions(delimiter="\t", newlines_in_values=True),
+                            convert_options=pcsv.ConvertOptions(column_types={"id": pa.string()}))
+    rows = got.to_pylist()
+    assert [(r["id"], r["body"], r["text"]) for r in rows] == [(i, b, reference[i]["text"]) for i, b in
+                                                               zip(ROWS["ticket_id"], ROWS["body"])]
+
+
+def test_a_repeated_id_names_both_rows(tmp_path):
+    inp = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": ["x", "y", "x"], "prompt": ["a", "b", "c"]}), inp)
+    result = generate(inp, tmp_path / "d.parquet.out.jsonl")
+    assert result.exit_code == 2
+    assert 'row 3, column id: duplicate id "x" (first used on row 1)' in result.output, result.output

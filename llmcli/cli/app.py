@@ -179,7 +179,8 @@ def _guarded(run: Callable[[], int]) -> None:
 @app.command(no_args_is_help=True, cls=Command)
 @with_engine_options
 def generate(
-    input: Annotated[Optional[str], typer.Argument(help="Input JSONL file, or - for stdin (or give it as -i).",
+    input: Annotated[Optional[str], typer.Argument(help="Input JSONL file or table (Parquet, CSV, TSV, "
+                                                   "Arrow, a saved dataset), or - for stdin (or give it as -i).",
                                                    metavar="IN", show_default=False)] = None,
     input_option: Annotated[Optional[str], typer.Option("--input", "-i", "--input-file", help="Input JSONL file "
                                                         "(-i and --input-file as vLLM's run-batch takes it), "
@@ -196,7 +197,7 @@ def generate(
              "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win key by key.",
         metavar="JSON", show_default=False, callback=_json_object, rich_help_panel=INPUT)] = None,
     output: Annotated[str, typer.Option("--output", "-o", "--output-file", help="Output JSONL file, or - for "
-                                        "stdout.", metavar="OUT", rich_help_panel=OUTPUT)] = "-",
+                                        "stdout; a name ending .parquet, .csv, .tsv or .arrow writes a table.", metavar="OUT", rich_help_panel=OUTPUT)] = "-",
     resume: Annotated[bool, typer.Option("--resume", help="Append to OUT, skipping every input it already answers.",
                                          rich_help_panel=OUTPUT)] = False,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="--resume even when IN is not the input "

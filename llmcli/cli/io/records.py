@@ -414,4 +414,5 @@ def describe_duplicate(rec: InputRecord, first_line: int) -> None:
     """Mark ``rec`` as repeating the id of the record on ``first_line``."""
     name = "custom_id" if rec.openai is not None else "id"
     rec.prompt = None
-    rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on line {first_line})")
+    where = "row" if rec.columns is not None else "line"  # a table's rows are its lines
+    rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on {where} {first_line})")
