@@ -113,6 +113,8 @@ def _saved_dataset_files(p: Path, path: str) -> list[Path]:
     if p.is_dir() and state.is_file():
         names = [entry["filename"] for entry in json.loads(state.read_text()).get("_data_files", [])]
         return [p / name for name in names]
+    if p.is_file() and p.suffix.lower() in _EXTENSIONS:  # --input-format hf on one data file
+        raise _Redirect(_EXTENSIONS[p.suffix.lower()], [p])
     if p.is_dir():  # --input-format hf on a folder of data files (a dataset repository's data/ folder)
         for fmt in ("parquet", "arrow", "csv", "tsv"):
             wanted = {ext for ext, kind in _EXTENSIONS.items() if kind == fmt}
