@@ -9,7 +9,10 @@ import typer
 import typer.core
 from rich.console import Console
 
-from llmcli.cli.options import (DataParallelSizeOption, DistributedBackendOption, RayAddressOption,
+from llmcli.cli.options import (ChoiceOption, DataParallelSizeOption, DistributedBackendOption, IdColumnOption,
+                                InputFormat, InputFormatOption, KeepColumnsOption, MessagesColumnOption,
+                                PromptColumnOption, RayAddressOption, RegexOption, SystemPromptFileOption,
+                                SystemPromptOption, split_list, system_prompt_of,
                                 with_engine_options)
 from llmcli.cli.progress import say
 
@@ -176,7 +179,8 @@ def _guarded(run: Callable[[], int]) -> None:
 @app.command(no_args_is_help=True, cls=Command)
 @with_engine_options
 def generate(
-    input: Annotated[Optional[str], typer.Argument(help="Input JSONL file, or - for stdin (or give it as -i).",
+    input: Annotated[Optional[str], typer.Argument(help="Input JSONL file or table (Parquet, CSV, TSV, "
+                                                   "Arrow, a saved dataset), or - for stdin (or give it as -i).",
                                                    metavar="IN", show_default=False)] = None,
     input_option: Annotated[Optional[str], typer.Option("--input", "-i", "--input-file", help="Input JSONL file "
                                                         "(-i and --input-file as vLLM's run-batch takes it), "
@@ -193,7 +197,7 @@ def generate(
              "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win key by key.",
         metavar="JSON", show_default=False, callback=_json_object, rich_help_panel=INPUT)] = None,
     output: Annotated[str, typer.Option("--output", "-o", "--output-file", help="Output JSONL file, or - for "
-                                        "stdout.", metavar="OUT", rich_help_panel=OUTPUT)] = "-",
+                                        "stdout; a name ending .parquet, .csv, .tsv or .arrow writes a table.", metavar="OUT", rich_help_panel=OUTPUT)] = "-",
     resume: Annotated[bool, typer.Option("--resume", help="Append to OUT, skipping every input it already answers.",
                                          rich_help_panel=OUTPUT)] = False,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="--resume even when IN is not the input "
@@ -272,12 +276,22 @@ def generate(
     json_schema: Annotated[Optional[Path], typer.Option(
         help="JSON schema file every completion must follow (records may override it).", exists=True,
         dir_okay=False, show_default=False, rich_help_panel=SAMPLING)] = None,
+    choice: ChoiceOption = None,
+    regex: RegexOption = None,
+    input_format: InputFormatOption = InputFormat.auto,
+    prompt_column: PromptColumnOption = None,
+    messages_column: MessagesColumnOption = None,
+    id_column: IdColumnOption = None,
+    system_prompt: SystemPromptOption = None,
+    system_prompt_file: SystemPromptFileOption = None,
+    keep_columns: KeepColumnsOption = None,
     data_parallel_size: DataParallelSizeOption = 1,
     distributed_backend: DistributedBackendOption = None,
     ray_address: RayAddressOption = None,
     engine: Any = None,
 ) -> None:
-    """Generate a completion for every JSONL record of IN, appending one JSONL record per input to OUT.
+    """Generate a completion for every JSONL record (or table row) of IN, appending one JSONL record per input to OUT
+    (or writing a Parquet, CSV or Arrow table when OUT's name ends so).
 
     Records: {"prompt": ...}, {"messages": [...]}, {"prompt_token_ids": [...]}, or OpenAI batch lines
     ({"custom_id", "method", "url", "body"}). Exit codes: 0 all answered, 1 some failed, 2 usage or
@@ -311,11 +325,20 @@ def generate(
             raise UsageError("the input file is given twice (IN and -i/--input-file); give one")
         if max_errors < 0:
             raise UsageError(f"--max-errors must be at least 0 (0 lists none), got {max_errors}")
-        from llmcli.cli.io.structured_fields import default_constraint
+        from llmcli.cli.io.structured_fields import default_constraint, flag_constraint
+        from llmcli.cli.io.tables import ColumnFlags
 
         constraint = default_constraint(response_format, json_schema)
+        given = flag_constraint(split_list(choice, "--choice"), regex)
+        if given is not None and constraint is not None:
+            raise UsageError(f"{'--choice' if choice is not None else '--regex'} and "
+                             f"{'--json-schema' if json_schema is not None else '--response-format'}: give only one")
+        constraint = constraint or given
         if constraint is not None:
             sampling["structured_outputs"] = constraint
+        opts.input_format = input_format.value
+        opts.columns = ColumnFlags(prompt_column, messages_column, id_column, system_prompt_of(system_prompt,
+                                   system_prompt_file), split_list(keep_columns, "--keep-columns"))
         SamplingParams(**sampling)  # a bad flag is a usage error, not one error per record
         return run_generate(opts, _console())
 

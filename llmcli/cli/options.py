@@ -277,3 +277,75 @@ def with_engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__signature__ = sig.replace(parameters=own + added)
     wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
     return wrapper
+
+
+# -- generate's table input and whole-job constraints (cli/io/tables.py) ----------------------------------------
+TABLE_PANEL = "Table input (Parquet, CSV, TSV, Arrow, saved datasets)"
+
+
+class InputFormat(str, enum.Enum):
+    auto = "auto"
+    jsonl = "jsonl"
+    parquet = "parquet"
+    csv = "csv"
+    tsv = "tsv"
+    arrow = "arrow"
+    hf = "hf"
+
+
+def _column(help_text: str, flag: str) -> Any:
+    return Annotated[Optional[str], typer.Option(flag, help=help_text, metavar="COLUMN", show_default=False,
+                                                 rich_help_panel=TABLE_PANEL)]
+
+
+InputFormatOption = Annotated[InputFormat, typer.Option(
+    help="IN's format; auto: by its extension (.parquet, .csv, .tsv, .arrow; a folder by the parts it holds or a "
+         "dataset saved with save_to_disk), else JSONL. hf: a saved dataset, or a folder of its data files.",
+    rich_help_panel=TABLE_PANEL)]
+PromptColumnOption = _column("The column holding each row's prompt text [default: prompt].", "--prompt-column")
+MessagesColumnOption = _column("The column holding each row's conversation (a list of {role, content}, or its "
+                               "JSON text) [default: messages].", "--messages-column")
+IdColumnOption = _column("The column naming each row in OUT, kept as written (\"00123\" stays a string) "
+                         "[default: id if the table has one, else the 0-based row index].", "--id-column")
+SystemPromptOption = Annotated[Optional[str], typer.Option(
+    help="A system message put before each row's prompt (which then runs as chat) or conversation.",
+    show_default=False, rich_help_panel=TABLE_PANEL)]
+SystemPromptFileOption = Annotated[Optional[Path], typer.Option(
+    help="--system-prompt read from a UTF-8 text file.", exists=True, dir_okay=False, show_default=False,
+    rich_help_panel=TABLE_PANEL)]
+KeepColumnsOption = Annotated[Optional[str], typer.Option(
+    help="Columns copied to each output row (a,b or all); one named like an output field (text, error, ...) "
+         "is written as input_<name>.", metavar="COLUMNS", show_default=False, rich_help_panel=TABLE_PANEL)]
+ChoiceOption = Annotated[Optional[str], typer.Option(
+    help="Every completion is exactly one of these strings (a,b,c): the bare string, no quotes.",
+    metavar="A,B,C", show_default=False, rich_help_panel="Sampling defaults (per-record fields override them)")]
+RegexOption = Annotated[Optional[str], typer.Option(
+    help="Every completion matches this regular expression, whole.", metavar="REGEX", show_default=False,
+    rich_help_panel="Sampling defaults (per-record fields override them)")]
+
+
+def split_list(value: str | None, flag: str) -> list[str] | None:
+    """``a,b,c`` as its items (spaces around each dropped); a usage error when one is empty."""
+    from llmcli.cli.usage_error import UsageError
+
+    if value is None:
+        return None
+    items = [item.strip() for item in value.split(",")]
+    if not all(items):
+        raise UsageError(f"{flag} {value!r}: an empty item; give names separated by commas")
+    return items
+
+
+def system_prompt_of(text: Optional[str], path: Optional[Path]) -> Optional[str]:
+    """The system prompt given as text or as a file (UsageError for both, or an unreadable file)."""
+    from llmcli.cli.text_files import TextFileError, read_text
+    from llmcli.cli.usage_error import UsageError
+
+    if text is not None and path is not None:
+        raise UsageError("--system-prompt and --system-prompt-file: give only one")
+    if path is None:
+        return text
+    try:
+        return read_text(path, f"--system-prompt-file {path}")
+    except TextFileError as exc:
+        raise UsageError(str(exc)) from None

@@ -15,6 +15,8 @@ from llmcli.cli.io.prepare import Preparer, PreparedRequest
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.resume import ResumeState
 from llmcli.cli.io.source import InputFile
+from llmcli.cli.io.table_formats import TableFile
+from llmcli.cli.io.tables import ColumnFlags, TableColumns
 from llmcli.cli.runner import BudgetGuess, RunCounts
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -46,6 +48,22 @@ class GenerateOptions:
     reasoning_parser: str = "auto"  # "auto" | "qwen3" | "none"
     reasoning_field: str = "reasoning"  # or vLLM's older name, "reasoning_content"
     include_metrics: bool = False
+    input_format: str = "auto"  # "auto" (by IN's extension) | "jsonl" | a table format (cli/io/table_formats.py)
+    columns: ColumnFlags = field(default_factory=ColumnFlags)  # a table IN's column mapping
+
+
+@dataclass
+class TablePlan:
+    """Step 0 → 1: the formats of IN and OUT; a table IN's columns, and a table OUT's journal and final name.
+
+    With a table OUT, ``opts.output`` is its journal (``cli/io/table_writer.py``): every step reads, writes,
+    locks and resumes that, and the table is written from it at the end (``out``)."""
+
+    opts: GenerateOptions  # the options the run goes on with
+    table: TableFile | None = None  # IN, when it is a table
+    columns: TableColumns | None = None
+    out: str | None = None  # the table OUT, when OUT is one
+    out_format: str = "jsonl"
 
 
 class EndRun(Exception):

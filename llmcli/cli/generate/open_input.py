@@ -10,18 +10,20 @@ from typing import Any
 from rich.console import Console
 
 from llmcli.cli.generate.checks import check_out
-from llmcli.cli.generate.handoff import GenerateOptions, Job, Opened
+from llmcli.cli.generate.handoff import GenerateOptions, Job, Opened, TablePlan
 from llmcli.cli.generate.startup import EngineStarter
 from llmcli.cli.io.lock import OutputLock, OutputLocked
 from llmcli.cli.io.source import InputFile, is_stream, stdin_open
+from llmcli.cli.io.tables import TableInput
 from llmcli.cli.io.writer import reserve_stdout
 from llmcli.cli.progress import say
 from llmcli.cli.usage_error import UsageError
 from llmcli.models.hub import load_tokenizer
 
 
-def open_input(opts: GenerateOptions, console: Console, resources: ExitStack) -> Opened:
+def open_input(tables: TablePlan, console: Console, resources: ExitStack) -> Opened:
     """Everything the checks need, opened in the order that fails cheapest first; ``resources`` closes it all."""
+    opts = tables.opts
     lock = _lock_output(opts, console, resources)
     started = time.perf_counter()
     scale = _scale_out(opts)
@@ -40,11 +42,11 @@ def open_input(opts: GenerateOptions, console: Console, resources: ExitStack) ->
         raise UsageError(f"--tokenizer {config.tokenizer} could not be loaded: {exc}") from None
     job = Job(opts, console, config, tokenizer, chat_template, started, time.perf_counter() - tokenizer_started)
     inputs = resources.enter_context(ExitStack())  # entered before the engine: IN is closed after it
-    # A missing IN: no engine started. stdin or a pipe is copied while the engine starts.
-    source = _open(opts.input, inputs) if not is_stream(opts.input) else None
+    # A missing IN: no engine started. stdin, a pipe or a table is copied while the engine starts.
+    source = _open(opts.input, inputs) if not is_stream(opts.input) and tables.table is None else None
     starter = _start_engine(opts, scale, config, tokenizer)
     resources.callback(starter.close)
-    source = source or _open(opts.input, inputs)
+    source = source or _open(opts.input, inputs, tables)
     return Opened(job, source, starter, resumed, stdout, lock)
 
 
@@ -99,7 +101,11 @@ def _read_template(path: Path) -> str:
         raise UsageError(str(exc)) from None
 
 
-def _open(path: str, closes: ExitStack) -> InputFile:
+def _open(path: str, closes: ExitStack, tables: TablePlan | None = None) -> InputFile:
+    if tables is not None and tables.table is not None:
+        table = TableInput(tables.table, tables.columns, rows_in_carry=tables.out is not None)
+        closes.callback(table.close)
+        return table
     try:
         source = InputFile(path)
     except IsADirectoryError:

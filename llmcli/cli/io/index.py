@@ -40,8 +40,9 @@ def index_input(source: InputFile, answered: set[str], check: Callable[[InputRec
     listed apart: the output could not tell them apart, so no run may start (whether answered or not)."""
     index = InputIndex()
     first_line: dict[str, int] = {}
+    parse = _parser(source)
     for raw, offset in source.lines():
-        rec = parse_line(raw)
+        rec = parse(raw)
         index.total += 1
         if seen is not None:
             seen(rec)
@@ -69,11 +70,17 @@ def read_records(source: InputFile, index: InputIndex, start: int, stop: int) ->
     base = index.offsets[start]
     span = source.read_span(base, index.offsets[stop - 1] + index.lengths[stop - 1])
     recs = []
+    parse = _parser(source)
     for p in range(start, stop):
         bad = index.bad.get(p)
         if bad is not None:
             recs.append(bad)
             continue
         at = index.offsets[p] - base
-        recs.append(parse_line(RawLine(index.lines[p], span[at:at + index.lengths[p]])))
+        recs.append(parse(RawLine(index.lines[p], span[at:at + index.lengths[p]])))
     return recs
+
+
+def _parser(source: InputFile) -> Callable[[RawLine], InputRecord]:
+    """How ``source``'s lines become records: a table input's rows have their own (``cli/io/tables.py``)."""
+    return getattr(source, "parse", parse_line)

@@ -63,6 +63,13 @@ def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str,
     prompt = len(outputs[0].prompt_token_ids)
     completion = sum(len(o.token_ids) for o in outputs)
     line["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return _carried(rec, line)
+
+
+def _carried(rec: InputRecord, line: dict[str, Any]) -> dict[str, Any]:
+    """A table row's kept columns after the output's own fields (``cli/io/tables.py`` renames clashes)."""
+    if rec.carry:
+        line.update(rec.carry)
     return line
 
 
@@ -71,4 +78,4 @@ def error_record(rec: InputRecord) -> dict[str, Any]:
     if rec.openai is not None:
         return openai_error(rec)
     err = rec.error
-    return {"id": rec.out_id, "error": {"message": err.message, "line": err.line, "field": err.field}}
+    return _carried(rec, {"id": rec.out_id, "error": {"message": err.message, "line": err.line, "field": err.field}})

@@ -36,8 +36,12 @@ class RecordError:
     line: int
     field: str | None
     message: str
+    row: bool = False  # a table's row: ``line`` is its row number and ``field`` a column
 
     def describe(self, source: str) -> str:
+        if self.row:
+            where = f"{source}: row {self.line}"
+            return f"{where}, column {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
         where = f"{source}:{self.line}"
         return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
 
@@ -57,8 +61,13 @@ class InputRecord:
     unknown: list[str] = field(default_factory=list)  # fields llmcli does not know (dotted), ignored
     error: RecordError | None = None
     structured_field: str | None = None  # the field that gave sampling["structured_outputs"], as written
+    carry: dict[str, Any] | None = None  # a table row's kept columns, copied to its output line as they are
+    columns: Callable[[str | None], str | None] | None = None  # a table row: the column a field came from
 
     def fail(self, field_name: str | None, message: str) -> None:
+        if self.columns is not None:
+            self.error = RecordError(self.line, self.columns(field_name), message, row=True)
+            return
         self.error = RecordError(self.line, field_name, message)
 
     def prompt_field(self) -> str:
@@ -405,4 +414,5 @@ def describe_duplicate(rec: InputRecord, first_line: int) -> None:
     """Mark ``rec`` as repeating the id of the record on ``first_line``."""
     name = "custom_id" if rec.openai is not None else "id"
     rec.prompt = None
-    rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on line {first_line})")
+    where = "row" if rec.columns is not None else "line"  # a table's rows are its lines
+    rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on {where} {first_line})")

@@ -126,3 +126,20 @@ def default_constraint(response_format_file: Any, json_schema_file: Any) -> Stru
     except FieldProblem as problem:
         raise UsageError(f"{flag} {path}: {problem.message}") from None
     return spec
+
+
+def flag_constraint(choice: list[str] | None, regex: str | None) -> StructuredOutputsParams | None:
+    """The constraint of ``--choice a,b,c`` or ``--regex R``, compile-checked (UsageError if bad)."""
+    from llmcli.cli.usage_error import UsageError
+
+    if choice is not None and regex is not None:
+        raise UsageError("--choice and --regex: give only one")
+    if choice is None and regex is None:
+        return None
+    flag, kwargs = ("--choice", {"choice": choice}) if choice is not None else ("--regex", {"regex": regex})
+    try:
+        spec = _params(flag, **kwargs)
+        check(spec, flag)
+    except FieldProblem as problem:
+        raise UsageError(f"{flag}: {problem.message}") from None
+    return spec
