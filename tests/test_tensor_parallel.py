@@ -37,7 +37,7 @@ from llmcli.parallel.heartbeat import Heartbeat, SilenceMonitor
 from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
 from llmcli.parallel.tp_group import Group
 from llmcli.parallel.tp_runner import TensorParallelError
-from llmcli.engine.sequence import Sequence
+from llmcli.engine.sequence import PENDING_TOKEN, Sequence
 from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
 
 from processes import child_processes, wait_gone
@@ -187,8 +187,9 @@ def test_compact_form_rebuilds_the_same_step_inputs():
     # the overlapped loop: the newest token of two sequences is still in flight, in rows 1 and 0
     for s in seqs:
         s.num_computed_tokens = s.num_tokens
-    seqs[0].append_pending(1)
-    seqs[2].append_pending(0)
+    for i, row in ((0, 1), (2, 0)):  # what Scheduler.launched does for a sampled sequence
+        seqs[i].token_ids.append(PENDING_TOKEN)
+        seqs[i].num_pending, seqs[i].pending_row = 1, row
     for s in seqs:
         s.num_computed_tokens, s.num_scheduled_tokens = s.num_tokens - 1, 1
         s.block_table = [7 + b for b in range(s.num_blocks)]

@@ -113,7 +113,7 @@ class Scheduler:
             if n >= seq.decode_until:  # the checks that decode_until stands for
                 limit = seq.params.max_tokens
                 end = max_len if limit is None else min(max_len, seq.num_prompt_tokens + limit)
-                if n >= end:  # length_limit_reached
+                if n >= end:  # no further token may be generated
                     done.append(seq)
                     continue
                 if n > len(seq.block_table) * block_size and not self._make_room(seq):
@@ -141,15 +141,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
 
-    def step_done(self, seq: Sequence) -> None:
-        """The scheduled tokens of ``seq`` are launched: their K/V is (being) written to the cache."""
-        seq.num_computed_tokens += seq.num_scheduled_tokens
-        seq.num_scheduled_tokens = 0
-        self.block_manager.register_computed(seq)
-
     def launched(self, seqs: list[Sequence], sampled: list[Sequence]) -> list[int]:
-        """``step_done`` for a whole step, and a placeholder for the token each of ``sampled`` gets in row
-        ``i`` of the step's output (``Sequence.append_pending``); returns where those tokens go.
+        """The scheduled tokens of ``seqs`` are launched (their K/V is being written to the cache), and each of
+        ``sampled`` gets a placeholder for the token it gets in row ``i`` of the step's output; returns where
+        those tokens go.
 
         Runs once per sequence per step, so the methods it stands for are inlined; the prefix cache is only
         asked when a block has filled up.
