@@ -174,7 +174,7 @@ class LLMEngine:
         sampled = batch.sampled
         constrained = self.structured is not None and any(seq.matcher is not None for seq in sampled)
         masks = self._mask_source(sampled) if constrained else None  # (no scan of the batch without structured)
-        launched = self.model_runner.launch(batch.seqs, batch.is_prefill, masks)
+        launched = self.model_runner.launch(batch.plan, masks)
         if not self.overlap:
             launched.token_ids()  # the plain loop: wait for the step before anything else
         if batch.is_prefill:
@@ -202,7 +202,8 @@ class LLMEngine:
         with self.step_timer.phase("postprocess"):
             logprobs = step.launched.logprobs()
             if logprobs is not None:
-                for seq, first, entries in logprobs.prompt:
+                for entry, first, entries in logprobs.prompt:
+                    seq = step.seqs[entry]
                     del seq.prompt_logprob_entries[first:]  # a recomputed prompt (after preemption) replaces
                     seq.prompt_logprob_entries.extend(entries)
             now = time.perf_counter()

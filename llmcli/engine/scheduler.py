@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from llmcli.config import Config
 from llmcli.engine.block_manager import BlockManager
 from llmcli.engine.outputs import EngineStats
+from llmcli.engine.plan_builder import PlanBuilder
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmcli.engine.step_plan import StepPlan
 
 
 @dataclass
@@ -17,6 +19,7 @@ class ScheduledBatch:
     num_tokens: int  # tokens computed this step
     sampled: list[Sequence]  # the sequences that get a token this step (all but a prompt cut by the budget)
     num_decode: int = 0  # a mixed step: its first ``num_decode`` sequences decode one token each
+    plan: StepPlan | None = None  # what the model runner reads of this step (entries in the order of ``seqs``)
 
 
 class Scheduler:
@@ -37,6 +40,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.mixed_steps = config.mixed_steps
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = stats
@@ -48,6 +52,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next step, with its plan (None when nothing can run)."""
+        batch = self._schedule()
+        if batch is not None:
+            batch.plan = self.plans.prefill(batch.seqs, batch.sampled) if batch.is_prefill \
+                else self.plans.decode(batch.seqs)
+        return batch
+
+    def _schedule(self) -> ScheduledBatch | None:
         if self.mixed_steps:
             return self._schedule_mixed()
         batch, tokens, sampled = self._schedule_prefill(self.max_num_batched_tokens)
