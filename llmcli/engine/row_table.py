@@ -41,8 +41,9 @@ def graph_sampling(f32: np.ndarray, top_ks: np.ndarray, seeds: np.ndarray, steps
 
 
 class RowTable:
-    def __init__(self, max_blocks: int, block_size: int, device: torch.device, rows: int = 64) -> None:
-        self.block_tables = BlockTables(max_blocks, block_size, device, rows=rows)
+    def __init__(self, max_blocks: int, block_size: int, device: torch.device, rows: int = 64,
+                 copy: bool | None = None) -> None:
+        self.block_tables = BlockTables(max_blocks, block_size, device, rows=rows, copy=copy)
         self.f32 = np.zeros((3, rows), dtype=np.float32)  # temperatures, min_ps, top_ps
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.seed = np.zeros(rows, dtype=np.int64)
