@@ -56,8 +56,8 @@ def prepare_prefill(plan: StepPlan, uploader: Uploader, tables: BlockTables) -> 
     num_decode = n if bool(one_token.all()) else int(np.argmin(one_token))  # the leading run of decode rows
     order = longest_first(ends[:num_decode]) if num_decode else []
     ids_t, pos_t, slots_t, rows_t, pend_t, table_rows_t, order_t = uploader.upload(
-        torch.int64, plan.tokens, positions, slots, sample_rows, pending_rows, rows if has_prefix else [], order)
-    lens_t, cu_q_t, cu_k_t = uploader.upload(torch.int32, ends, cu_q, cu_k)
+        torch.int64, plan.tokens, positions, slots, sample_rows, pending_rows, rows, order)
+    lens_t, cu_q_t, cu_k_t, cached_t = uploader.upload(torch.int32, ends, cu_q, cu_k, starts > 0)
     metadata = AttentionMetadata(
         is_prefill=True,
         slot_mapping=slots_t,
@@ -72,6 +72,8 @@ def prepare_prefill(plan: StepPlan, uploader: Uploader, tables: BlockTables) -> 
         rest_max_seqlen_q=int(counts[num_decode:].max()) if num_decode < n else 0,
         rest_has_prefix=bool(starts[num_decode:].any()),
         row_order=order_t if num_decode else None,
+        rows=table_rows_t,
+        has_initial_state=cached_t != 0,
     )
     return StepInputs(ids_t, pos_t, metadata, rows_t, len(sample_rows), pend_t if len(pending_rows) else None)
 
@@ -118,5 +120,6 @@ def prepare_decode(plan: StepPlan, uploader: Uploader, tables: BlockTables) -> S
         block_tables=tables.gather(rows_t),
         max_seqlen_k=int(lens.max()),
         row_order=order_t,
+        rows=rows_t,
     )
     return StepInputs(ids_t, pos_t, metadata, None, plan.num_entries, pend_t if any_pending else None)

@@ -180,10 +180,9 @@ class TensorParallelRunner:
         any tensor-parallel size.
         """
         group = self._group
-        timer = getattr(self._runner, "timer", None)
         with group.call("launch"):
             # the control plane's cost counts as input preparation in the engine's step timer
-            with timer.phase("prepare") if timer is not None else contextlib.nullcontext():
+            with self._runner.timer.phase("prepare"):
                 group.channel.post("run", (plan.for_workers(),), group.check_alive)
             # token masks (structured outputs) are built here on rank 0, where sampling happens
             return GroupStep(self._runner.launch(plan, before_sample), group)
