@@ -15,8 +15,7 @@ from llmcli.engine.step_plan import RowSettings, StepPlan
 
 
 def row_settings(seq: Sequence) -> RowSettings:
-    p = seq.params
-    return RowSettings(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, seq.num_prompt_tokens)
+    return RowSettings.of(seq.params, seq.seed, seq.num_prompt_tokens)
 
 
 class PlanBuilder:

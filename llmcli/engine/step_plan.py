@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llmcli.sampling_params import SamplingParams
+
 
 @dataclass
 class RowSettings:
@@ -27,6 +29,10 @@ class RowSettings:
     min_p: float
     seed: int
     num_prompt_tokens: int  # a sampled token's step (its seed stream's counter) is its index past the prompt
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, num_prompt_tokens: int) -> "RowSettings":
+        return cls(params.temperature, params.top_p, params.top_k, params.min_p, seed, num_prompt_tokens)
 
 
 @dataclass
