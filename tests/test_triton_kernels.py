@@ -775,13 +775,15 @@ def test_filtered_rows_sample_inside_the_decode_graph(tiny_model, run_factory, m
     checked: list[tuple[int, bool]] = []
     launch_graph = ModelRunner._launch_graph
 
-    def launch_and_check(self, seqs):
+    def launch_and_check(self, plan):
+        by_row = {s.table_row: s for s in run.llm.engine.scheduler.running}  # the plan's entries' requests
+        seqs = [by_row[row] for row in plan.rows.tolist()]
         params = [s.params for s in seqs]
         settings = dict(temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
                         top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
                         seeds=[s.seed for s in seqs], steps=[s.num_completion_tokens for s in seqs])
         before = Counter(replays)
-        launched = launch_graph(self, seqs)
+        launched = launch_graph(self, plan)
         n = len(seqs)
         bs = next(b for b in graphs.batch_sizes if b >= n)
         got = graphs.tokens[:n].clone()
