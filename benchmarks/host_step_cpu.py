@@ -62,9 +62,13 @@ def stub_graphs(runner: StubRunner, sample_in_graph: bool) -> Any:
     graphs.tokens = torch.zeros(max(top, config.max_num_seqs), dtype=torch.int64)
     graphs.ring, graphs.sample_in_graph = None, sample_in_graph
     graphs._host_views, graphs._cpu_host = {}, None
-    graphs.backend = SimpleNamespace(_graph_lens=lens,
-                                     _graph_tables=torch.zeros(top, runner.block_tables.width, dtype=torch.int32),
-                                     prepare_for_capture=lambda bs: None)
+    from llmcli.engine.cuda_graphs import _ORDER, _SLOTS, _TABLE_ROWS
+    from llmcli.kernels.backend import GraphInputs
+    from llmcli.kernels.torch_backend import TorchAttentionBackend
+
+    graphs.backend = TorchAttentionBackend(1, 1, 8, 1.0, config.kvcache_block_size)  # its graph buffers only
+    graphs.backend.init_graph_buffers(top, runner.block_tables.width, torch.device("cpu"),
+                                      GraphInputs(graphs.i64[_SLOTS], lens, graphs.i64[_ORDER], graphs.i64[_TABLE_ROWS]))
     graphs.graphs = {bs: SimpleNamespace(replay=lambda: None) for bs in graphs.batch_sizes}
     graphs.samplers = {(bs, filtered): SimpleNamespace(replay=lambda: None) for bs in graphs.batch_sizes
                        for filtered in (False, True)}

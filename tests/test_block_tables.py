@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from llmcli.engine.block_manager import BlockManager
-from llmcli.engine.block_tables import BlockTables, table_rows
+from llmcli.engine.block_tables import BlockTables
+from llmcli.engine.plan_builder import PlanBuilder
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.uploader import Uploader
 from llmcli.sampling_params import SamplingParams
@@ -18,7 +19,8 @@ BS = 4
 def test_device_copy_follows_allocations_growth_frees_and_reused_rows():
     rng = random.Random(0)
     manager = BlockManager(num_blocks=400, block_size=BS, enable_prefix_caching=False)
-    tables = BlockTables(max_blocks=40, device=torch.device("cpu"), rows=2, copy=True)  # rows must grow
+    tables = BlockTables(max_blocks=40, block_size=BS, device=torch.device("cpu"), rows=2, copy=True)  # rows grow
+    plans = PlanBuilder(BS, manager.freed_rows)  # what crosses to the runner: rows that changed hands, new blocks
     uploader = Uploader(torch.device("cpu"))
     live: list[Sequence] = []
     for step in range(300):
@@ -41,8 +43,9 @@ def test_device_copy_follows_allocations_growth_frees_and_reused_rows():
         batch = [s for s in live if len(s.block_table) == s.num_blocks]
         if not batch:
             continue
-        rows = table_rows(batch)
-        tables.sync(batch, rows, uploader)
+        plan = plans.prefill(batch, [])
+        rows = plan.rows
+        tables.write(plan.blocks, uploader)
         got = tables.gather(torch.from_numpy(rows))
         assert not np.shares_memory(tables.host, tables.table.numpy())
         for seq, row in zip(batch, got):

@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmcli.layers.sampler import Sampler
+from llmcli.layers.sampler import Sampler, SamplingRows
+
+
+def sampled(logits, *rows):
+    """``Sampler`` over rows given as (temperatures, top_ks, top_ps, min_ps, seeds, steps[, use_filters])."""
+    return Sampler()(logits, SamplingRows(*rows))
 
 V = 48
 N_DRAWS = 20000
@@ -28,7 +33,7 @@ def draw(row: torch.Tensor, n: int = N_DRAWS, *, temperature=1.0, top_k=-1, top_
     logits = row[None, :].expand(b, -1).contiguous()
     seeds = torch.arange(seed0, seed0 + b, dtype=torch.int64)
     steps = torch.full((b,), 3 if step is None else step, dtype=torch.int64)
-    out = Sampler()(
+    out = sampled(
         logits,
         torch.full((b,), float(temperature), dtype=torch.float32),
         torch.full((b,), int(top_k), dtype=torch.int64),
@@ -100,7 +105,7 @@ def test_greedy_is_argmax():
     logits = torch.randn(64, 1000, generator=g) * 3
     b = logits.shape[0]
     # Greedy rows ignore the filters and the seed.
-    out = Sampler()(
+    out = sampled(
         logits,
         torch.zeros(b),
         torch.full((b,), 5, dtype=torch.int64),
@@ -117,7 +122,7 @@ def test_greedy_rows_mixed_with_sampled_rows():
     logits = torch.randn(32, 200, generator=g) * 3
     temps = torch.tensor([0.0, 1.0] * 16)
     b = logits.shape[0]
-    out = Sampler()(logits, temps, torch.full((b,), -1, dtype=torch.int64), torch.ones(b), torch.zeros(b),
+    out = sampled(logits, temps, torch.full((b,), -1, dtype=torch.int64), torch.ones(b), torch.zeros(b),
                     torch.arange(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64)).long()
     assert out[0::2].tolist() == logits[0::2].argmax(-1).tolist()
 
@@ -150,7 +155,7 @@ def test_sampling_over_steps_matches_softmax():
     row = fixed_logits(7, vocab=24, scale=1.0)
     p = probs64(row)
     b = 40000
-    out = Sampler()(row[None].expand(b, -1).contiguous(), torch.ones(b), torch.full((b,), -1, dtype=torch.int64),
+    out = sampled(row[None].expand(b, -1).contiguous(), torch.ones(b), torch.full((b,), -1, dtype=torch.int64),
                     torch.ones(b), torch.zeros(b), torch.full((b,), 1234, dtype=torch.int64),
                     torch.arange(b, dtype=torch.int64)).long()
     stat, dof = _chi_square(out, p)
@@ -175,12 +180,12 @@ def test_same_seed_same_draw_whatever_the_batch():
     b = logits.shape[0]
     args = (torch.ones(b), torch.full((b,), -1, dtype=torch.int64), torch.full((b,), 0.95), torch.zeros(b),
             torch.arange(100, 100 + b, dtype=torch.int64), torch.full((b,), 7, dtype=torch.int64))
-    together = Sampler()(logits, *args).long()
+    together = sampled(logits, *args).long()
     for i in (0, 5, 15):
-        alone = Sampler()(logits[i:i + 1], *(a[i:i + 1] for a in args)).long()
+        alone = sampled(logits[i:i + 1], *(a[i:i + 1] for a in args)).long()
         assert int(alone) == int(together[i])
     # A different seed for the same row and step gives, over many rows, different draws.
-    other = Sampler()(logits, *args[:4], args[4] + 1000, args[5]).long()
+    other = sampled(logits, *args[:4], args[4] + 1000, args[5]).long()
     assert (other != together).any()
 
 
@@ -267,7 +272,7 @@ def test_a_masked_token_is_never_drawn_even_at_the_top_hash_value(min_p):
     ones = torch.ones(2)
     seeds, steps = torch.tensor([EDGE_SEED, EDGE_SEED]), torch.tensor([EDGE_STEP, EDGE_STEP])
     for use_filters in (False, True):
-        got = Sampler()(logits, ones * 0.6, torch.full((2,), -1), ones, ones * min_p, seeds, steps, use_filters)
+        got = sampled(logits, ones * 0.6, torch.full((2,), -1), ones, ones * min_p, seeds, steps, use_filters)
         assert EDGE_TOKEN not in got.tolist()
         assert torch.isfinite(logits.gather(1, got[:, None])).all()
 
@@ -279,21 +284,25 @@ def test_an_allowed_token_at_the_top_hash_value_is_not_forced():
     logits[0, EDGE_TOKEN] = -60.0  # probability ~e^-100 at temperature 0.6: never drawn
     logits[0, 7] = 10.0
     one = torch.ones(1)
-    got = Sampler()(logits, one * 0.6, torch.full((1,), -1), one, one * 0.0, torch.tensor([EDGE_SEED]),
+    got = sampled(logits, one * 0.6, torch.full((1,), -1), one, one * 0.0, torch.tensor([EDGE_SEED]),
                     torch.tensor([EDGE_STEP]), False)
     assert got.item() != EDGE_TOKEN
 
 
 def test_graph_sampling_rows_and_which_sampler_graph_a_step_takes():
-    """The decode graph's sampling rows (``RowSampling.gather``: cached per block-table row; ``graph_sampling``:
-    read from the sequences) carry each row's temperature, min-p, top-p, top-k, seed and step, and a step
+    """The decode graph's sampling rows (``RowTable.graph_sampling``: settings kept per block-table row, set
+    when a row changes hands) carry each row's temperature, min-p, top-p, top-k, seed and step, and a step
     takes the filtered sampler graph exactly when a sampling row has top-k or top-p (a greedy row's filters
     change no argmax); a row handed to another sequence takes that one's settings."""
     import numpy as np
 
+    from llmcli.engine.plan_builder import row_settings
+    from llmcli.engine.row_table import RowTable
     from llmcli.engine.sequence import Sequence
-    from llmcli.engine.step_inputs import DecodeArrays, RowSampling, graph_sampling
     from llmcli.sampling_params import SamplingParams
+
+    table = RowTable(4, 16, torch.device("cpu"), rows=2)  # grows to row 4 below
+    owners: dict[int, int] = {}
 
     def seq(prompt: int, done: int, row: int, table_id: int, seed: int, **params) -> Sequence:
         s = Sequence(list(range(3, 3 + prompt)), SamplingParams(**params), 16, seed=seed)
@@ -301,12 +310,14 @@ def test_graph_sampling_rows_and_which_sampler_graph_a_step_takes():
         s.table_row, s.table_id = row, table_id
         return s
 
-    def arrays(seqs: list[Sequence]) -> DecodeArrays:
-        zeros = np.zeros(len(seqs), dtype=np.int64)
-        return DecodeArrays(zeros, zeros, zeros, np.array([len(s.token_ids) for s in seqs]), zeros,
-                            np.array([s.table_row for s in seqs]), np.array([s.table_id for s in seqs]))
+    def gather(seqs: list[Sequence]):
+        for s in seqs:
+            if owners.get(s.table_row) != s.table_id:  # the row changed hands: its settings arrive once
+                owners[s.table_row] = s.table_id
+                table.set(s.table_row, row_settings(s))
+        rows = np.array([s.table_row for s in seqs])
+        return table.graph_sampling(rows, np.array([len(s.token_ids) for s in seqs]) - table.prompt[rows])
 
-    rows = RowSampling(2)  # grows to row 4 below
     cases = [  # (sequences, filtered, [temperature, min_p, top_p] rows, top_ks, seeds, steps)
         ([seq(7, 2, 0, 1, 11, temperature=0.0, top_k=5), seq(4, 0, 1, 1, 12, temperature=1.0)],
          False, [[0, 1], [0, 0], [1, 1]], [5, -1], [11, 12], [2, 0]),
@@ -317,8 +328,9 @@ def test_graph_sampling_rows_and_which_sampler_graph_a_step_takes():
         ([seq(2, 1, 1, 3, 16, temperature=0.0, top_p=0.5)], False, [[0], [0], [0.5]], [-1], [0], [0]),
     ]
     for seqs, filtered, f32, top_ks, seeds, steps in cases:
-        for got in (rows.gather(seqs, arrays(seqs)), graph_sampling(seqs)):
-            assert got.filtered is filtered
-            np.testing.assert_allclose(got.f32, np.array(f32, dtype=np.float32))
-            assert got.f32.dtype == np.float32 and got.top_ks.dtype == np.int64
-            assert got.top_ks.tolist() == top_ks and got.seeds.tolist() == seeds and got.steps.tolist() == steps
+        got = gather(seqs)
+        assert got.filtered is filtered
+        np.testing.assert_allclose(got.f32, np.array(f32, dtype=np.float32))
+        assert got.f32.dtype == np.float32 and got.top_ks.dtype == np.int64
+        assert got.top_ks.tolist() == top_ks and got.seeds.tolist() == seeds and got.steps.tolist() == steps
+

@@ -31,13 +31,12 @@ import torch
 
 from llmcli import LLM, SamplingParams
 from llmcli.config import ConfigError
-from llmcli.parallel.compact import pack_step, unpack_step
 from llmcli.parallel.exits import describe_ended
 from llmcli.parallel.heartbeat import Heartbeat, SilenceMonitor
 from llmcli.parallel.shm_channel import SHM_PREFIX, ControlChannel, PayloadTooLarge
 from llmcli.parallel.tp_group import Group
 from llmcli.parallel.tp_runner import TensorParallelError
-from llmcli.engine.sequence import Sequence
+from llmcli.engine.sequence import PENDING_TOKEN, Sequence
 from llmcli.engine.step_inputs import Uploader, prepare_decode, prepare_prefill
 
 from processes import child_processes, wait_gone
@@ -149,50 +148,61 @@ def no_leftovers():
 # --------------------------------------------------------------------------
 # the compact form and the channel (no processes)
 # --------------------------------------------------------------------------
-def test_compact_form_rebuilds_the_same_step_inputs():
+def test_workers_plan_rebuilds_the_same_step_inputs():
+    """What crosses to the other ranks is the step plan without what only sampling reads: pickled and read
+    into a worker's own block tables, it gives the same step tensors as rank 0's, and only a chunk's tokens
+    (a decode step: the last token) cross, not the history."""
+    import pickle
+
+    from llmcli.engine.block_tables import BlockTables
+    from llmcli.engine.plan_builder import PlanBuilder
+
     prompts = random_prompts([40, 7, 33], seed=1)
     params = greedy()
     seqs = [Sequence(p, params, BLOCK) for p in prompts]
     for i, s in enumerate(seqs):
         s.block_table = [10 * i + b for b in range(s.num_blocks)]
+        s.table_row, s.table_id = i, i + 1
+    builder = PlanBuilder(BLOCK, [])
+    rank0, worker = (BlockTables(8, BLOCK, torch.device("cpu")) for _ in range(2))
+
+    def both(plan, prepare):
+        sent = pickle.loads(pickle.dumps(plan.for_workers()))
+        assert sent.extras is None and not sent.new_rows
+        rank0.write(plan.blocks, CPU)
+        worker.write(sent.blocks, CPU)
+        return prepare(plan, CPU, rank0), prepare(sent, CPU, worker), sent
+
     # a chunk in the middle of a prompt, a whole short prompt, a prompt with a cached prefix
     seqs[0].num_computed_tokens, seqs[0].num_scheduled_tokens = 16, 20
     seqs[1].num_scheduled_tokens = 7
     seqs[2].num_computed_tokens, seqs[2].num_scheduled_tokens = 32, 1
-    packed = pack_step(seqs, True)
-    assert [len(p[4]) for p in packed] == [20, 7, 1]  # only the chunk's tokens cross
-    remote = unpack_step(packed, True, BLOCK)
-    a, b = prepare_prefill(seqs, CPU), prepare_prefill(remote, CPU)
+    a, b, sent = both(builder.prefill(seqs, seqs[1:]), prepare_prefill)
+    assert len(sent.tokens) == 28  # only the chunks' tokens cross
     for name in ("input_ids", "positions", "sample_rows"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     for name in ("slot_mapping", "context_lens", "block_tables", "cu_seqlens_q", "cu_seqlens_k"):
         assert torch.equal(getattr(a.metadata, name), getattr(b.metadata, name)), name
-    assert [s.samples_this_step for s in remote] == [False, True, True]
+    assert sent.samples.tolist() == [False, True, True]
 
     for s in seqs:  # decode: every prompt computed, one generated token each
         s.append_token(5)
         s.num_computed_tokens, s.num_scheduled_tokens = s.num_tokens - 1, 1
         s.block_table = [7 + b for b in range(s.num_blocks)]
-    packed = pack_step(seqs, False)
-    assert all(len(p) == 6 and p[1] == 5 for p in packed)  # the last token, not the history
-    a, b = prepare_decode(seqs, CPU), prepare_decode(unpack_step(packed, False, BLOCK), CPU)
+        s.table_id += 10  # new blocks from the start: a new allocation
+    a, b, sent = both(builder.decode(seqs), prepare_decode)
+    assert sent.tokens.tolist() == [5, 5, 5]  # the last token, not the history
     for name in ("input_ids", "positions"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert a.pending_rows is None and b.pending_rows is None
     for name in ("slot_mapping", "context_lens", "block_tables"):
         assert torch.equal(getattr(a.metadata, name), getattr(b.metadata, name)), name
-    with pytest.raises(IndexError, match="outside what rank 0 sent"):
-        unpack_step(packed, False, BLOCK)[0].token_ids[0:3]
 
     # the overlapped loop: the newest token of two sequences is still in flight, in rows 1 and 0
-    for s in seqs:
-        s.num_computed_tokens = s.num_tokens
-    seqs[0].append_pending(1)
-    seqs[2].append_pending(0)
-    for s in seqs:
-        s.num_computed_tokens, s.num_scheduled_tokens = s.num_tokens - 1, 1
-        s.block_table = [7 + b for b in range(s.num_blocks)]
-    a, b = prepare_decode(seqs, CPU), prepare_decode(unpack_step(pack_step(seqs, False), False, BLOCK), CPU)
+    for i, row in ((0, 1), (2, 0)):  # what Scheduler.launched does for a sampled sequence
+        seqs[i].token_ids.append(PENDING_TOKEN)
+        seqs[i].num_pending, seqs[i].pending_row = 1, row
+    a, b, sent = both(builder.decode(seqs), prepare_decode)
     assert b.pending_rows.tolist() == [1, -1, 0]
     for name in ("input_ids", "positions", "pending_rows"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -580,7 +580,7 @@ def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, monkey
     runner = run.llm.engine.model_runner
     if table_copy:
         old = runner.block_tables
-        runner.block_tables = BlockTables(old.width, DEVICE, rows=old.host.shape[0], copy=True)
+        runner.rows.block_tables = BlockTables(old.width, old.block_size, DEVICE, rows=old.host.shape[0], copy=True)
     runner.graphs = eager_decode_graphs(runner, sample_in_graph)
     assert runner.graphs.batch_sizes == [1, 2, 4]
     prompts = random_prompts([45, 9, 30], seed=405)  # 3 rows in the graph of 4; blocks of 16 fill up on the way
@@ -615,26 +615,30 @@ def test_graph_step_after_a_step_wider_than_the_graphs(tiny_model, hf_oracle, ru
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_carried_decode_arrays_are_the_ones_built_from_the_sequences(tiny_model, hf_oracle, run_factory, monkeypatch,
                                                                      prefix_caching):
-    """A graph decode step of the same sequences as the one before takes its arrays from that step's
-    (``DecodeCarry``) instead of reading every sequence: at every step where it does, they must be exactly
-    what ``decode_arrays`` builds from the sequences, with every new block already synced, through blocks
-    filling up, preemption (a pool of 12 blocks of 16 for 8 requests) and re-admission; and HF's tokens."""
-    from llmcli.engine import step_inputs
+    """A decode plan over the same sequences as the one before (``StepPlan.follows``) takes its arrays from
+    that plan's instead of reading every sequence: at every step where it does, they must be exactly what
+    the sequences say, with every new block already in a plan, through blocks filling up, preemption (a pool
+    of 12 blocks of 16 for 8 requests) and re-admission; and HF's tokens."""
+    from llmcli.engine.plan_builder import PlanBuilder
 
-    follow = step_inputs.DecodeCarry.follow
+    decode = PlanBuilder.decode
     carried: list[int] = []
 
-    def follow_and_compare(self, seqs, tables, uploader):
-        got = follow(self, seqs, tables, uploader)
-        if got is not None:
-            want, _ = step_inputs.decode_arrays(seqs, uploader, tables, defer_deltas=True)
-            for name in ("ids", "positions", "slots", "lens", "pending", "rows", "table_ids", "order"):
-                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
-            assert want.deltas is None, "a block table grew without the carry syncing it"
+    def decode_and_compare(self, seqs):
+        plan = decode(self, seqs)
+        if plan.follows:
+            want = {"rows": [s.table_row for s in seqs], "computed": [len(s.token_ids) - 1 for s in seqs],
+                    "pending": [s.pending_row for s in seqs], "scheduled": [1] * len(seqs),
+                    "tokens": [0] * len(seqs)}  # every input token in flight
+            for name, values in want.items():
+                np.testing.assert_array_equal(getattr(plan, name), values, err_msg=name)
+            assert all(self.sent[s.table_row] == len(s.block_table) for s in seqs), \
+                "a block table grew without the plan carrying it"
+            assert not plan.new_rows
             carried.append(len(seqs))
-        return got
+        return plan
 
-    monkeypatch.setattr(step_inputs.DecodeCarry, "follow", follow_and_compare)
+    monkeypatch.setattr(PlanBuilder, "decode", decode_and_compare)
     run = run_factory(tiny_model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=8,
                       kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192, max_num_batched_tokens=192,
                       enable_prefix_caching=prefix_caching)
@@ -771,13 +775,15 @@ def test_filtered_rows_sample_inside_the_decode_graph(tiny_model, run_factory, m
     checked: list[tuple[int, bool]] = []
     launch_graph = ModelRunner._launch_graph
 
-    def launch_and_check(self, seqs):
+    def launch_and_check(self, plan):
+        by_row = {s.table_row: s for s in run.llm.engine.scheduler.running}  # the plan's entries' requests
+        seqs = [by_row[row] for row in plan.rows.tolist()]
         params = [s.params for s in seqs]
         settings = dict(temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
                         top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
                         seeds=[s.seed for s in seqs], steps=[s.num_completion_tokens for s in seqs])
         before = Counter(replays)
-        launched = launch_graph(self, seqs)
+        launched = launch_graph(self, plan)
         n = len(seqs)
         bs = next(b for b in graphs.batch_sizes if b >= n)
         got = graphs.tokens[:n].clone()

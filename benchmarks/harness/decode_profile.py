@@ -39,9 +39,9 @@ def kernel_groups(op: Callable[[], Any], reps: int) -> dict[str, dict[str, float
     return groups
 
 
-def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> dict[str, float]:
+def probe_device_time(runner: Any, plan: Any, reps: int, device: str) -> dict[str, float]:
     """Device time of one decode step's forward (+ sample), launched back to back; and its host prepare time."""
-    from llmcli.engine.step_inputs import all_greedy, prepare_decode, prepare_sampling
+    from llmcli.engine.step_inputs import prepare_decode
 
     uploader = runner.uploader
     out: dict[str, float] = {}
@@ -49,8 +49,9 @@ def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> d
         prep = []
         for _ in range(5):
             t = time.perf_counter()
-            inputs = prepare_decode(seqs, uploader)
-            sampling = None if all_greedy(inputs.sampled_seqs) else prepare_sampling(inputs.sampled_seqs, uploader)
+            runner.rows.update(plan, uploader)  # the row table as the launch leaves it (writing twice changes nothing)
+            inputs = prepare_decode(plan, uploader, runner.block_tables)
+            sampling = runner.rows.sampling(*runner.rows.sampled(plan), uploader)
             sync(device)
             prep.append(time.perf_counter() - t)
         out["prepare_ms"] = 1e3 * statistics.median(prep)
@@ -62,8 +63,7 @@ def probe_device_time(runner: Any, seqs: list[Any], reps: int, device: str) -> d
             logits = runner._forward(inputs)
             if sampling is None:
                 return logits.argmax(dim=-1)
-            return runner.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.min_ps,
-                                  sampling.seeds, sampling.steps, sampling.use_filters)
+            return runner.sampler(logits, sampling)
 
         if device == "cuda":
             # kernel by kernel: the same step launched eagerly (graph replays hide the kernels from the profiler)
@@ -119,15 +119,15 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     probe: dict[str, Any] = {}
     original = runner.launch
 
-    def launch_with_probe(seqs: list[Any], is_prefill: bool, *rest: Any) -> Any:
-        if not is_prefill and "done" not in probe:
+    def launch_with_probe(plan: Any, *rest: Any) -> Any:
+        if not plan.is_prefill and "done" not in probe:
             probe["done"] = True
             try:
-                probe.update(probe_device_time(runner, seqs, 20 if args.device == "cuda" else 3, args.device))
+                probe.update(probe_device_time(runner, plan, 20 if args.device == "cuda" else 3, args.device))
             except Exception as exc:
                 probe["error"] = f"{type(exc).__name__}: {exc}"
                 print(traceback.format_exc(), file=sys.stderr, flush=True)
-        return original(seqs, is_prefill, *rest)
+        return original(plan, *rest)
 
     runner.launch = launch_with_probe
     try:

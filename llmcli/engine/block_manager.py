@@ -42,6 +42,7 @@ class BlockManager:
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.free_rows: list[int] = []  # rows of the runner's block tables (engine/block_tables.py) now unused
+        self.freed_rows: list[int] = []  # rows given back since the last step plan took them (PlanBuilder)
         self.num_rows = 0
         self._table_ids = itertools.count(1)
 
@@ -145,6 +146,7 @@ class BlockManager:
         seq.decode_until = 0
         if seq.table_row >= 0:
             self.free_rows.append(seq.table_row)
+            self.freed_rows.append(seq.table_row)
             seq.table_row = -1
         seq.num_hashed_blocks = seq.last_block_hash = 0
         seq.num_computed_tokens = 0

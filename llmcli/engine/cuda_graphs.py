@@ -18,7 +18,7 @@ from llmcli.config import Config
 from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import StagingRing
 from llmcli.engine.step_inputs import StepInputs
-from llmcli.kernels.backend import AttentionBackend
+from llmcli.kernels.backend import AttentionBackend, GraphInputs
 
 MAX_GRAPH_BATCH = 512
 # staged_replay's inputs, one row each, in this order
@@ -122,9 +122,12 @@ class DecodeGraphs:
         # where in-flight tokens are read from: the previous step's tokens are copied in whole, and a step may
         # sample up to max_num_seqs rows (a mixed step, or an eager decode step wider than the largest graph)
         self.tokens = torch.zeros(max(top, config.max_num_seqs), dtype=torch.int64, device=device)
-        backend.init_graph_buffers(top, max_blocks, device)
-        backend._graph_slots, backend._graph_lens, backend._graph_order = self.i64[_SLOTS], lens, self.i64[_ORDER]
+        # the attention reads its per-row inputs from the staged buffer (one copy a step); its block tables are
+        # its own (gather_graph_tables)
+        backend.init_graph_buffers(top, max_blocks, device, GraphInputs(self.i64[_SLOTS], lens, self.i64[_ORDER],
+                                                                        self.i64[_TABLE_ROWS]))
         self.i64[_ORDER].copy_(torch.arange(top))  # a permutation from the start (capture launches every row)
+        self.i64[_TABLE_ROWS].fill_(-1)  # padding rows: no row
         self.f32[_TOP_PS].fill_(1.0)  # top-p off in every row until a step says otherwise
         self.ring = StagingRing() if device.type == "cuda" else None
         self._host_views: dict[int, tuple[np.ndarray, ...]] = {}  # numpy views of each staging buffer
@@ -245,6 +248,7 @@ class DecodeGraphs:
         host_i64[:, n:bs] = 0
         host_i64[_SLOTS, n:bs] = -1
         host_i64[_PENDING, n:bs] = -1
+        host_i64[_TABLE_ROWS, n:bs] = -1
         host_i64[_ORDER, n:bs] = np.arange(n, bs)  # after the real rows (longest first), as the shortest
         host_lens[:n] = lens
         host_lens[n:bs] = 0
@@ -259,7 +263,7 @@ class DecodeGraphs:
             self.ring.copied()
         if m:
             tables.apply(self.delta_index[:m], self.delta_blocks[:m])
-        torch.index_select(tables.table, 0, self.i64[_TABLE_ROWS, :n], out=self.backend._graph_tables[:n])
+        self.backend.gather_graph_tables(tables.table, self.i64[_TABLE_ROWS, :n])
         self.graphs[bs].replay()  # (the backend's metadata is a Python-side thing the replay never reads)
         if f32 is not None:
             self.samplers[bs, filtered].replay()

@@ -5,7 +5,7 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
@@ -16,10 +16,25 @@ from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_pro
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence, SequenceStatus
 from llmcli.engine.startup import StartupClock, use_persistent_compile_cache
+from llmcli.engine.step_plan import StepPlan
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
 from llmcli.models.hub import load_tokenizer
 from llmcli.sampling_params import SamplingParams
+
+
+class StepRunner(Protocol):
+    """What the engine uses of its model runner: a ``ModelRunner``, or with tensor parallelism a
+    ``TensorParallelRunner`` (rank 0's runner plus the control plane). Both take the step plan alone."""
+
+    num_blocks: int
+    memory_report: Any
+    timer: StepTimer
+    startup_s: dict[str, float]
+
+    def launch(self, plan: StepPlan, before_sample: Callable[[], Any] | None = None) -> Any: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -51,7 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)
-        self.step_timer: StepTimer = getattr(self.model_runner, "timer", None) or StepTimer()
+        self.step_timer: StepTimer = self.model_runner.timer
         # Off: finished outputs carry text=None (unless cut at a stop string) and the caller decodes them
         # with ``fill_texts`` where the step loop does not wait for it (the CLI's writer thread).
         self.detokenize = True
@@ -62,7 +77,7 @@ class LLMEngine:
         self.structured: Any = None  # StructuredRequests, made at the first constrained request
         self._finished_early: list[RequestOutput] = []  # the previous step, read back before this step's sampling
 
-    def _start_runner(self, config: Config) -> Any:
+    def _start_runner(self, config: Config) -> StepRunner:
         if config.device == "cpu":  # rank 0's share; the other ranks take the same (parallel/tp_runner.py)
             import torch
 
@@ -78,7 +93,7 @@ class LLMEngine:
     def startup_s(self) -> dict[str, float]:
         """Seconds per start-up phase: tokenizer, weights, probe, kv_cache, compile, graphs (rank 0's, with
         tensor parallelism, after the whole group's ``tensor_parallel``)."""
-        runner = getattr(self.model_runner, "startup_s", None) or {}
+        runner = self.model_runner.startup_s
         return {**self.clock.rounded(), **{k: v for k, v in runner.items() if k not in self.clock.seconds}}
 
     def fill_texts(self, outs: list[RequestOutput]) -> None:
@@ -174,7 +189,7 @@ class LLMEngine:
         sampled = batch.sampled
         constrained = self.structured is not None and any(seq.matcher is not None for seq in sampled)
         masks = self._mask_source(sampled) if constrained else None  # (no scan of the batch without structured)
-        launched = self.model_runner.launch(batch.seqs, batch.is_prefill, masks)
+        launched = self.model_runner.launch(batch.plan, masks)
         if not self.overlap:
             launched.token_ids()  # the plain loop: wait for the step before anything else
         if batch.is_prefill:
@@ -202,7 +217,8 @@ class LLMEngine:
         with self.step_timer.phase("postprocess"):
             logprobs = step.launched.logprobs()
             if logprobs is not None:
-                for seq, first, entries in logprobs.prompt:
+                for entry, first, entries in logprobs.prompt:
+                    seq = step.seqs[entry]
                     del seq.prompt_logprob_entries[first:]  # a recomputed prompt (after preemption) replaces
                     seq.prompt_logprob_entries.extend(entries)
             now = time.perf_counter()
@@ -282,6 +298,4 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.structured is not None:
             self.structured.shutdown()
-        close = getattr(self.model_runner, "shutdown", None)
-        if close is not None:
-            close()
+        self.model_runner.shutdown()

@@ -13,13 +13,13 @@ from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
-from llmcli.engine.sequence import Sequence
-from llmcli.engine.sampling_extras import PenaltyRows, StepExtras, StepLogprobs, plan_extras
+from llmcli.engine.row_table import RowTable
+from llmcli.engine.sampling_extras import StepExtras, StepLogprobs, upload_extras
 from llmcli.engine.startup import StartupClock
+from llmcli.engine.step_plan import StepPlan
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.warmup import compile_variants, measure_activation_peak
-from llmcli.engine.step_inputs import (DecodeCarry, RowSampling, StepInputs, all_greedy, decode_arrays, prepare_decode,
-                                       prepare_prefill, prepare_sampling)
+from llmcli.engine.step_inputs import DecodeArrays, StepInputs, decode_arrays, prepare_decode, prepare_prefill
 from llmcli.engine.uploader import Uploader
 from llmcli.kernels import make_backend
 from llmcli.layers.logit_bias import BiasTables
@@ -35,15 +35,14 @@ MaskSource = Callable[[], Any]  # returns the int32 token bitmask (host) of the 
 
 
 class LaunchedStep:
-    """A step enqueued on the device: which sequences sample, and their tokens once it finishes.
+    """A step enqueued on the device: its sampled tokens (one per sampling entry of the plan) once it finishes.
 
     The step's logprobs (``extras``), if any were asked for, are copied back with the tokens behind the
     same event: reading them costs no extra wait.
     """
 
-    def __init__(self, sampled_seqs: list[Sequence], tokens: torch.Tensor | None,
-                 extras: StepExtras | None = None, ring: ReadbackRing | None = None) -> None:
-        self.sampled_seqs = sampled_seqs
+    def __init__(self, tokens: torch.Tensor | None, extras: StepExtras | None = None,
+                 ring: ReadbackRing | None = None) -> None:
         self.extras = extras
         self._done = None
         self._ring, self._slot = ring, -1
@@ -176,16 +175,19 @@ class ModelRunner:
         self.sampler_checked = False  # the one-pass sampler's start-up check (warmup.check_sampler) ran
         self.uploader = Uploader(device)
         self.readback = ReadbackRing() if device.type == "cuda" else None  # the sampled tokens' host buffers
-        self.row_sampling = RowSampling(config.max_num_seqs + 1)
-        self.carry = DecodeCarry()  # the last graph decode step's arrays, for a next step of the same sequences
-        self.penalty_rows = PenaltyRows(PenaltyTables(config.hf_config.vocab_size, device))
-        self.bias_rows = PenaltyRows(BiasTables(config.hf_config.vocab_size, device))
-        self.block_tables = BlockTables(-(-config.max_model_len // config.kvcache_block_size), device,
-                                        rows=config.max_num_seqs + 1)
+        self.rows = RowTable(-(-config.max_model_len // config.kvcache_block_size), config.kvcache_block_size,
+                             device, rows=config.max_num_seqs + 1)
+        self.last_decode: DecodeArrays | None = None  # the last graph decode step's arrays (a plan may follow)
+        self.penalties = PenaltyTables(config.hf_config.vocab_size, device)
+        self.bias = BiasTables(config.hf_config.vocab_size, device)
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self.prev_in_graph = False  # they are in the decode graphs' own token buffer already
         self.timer = StepTimer()
         self.graphs = None
+
+    @property
+    def block_tables(self) -> "BlockTables":
+        return self.rows.block_tables
 
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""
@@ -221,36 +223,35 @@ class ModelRunner:
         return model.eval()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, before_sample: MaskSource | None = None,
-            ) -> list[int] | None:
-        """Compute one step and wait for it; the sampled token of each sampling sequence (rank 0 only)."""
-        step = self.launch(seqs, is_prefill, before_sample)
+    def run(self, plan: StepPlan, before_sample: MaskSource | None = None) -> list[int] | None:
+        """Compute one step and wait for it; the sampled token of each sampling entry (rank 0 only)."""
+        step = self.launch(plan, before_sample)
         return step.token_ids() if self.rank == 0 else None
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, before_sample: MaskSource | None = None,
-               ) -> LaunchedStep:
+    def launch(self, plan: StepPlan, before_sample: MaskSource | None = None) -> LaunchedStep:
         """Enqueue one step on the device and return at once; ``token_ids()`` on the result waits for it.
 
-        A decoding sequence whose last token is still in flight (``pending_row >= 0``) takes it straight
-        from the previous launch's sampled tokens on the device, so the host never waits between steps.
+        An entry whose last token is still in flight (``plan.pending >= 0``) takes it straight from the
+        previous launch's sampled tokens on the device, so the host never waits between steps.
         ``before_sample`` (structured outputs) is called once the forward is enqueued: while the device runs
         it, the host may read back the previous step and build this step's token bitmask (a [rows, words]
         int32 tensor in pinned memory on CUDA, or None), which is applied to the logits before sampling.
         """
-        if not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs)) and before_sample is None \
-                and (self.rank != 0 or not any(s.wants_extras for s in seqs)):
-            return self._launch_graph(seqs)  # the common decode step: nothing between the logits and the sampler
+        if not plan.is_prefill and self.graphs is not None and self.graphs.fits(plan.num_entries) \
+                and before_sample is None and (self.rank != 0 or plan.extras is None):
+            return self._launch_graph(plan)  # the common decode step: nothing between the logits and the sampler
         self.prev_in_graph = False
-        self.carry.forget()
+        self.last_decode = None
         with self.timer.phase("prepare"):
-            prepare = prepare_prefill if is_prefill else prepare_decode
-            inputs = prepare(seqs, self.uploader, self.block_tables)
-            greedy = self.rank != 0 or all_greedy(inputs.sampled_seqs)
-            sampling = None if greedy else prepare_sampling(inputs.sampled_seqs, self.uploader)
+            self.rows.update(plan, self.uploader)
+            prepare = prepare_prefill if plan.is_prefill else prepare_decode
+            inputs = prepare(plan, self.uploader, self.block_tables)
+            sampling = self.rows.sampling(*self.rows.sampled(plan), self.uploader) \
+                if self.rank == 0 and inputs.num_sampled else None
             # penalties, logit biases and logprobs (rank 0 samples alone); None when no request of the step asks
-            extras = plan_extras(seqs, inputs.sampled_seqs, self.uploader, self.penalty_rows, self.bias_rows) \
-                if self.rank == 0 else None
+            extras = upload_extras(plan.extras, inputs.num_sampled, self.uploader, self.penalties, self.bias) \
+                if self.rank == 0 and plan.extras is not None else None
         with self.timer.phase("forward"):
             if inputs.pending_rows is not None:
                 from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
@@ -266,38 +267,33 @@ class ModelRunner:
             else:
                 raw = logits
                 if extras is not None:
-                    logits = extras.penalize(logits, inputs.input_ids, self.penalty_rows.tables, self.bias_rows.tables)
+                    logits = extras.penalize(logits, inputs.input_ids, self.penalties, self.bias)
                 if mask is not None:  # after penalties: a disallowed token stays disallowed
                     logits = apply_token_bitmask(logits, self._upload_mask(mask))
-                if sampling is None:
-                    token_ids = logits.argmax(dim=-1)
-                else:
-                    token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
-                                             sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+                token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
                 if extras is not None:
                     extras.compute_logprobs(raw, token_ids, hidden, self.model.compute_logits)
-            if self.world > 1 and inputs.sampled_seqs:
-                token_ids = self._share_tokens(token_ids, len(inputs.sampled_seqs))
+            if self.world > 1 and inputs.num_sampled:
+                token_ids = self._share_tokens(token_ids, inputs.num_sampled)
             self.prev_tokens = token_ids
-            return LaunchedStep(inputs.sampled_seqs, token_ids if self.rank == 0 else None, extras, self.readback)
+            return LaunchedStep(token_ids if self.rank == 0 else None, extras, self.readback)
 
     def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask
 
-    def _launch_graph(self, seqs: list[Sequence]) -> LaunchedStep:
+    def _launch_graph(self, plan: StepPlan) -> LaunchedStep:
         """A decode step through its CUDA graphs: staged inputs, the forward's replay, then the sampler's
         (``sample_in_graph``: the plain or the filtered one), or logits and sampling outside the graphs."""
-        n = len(seqs)
+        n = plan.num_entries
         with self.timer.phase("prepare"):
-            tables = self.block_tables
-            arrays = self.carry.follow(seqs, tables, self.uploader)
-            if arrays is None:
-                arrays, tables = decode_arrays(seqs, self.uploader, tables, defer_deltas=True)
-            deltas = arrays.deltas
+            rows = self.rows
+            deltas = rows.update(plan, self.uploader, defer=True)
             if deltas is not None and len(deltas[0]) > self.graphs.max_deltas:  # many new tables at once
-                tables.upload(*deltas, self.uploader)
+                self.block_tables.upload(*deltas, self.uploader)
                 deltas = None
-            in_graph = self.row_sampling.gather(seqs, arrays) if self.graphs.sample_in_graph and self.rank == 0 \
+            arrays = decode_arrays(plan, self.block_tables, self.last_decode)
+            steps = arrays.lens - rows.prompt[arrays.rows]
+            in_graph = rows.graph_sampling(arrays.rows, steps) if self.graphs.sample_in_graph and self.rank == 0 \
                 else None
             if in_graph is not None:
                 f32, seeds, steps, top_ks = in_graph.f32, in_graph.seeds, in_graph.steps, in_graph.top_ks
@@ -306,11 +302,11 @@ class ModelRunner:
                 steps = top_ks = seeds
             i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows,
                             arrays.order, top_ks])
-            greedy = in_graph is not None or self.rank != 0 or all_greedy(seqs)
-            sampling = None if greedy else prepare_sampling(seqs, self.uploader)
+            sampling = None if in_graph is not None or self.rank != 0 else \
+                rows.sampling(arrays.rows, arrays.lens - rows.prompt[arrays.rows], self.uploader)
         with self.timer.phase("forward"):
             prev = None if self.prev_in_graph else self.prev_tokens
-            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, tables, prev, deltas,
+            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, self.block_tables, prev, deltas,
                                                        filtered=in_graph is not None and in_graph.filtered)
             logits = None if in_graph is not None else self.model.compute_logits(hidden)
         with self.timer.phase("sample"):
@@ -318,17 +314,13 @@ class ModelRunner:
                 token_ids = tokens
             elif logits is None:
                 token_ids = None
-            elif sampling is None:
-                token_ids = logits.argmax(dim=-1)
             else:
-                token_ids = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
-                                         sampling.min_ps, sampling.seeds, sampling.steps, sampling.use_filters)
+                token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
             if self.world > 1:
                 token_ids = self._share_tokens(token_ids, n)
             self.prev_tokens, self.prev_in_graph = token_ids, in_graph is not None
-            launched = LaunchedStep(list(seqs), token_ids if self.rank == 0 else None, ring=self.readback)
-            self.carry.keep(launched.sampled_seqs, arrays, launched)
-            return launched
+            self.last_decode = arrays
+            return LaunchedStep(token_ids if self.rank == 0 else None, ring=self.readback)
 
     def _share_tokens(self, token_ids: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, device to device, so that the next step's in-flight
@@ -366,7 +358,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         """Logits of the sampling rows (rank 0; None elsewhere or when no sequence samples)."""
-        if not inputs.sampled_seqs:
+        if not inputs.num_sampled:
             return None
         if inputs.sample_rows is not None:
             hidden = hidden[inputs.sample_rows]

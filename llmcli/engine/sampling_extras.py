@@ -1,10 +1,8 @@
 """What a step computes beside the sampled tokens: penalties and logit biases before sampling, logprobs after.
 
-The host side of ``llmcli.layers.penalties``, ``llmcli.layers.logit_bias`` and ``llmcli.layers.logprobs``: which
-rows of the step want what, planned from the Sequences in one pass, and the
-results put back on the Sequences when the step is read back. A step in which no
-request asks for penalties or logprobs plans nothing and costs one scan of its
-sampling parameters.
+The runner's side of ``llmcli.layers.penalties``, ``llmcli.layers.logit_bias`` and ``llmcli.layers.logprobs``:
+a step plan's ``ExtrasPlan`` (which rows want what, planned by ``engine/extras_plan.py``) uploaded as device
+tensors, run around the sampler, and the logprobs handed back per sampled row and per prompt part.
 """
 from __future__ import annotations
 
@@ -12,36 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmcli.engine.sequence import PENDING_TOKEN, Sequence
+from llmcli.engine.step_plan import ExtrasPlan
 from llmcli.layers.logprobs import TokenLogprobs, chunked_token_logprobs, token_logprobs
 from llmcli.layers.logit_bias import BiasTables, hold_back
 from llmcli.layers.penalties import PenaltyTables
-
-
-class PenaltyRows:
-    """Which row of per-request token tables (penalties, or logit biases) each sequence owns; rows of finished
-    ones are reused."""
-
-    def __init__(self, tables: PenaltyTables | BiasTables) -> None:
-        self.tables = tables
-        self.owner: dict[int, Sequence] = {}  # row -> sequence
-        self.row_of: dict[int, int] = {}  # seq_id -> row
-        self.counted: dict[int, int] = {}  # seq_id -> completion tokens already in its counts
-
-    def row(self, seq: Sequence) -> tuple[int, bool]:
-        """The sequence's row, and whether it is new (to be cleared and given the prompt)."""
-        row = self.row_of.get(seq.seq_id)
-        if row is not None:
-            return row, False
-        for r, other in list(self.owner.items()):
-            if other.is_finished:  # device work of a late step on this row runs before the reuse: same stream
-                del self.owner[r], self.row_of[other.seq_id], self.counted[other.seq_id]
-        free = next((r for r in range(self.tables.capacity) if r not in self.owner), None)
-        if free is None:
-            free = self.tables.capacity
-            self.tables.reserve(free + 1)
-        self.owner[free], self.row_of[seq.seq_id], self.counted[seq.seq_id] = seq, free, 0
-        return free, True
 
 
 @dataclass
@@ -66,8 +38,8 @@ class StepExtras:
     lp_row_list: list[int] = field(default_factory=list)
     lp_ks: list[int] = field(default_factory=list)
     lp_k: int = 0
-    # prompt logprobs: per sequence (seq, first target position, count, k); hidden rows and targets
-    prompt_parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    # prompt logprobs: per entry (entry index, first target position, count, k); hidden rows and targets
+    prompt_parts: list[tuple[int, int, int, int]] = field(default_factory=list)
     prompt_rows: torch.Tensor | None = None
     prompt_targets: torch.Tensor | None = None
     prompt_k: int = 0
@@ -127,9 +99,9 @@ class StepExtras:
         if self.prompt is not None:
             lps, ranks, ids, tops = (t.tolist() for t in host[:4])
             at = 0
-            for seq, first, count, k in self.prompt_parts:
+            for entry, first, count, k in self.prompt_parts:
                 entries = [(lps[j], ranks[j], ids[j][:k], tops[j][:k]) for j in range(at, at + count)]
-                result.prompt.append((seq, first, entries))
+                result.prompt.append((entry, first, entries))
                 at += count
         return result
 
@@ -158,141 +130,48 @@ class LogprobBlock:
 class StepLogprobs:
     """Host copies: the sampled rows' block (``block_rows``: block row of each sampled row, -1 where the row
     did not ask, shorter than the step where the last rows did not; None: row i is block row i); prompt
-    parts per sequence."""
+    parts per entry of the step (its index in the plan)."""
 
     block: LogprobBlock | None = None
     block_rows: list[int] | None = None
-    prompt: list[tuple[Sequence, int, list[tuple[float, int, list[int], list[float]]]]] = field(default_factory=list)
+    prompt: list[tuple[int, int, list[tuple[float, int, list[int], list[float]]]]] = field(default_factory=list)
 
 
-def plan_extras(seqs: list[Sequence], sampled: list[Sequence], uploader, penalty_rows: PenaltyRows,
-                bias_rows: PenaltyRows | None = None) -> StepExtras | None:
-    """The extras of one step over ``seqs`` (scheduled, in input order) of which ``sampled`` sample."""
-    if not any(s.wants_extras for s in seqs):
-        return None
-    wants_lp = [s.params.logprobs is not None for s in sampled]
-    wants_pen = [s.params.has_penalties for s in sampled]
-    wants_bias = [s.params.has_token_bias for s in sampled]
-    # min_tokens: completion tokens so far (in-flight ones counted) below the minimum
-    held = [i for i, s in enumerate(sampled) if s.hold_ids and s.num_completion_tokens < s.params.min_tokens]
-    wants_prompt = any(s.params.prompt_logprobs is not None and s.prompt_logprobs_done < s.num_prompt_tokens - 1
-                       for s in seqs)
-    if not (any(wants_lp) or any(wants_pen) or any(wants_bias) or held or wants_prompt):
-        return None
+def upload_extras(plan: ExtrasPlan, num_sampled: int, uploader, penalties: PenaltyTables,
+                  bias: BiasTables) -> StepExtras:
+    """A step's ``ExtrasPlan`` as device tensors (each dtype in one upload); grows the token tables to fit."""
     extras = StepExtras()
-    if any(wants_bias):
-        _plan_bias(extras, sampled, wants_bias, uploader, bias_rows)
-    if held:
-        pairs = [(i, t) for i in held for t in sampled[i].hold_ids]
-        extras.hold = tuple(uploader.upload(torch.int64, [i for i, _ in pairs], [t for _, t in pairs]))
-    if any(wants_pen):
-        last_input_row, offset = {}, 0
-        for s in seqs:
-            offset += s.num_scheduled_tokens
-            last_input_row[s.seq_id] = offset - 1
-        _plan_penalties(extras, sampled, wants_pen, last_input_row, uploader, penalty_rows)
-    if any(wants_lp):
-        rows = [i for i, w in enumerate(wants_lp) if w]
-        extras.lp_row_list, extras.lp_ks = rows, [sampled[i].params.logprobs for i in rows]
-        extras.lp_k = max(extras.lp_ks)
-        extras.lp_all = len(rows) == len(sampled)
-        # every row asks (the usual batch): no row list to upload, no gather of the logits
-        extras.lp_rows = None if extras.lp_all else uploader.upload(torch.int64, rows)[0]
-    if wants_prompt:
-        _plan_prompt(extras, seqs, uploader)
-    return extras
-
-
-def _plan_penalties(extras: StepExtras, sampled: list[Sequence], wants: list[bool], last_input_row: dict,
-                    uploader, penalty_rows: PenaltyRows) -> None:
-    logit_rows, rows, reps, pres, freqs = [], [], [], [], []
-    new_rows, prompt_rows, prompt_ids, known_rows, known_ids, flight_rows, flight_inputs = [], [], [], [], [], [], []
-    for i, (seq, want) in enumerate(zip(sampled, wants)):
-        if not want:
-            continue
-        row, new = penalty_rows.row(seq)
+    i64 = torch.int64
+    if plan.pen_rows:
+        penalties.reserve(plan.pen_slots)
+        new, prompt_rows, prompt_ids = plan.pen_start
+        ints = uploader.upload(i64, plan.pen_logit_rows, plan.pen_rows, new, prompt_rows, prompt_ids,
+                               *plan.pen_known, *plan.pen_from_input)
+        extras.pen_logit_rows, extras.pen_rows = ints[0], ints[1]
+        extras.pen_settings = tuple(uploader.upload(torch.float32, *plan.pen_settings))
         if new:
-            prompt = seq.token_ids[:seq.num_prompt_tokens]
-            new_rows.append(row)
-            prompt_rows += [row] * len(prompt)
-            prompt_ids += prompt
-        done, total = penalty_rows.counted[seq.seq_id], seq.num_completion_tokens
-        if total > done:
-            fresh = seq.token_ids[seq.num_prompt_tokens + done:]
-            # the sequence's last token is its last input of this step: take it from the device, where an
-            # in-flight token already is
-            known = fresh[:-1]
-            known_rows += [row] * len(known)
-            known_ids += known
-            flight_rows.append(row)
-            flight_inputs.append(last_input_row[seq.seq_id])
-            assert PENDING_TOKEN not in known, "only a sequence's last token can be in flight"
-            penalty_rows.counted[seq.seq_id] = total
-        logit_rows.append(i)
-        rows.append(row)
-        p = seq.params
-        reps.append(p.repetition_penalty)
-        pres.append(p.presence_penalty)
-        freqs.append(p.frequency_penalty)
-    ints = uploader.upload(torch.int64, logit_rows, rows, new_rows, prompt_rows, prompt_ids, known_rows, known_ids,
-                           flight_rows, flight_inputs)
-    extras.pen_logit_rows, extras.pen_rows = ints[0], ints[1]
-    extras.pen_settings = tuple(uploader.upload(torch.float32, reps, pres, freqs))
-    if new_rows:
-        extras.start = (ints[2], ints[3], ints[4])
-    if known_rows:
-        extras.add_known = (ints[5], ints[6])
-    if flight_rows:
-        extras.add_from_input = (ints[7], ints[8])
-
-
-def _plan_bias(extras: StepExtras, sampled: list[Sequence], wants: list[bool], uploader,
-               bias_rows: PenaltyRows) -> None:
-    logit_rows, rows, new_rows, closed = [], [], [], []
-    allow_rows, allow_ids, add_rows, add_ids, add_vals, ban_rows, ban_ids = [], [], [], [], [], [], []
-    for i, (seq, want) in enumerate(zip(sampled, wants)):
-        if not want:
-            continue
-        row, new = bias_rows.row(seq)
-        logit_rows.append(i)
-        rows.append(row)
-        if not new:
-            continue
-        p = seq.params
-        new_rows.append(row)
-        closed.append(int(p.allowed_token_ids is not None))
-        allowed = p.allowed_token_ids or []
-        allow_rows += [row] * len(allowed)
-        allow_ids += allowed
-        bias = p.logit_bias or {}
-        add_rows += [row] * len(bias)
-        add_ids += bias
-        add_vals += bias.values()
-        ban_rows += [row] * len(seq.banned_token_ids)
-        ban_ids += seq.banned_token_ids
-    ints = uploader.upload(torch.int64, logit_rows, rows, new_rows, closed, allow_rows, allow_ids, add_rows,
-                           add_ids, ban_rows, ban_ids)
-    extras.bias_logit_rows, extras.bias_rows = ints[0], ints[1]
-    if new_rows:
-        (vals,) = uploader.upload(torch.float32, add_vals)
-        extras.bias_start = (ints[2], ints[3] != 0, ints[4], ints[5], ints[6], ints[7], vals, ints[8], ints[9])
-
-
-def _plan_prompt(extras: StepExtras, seqs: list[Sequence], uploader) -> None:
-    """Rows of prompt positions whose next token is a prompt token (the last one's is sampled instead)."""
-    hidden_rows, targets, offset = [], [], 0
-    for seq in seqs:
-        k = seq.params.prompt_logprobs
-        start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-        if k is not None:
-            first = max(start, seq.prompt_logprobs_done)
-            last = min(start + n, seq.num_prompt_tokens - 1)
-            if last > first:
-                hidden_rows += range(offset + first - start, offset + last - start)
-                targets += seq.token_ids[first + 1:last + 1]
-                extras.prompt_parts.append((seq, first, last - first, k))
-                extras.prompt_k = max(extras.prompt_k, k)
-                seq.prompt_logprobs_done = last
-        offset += n
-    if hidden_rows:
-        extras.prompt_rows, extras.prompt_targets = uploader.upload(torch.int64, hidden_rows, targets)
+            extras.start = (ints[2], ints[3], ints[4])
+        if plan.pen_known[0]:
+            extras.add_known = (ints[5], ints[6])
+        if plan.pen_from_input[0]:
+            extras.add_from_input = (ints[7], ints[8])
+    if plan.bias_rows:
+        bias.reserve(plan.bias_slots)
+        extras.bias_logit_rows, extras.bias_rows = uploader.upload(i64, plan.bias_logit_rows, plan.bias_rows)
+        if plan.bias_start:
+            ints = uploader.upload(i64, *plan.bias_start)
+            (values,) = uploader.upload(torch.float32, plan.bias_values)
+            extras.bias_start = (ints[0], ints[1] != 0, ints[2], ints[3], ints[4], ints[5], values, ints[6], ints[7])
+    if plan.hold[0]:
+        extras.hold = tuple(uploader.upload(i64, *plan.hold))
+    if plan.lp_rows:
+        extras.lp_row_list, extras.lp_ks = plan.lp_rows, plan.lp_ks
+        extras.lp_k = max(plan.lp_ks)
+        extras.lp_all = len(plan.lp_rows) == num_sampled
+        # every row asks (the usual batch): no row list to upload, no gather of the logits
+        extras.lp_rows = None if extras.lp_all else uploader.upload(i64, plan.lp_rows)[0]
+    if plan.prompt_rows:
+        extras.prompt_parts = plan.prompt_parts
+        extras.prompt_k = max(k for *_, k in plan.prompt_parts)
+        extras.prompt_rows, extras.prompt_targets = uploader.upload(i64, plan.prompt_rows, plan.prompt_targets)
+    return extras

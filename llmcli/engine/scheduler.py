@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from llmcli.config import Config
 from llmcli.engine.block_manager import BlockManager
 from llmcli.engine.outputs import EngineStats
+from llmcli.engine.plan_builder import PlanBuilder
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmcli.engine.step_plan import StepPlan
 
 
 @dataclass
@@ -17,6 +19,7 @@ class ScheduledBatch:
     num_tokens: int  # tokens computed this step
     sampled: list[Sequence]  # the sequences that get a token this step (all but a prompt cut by the budget)
     num_decode: int = 0  # a mixed step: its first ``num_decode`` sequences decode one token each
+    plan: StepPlan | None = None  # what the model runner reads of this step (entries in the order of ``seqs``)
 
 
 class Scheduler:
@@ -37,6 +40,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.mixed_steps = config.mixed_steps
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = stats
@@ -48,6 +52,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next step, with its plan (None when nothing can run)."""
+        batch = self._schedule()
+        if batch is not None:
+            batch.plan = self.plans.prefill(batch.seqs, batch.sampled) if batch.is_prefill \
+                else self.plans.decode(batch.seqs)
+        return batch
+
+    def _schedule(self) -> ScheduledBatch | None:
         if self.mixed_steps:
             return self._schedule_mixed()
         batch, tokens, sampled = self._schedule_prefill(self.max_num_batched_tokens)
@@ -113,7 +125,7 @@ class Scheduler:
             if n >= seq.decode_until:  # the checks that decode_until stands for
                 limit = seq.params.max_tokens
                 end = max_len if limit is None else min(max_len, seq.num_prompt_tokens + limit)
-                if n >= end:  # length_limit_reached
+                if n >= end:  # no further token may be generated
                     done.append(seq)
                     continue
                 if n > len(seq.block_table) * block_size and not self._make_room(seq):
@@ -141,15 +153,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
 
-    def step_done(self, seq: Sequence) -> None:
-        """The scheduled tokens of ``seq`` are launched: their K/V is (being) written to the cache."""
-        seq.num_computed_tokens += seq.num_scheduled_tokens
-        seq.num_scheduled_tokens = 0
-        self.block_manager.register_computed(seq)
-
     def launched(self, seqs: list[Sequence], sampled: list[Sequence]) -> list[int]:
-        """``step_done`` for a whole step, and a placeholder for the token each of ``sampled`` gets in row
-        ``i`` of the step's output (``Sequence.append_pending``); returns where those tokens go.
+        """The scheduled tokens of ``seqs`` are launched (their K/V is being written to the cache), and each of
+        ``sampled`` gets a placeholder for the token it gets in row ``i`` of the step's output; returns where
+        those tokens go.
 
         Runs once per sequence per step, so the methods it stands for are inlined; the prefix cache is only
         asked when a block has filled up.

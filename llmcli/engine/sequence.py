@@ -119,26 +119,8 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def append_pending(self, row: int) -> int:
-        """A token is being sampled in row ``row`` of the launched step; returns its index."""
-        self.token_ids.append(PENDING_TOKEN)
-        self.num_pending += 1
-        self.pending_row = row
-        return len(self.token_ids) - 1
-
-    def resolve(self, index: int, token_id: int) -> None:
-        self.token_ids[index] = token_id
-        self.num_pending -= 1
-        if index == len(self.token_ids) - 1:
-            self.pending_row = -1
-
     def truncate(self, length: int) -> None:
         """Drop tokens past ``length`` (sampled speculatively after the sequence had already finished)."""
         del self.token_ids[length:]
         self.num_pending = self.token_ids.count(PENDING_TOKEN)  # list.count: it runs for every finished request
         self.pending_row = -1
-
-    def length_limit_reached(self, max_model_len: int) -> bool:
-        """No further token may be generated, whatever the pending tokens turn out to be."""
-        limit = self.params.max_tokens
-        return (limit is not None and self.num_completion_tokens >= limit) or self.num_tokens >= max_model_len

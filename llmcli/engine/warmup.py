@@ -10,7 +10,7 @@ from torch import nn
 from llmcli.config import Config
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
 from llmcli.layers.logprobs import token_logprobs
-from llmcli.layers.sampler import Sampler
+from llmcli.layers.sampler import Sampler, SamplingRows
 
 log = logging.getLogger("llmcli")
 CPU_WARMUP_TOKENS = 256
@@ -96,8 +96,8 @@ def sample_dummy(runner: WarmupTarget, logits: torch.Tensor, use_filters: bool) 
     b, dev = logits.shape[0], runner.device
     ones = torch.ones(b, device=dev)
     zeros = torch.zeros(b, dtype=torch.int64, device=dev)
-    return runner.sampler(logits, ones, torch.full((b,), 50, device=dev), ones * 0.9, ones * 0.05, zeros, zeros,
-                          use_filters)
+    return runner.sampler(logits, SamplingRows(ones, torch.full((b,), 50, device=dev), ones * 0.9, ones * 0.05,
+                                               zeros, zeros, use_filters))
 
 
 @torch.inference_mode()

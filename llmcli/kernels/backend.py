@@ -61,10 +61,25 @@ class AttentionMetadata:
     # decode rows (a decode step's, a mixed step's first num_decode): int64, the rows longest context first, in
     # which order a backend may launch their work (None: as they come). Padding rows of a graph come last.
     row_order: torch.Tensor | None = None
+    # [batch] int64: each entry's block-table row (the step plan's ``rows``), which is also the slot of any
+    # per-sequence state a layer keeps (a recurrent state); -1 for a graph's padding rows
+    rows: torch.Tensor | None = None
+    # prefill: [batch] bool, the chunk continues a sequence whose state is cached (computed tokens > 0)
+    has_initial_state: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.context_lens.numel()
+
+
+@dataclass
+class GraphInputs:
+    """Per-row buffers a decode graph's attention reads, [max batch] each, filled by the caller before a replay."""
+
+    slot_mapping: torch.Tensor  # int64
+    context_lens: torch.Tensor  # int32
+    row_order: torch.Tensor  # int64
+    rows: torch.Tensor  # int64 (AttentionMetadata.rows)
 
 
 @dataclass
@@ -120,12 +135,25 @@ class AttentionBackend(ABC):
         FP8 cache scales (see the module docstring)."""
 
     # -- CUDA-graph support (decode only) -------------------------------------
-    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        """Allocate static metadata buffers that captured graphs read from."""
-        self._graph_slots = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self._graph_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
+                           inputs: GraphInputs | None = None) -> None:
+        """Allocate the static metadata buffers that captured graphs read from. ``inputs``: the per-row
+        buffers the caller fills before each replay (``llmcli.engine.cuda_graphs`` stages them with the step's
+        other inputs in one copy); the backend reads them in place of its own. The block tables stay the
+        backend's: ``gather_graph_tables`` fills them."""
+        if inputs is None:
+            inputs = GraphInputs(torch.zeros(max_batch_size, dtype=torch.int64, device=device),
+                                 torch.zeros(max_batch_size, dtype=torch.int32, device=device),
+                                 torch.arange(max_batch_size, dtype=torch.int64, device=device),
+                                 torch.full((max_batch_size,), -1, dtype=torch.int64, device=device))
+        self._graph_slots, self._graph_lens = inputs.slot_mapping, inputs.context_lens
+        self._graph_order, self._graph_rows = inputs.row_order, inputs.rows
         self._graph_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._graph_order = torch.arange(max_batch_size, dtype=torch.int64, device=device)
+
+    def gather_graph_tables(self, table: torch.Tensor, rows: torch.Tensor) -> None:
+        """The graph's block tables for a step of ``len(rows)`` entries: rows ``rows`` of ``table`` (the runner's
+        device copy of every live table), gathered into the static buffer."""
+        torch.index_select(table, 0, rows, out=self._graph_tables[:rows.numel()])
 
     def prepare_for_capture(self, batch_size: int) -> None:
         """Point the metadata at the static buffers for a graph of ``batch_size`` sequences."""
@@ -136,6 +164,7 @@ class AttentionBackend(ABC):
             block_tables=self._graph_tables[:batch_size],
             max_seqlen_k=self._graph_tables.shape[1] * self.block_size,
             row_order=self._graph_order[:batch_size],
+            rows=self._graph_rows[:batch_size],
         ))
 
     def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
@@ -143,8 +172,11 @@ class AttentionBackend(ABC):
         n = metadata.batch_size
         self._graph_slots[:batch_size].fill_(-1)
         self._graph_lens[:batch_size].zero_()
+        self._graph_rows[:batch_size].fill_(-1)
         self._graph_slots[:n].copy_(metadata.slot_mapping, non_blocking=True)
         self._graph_lens[:n].copy_(metadata.context_lens, non_blocking=True)
+        if metadata.rows is not None:
+            self._graph_rows[:n].copy_(metadata.rows, non_blocking=True)
         assert metadata.block_tables is not None
         width = metadata.block_tables.shape[1]
         self._graph_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)

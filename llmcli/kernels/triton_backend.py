@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from llmcli.kernels import triton_elementwise
-from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, KVScales, QKNormRotary
+from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, GraphInputs, KVScales, QKNormRotary
 from llmcli.kernels.triton_decode import (
     DEFAULT_TUNING, DecodeTuning, choose_num_splits, paged_decode, scratch_numel,
 )
@@ -102,8 +102,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = self._splits_for(batch, max_seqlen_k, device)
         self._ensure_scratch(batch, self.num_splits, device)
 
-    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        super().init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
+    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
+                           inputs: GraphInputs | None = None) -> None:
+        super().init_graph_buffers(max_batch_size, max_blocks_per_seq, device, inputs)
         # Size the scratch for the hungriest graph batch now, so capture never allocates it.
         max_len = max_blocks_per_seq * self.block_size
         worst = max(range(1, max_batch_size + 1), key=lambda b: b * self._splits_for(b, max_len, device))

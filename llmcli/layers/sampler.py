@@ -11,6 +11,8 @@ uses torch.compile: importing Dynamo and Inductor alone costs seconds of start-u
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -146,6 +148,22 @@ def sample_one_pass(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, 
     return sample_with_floor(logits, temperatures, inv_t, floors, keys)
 
 
+@dataclass
+class SamplingRows:
+    """Each sampled row's settings on the device, one entry per row of the logits."""
+
+    temperatures: torch.Tensor  # [B] float; 0 = greedy
+    top_ks: torch.Tensor  # [B] int64; <= 0 = off
+    top_ps: torch.Tensor  # [B] float; 1 = off
+    min_ps: torch.Tensor  # [B] float; 0 = off
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, index of the token being generated
+    use_filters: bool = True  # False when no row uses top-k/top-p (skips the sort)
+
+    def args(self) -> tuple:
+        return (self.temperatures, self.top_ks, self.top_ps, self.min_ps, self.seeds, self.steps, self.use_filters)
+
+
 class Sampler(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -199,17 +217,8 @@ class Sampler(nn.Module):
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def forward(
-        self,
-        logits: torch.Tensor,  # [B, V]
-        temperatures: torch.Tensor,  # [B] float; 0 = greedy
-        top_ks: torch.Tensor,  # [B] int64; -1 = off
-        top_ps: torch.Tensor,  # [B] float; 1 = off
-        min_ps: torch.Tensor,  # [B] float; 0 = off
-        seeds: torch.Tensor,  # [B] int64
-        steps: torch.Tensor,  # [B] int64, index of the token being generated
-        use_filters: bool = True,  # False when no row uses top-k/top-p (skips the sort)
-    ) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """One token per row of ``logits`` [B, V]."""
         if logits.is_cuda and self.one_pass:
-            return sample_one_pass(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters)
-        return sample(logits, temperatures, top_ks, top_ps, min_ps, seeds, steps, use_filters)
+            return sample_one_pass(logits, *rows.args())
+        return sample(logits, *rows.args())

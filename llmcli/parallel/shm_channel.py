@@ -41,7 +41,7 @@ _BEAT = struct.Struct("<QI")
 
 
 class PayloadTooLarge(RuntimeError):
-    """A step's compact form does not fit the shared-memory payload area."""
+    """A step plan does not fit the shared-memory payload area."""
 
 
 def payload_bytes_from_env() -> int:

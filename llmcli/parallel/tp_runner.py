@@ -3,8 +3,8 @@
 ``start_tensor_parallel(config)`` returns a ``TensorParallelRunner``, which the
 engine uses exactly like a ``ModelRunner`` (``launch``, ``run``, ``num_blocks``,
 ``memory_report``, ``shutdown``). Rank 0 is both the engine's runner and a
-worker: every ``launch`` first broadcasts the step, in compact form
-(``llmcli.parallel.compact``), through the shared-memory control channel
+worker: every ``launch`` first broadcasts the step plan (``llmcli.engine.step_plan``,
+without what only sampling reads), through the shared-memory control channel
 (``llmcli.parallel.shm_channel``), then computes its own shard; the
 collectives inside the model keep the ranks in step. Only rank 0 samples; it
 broadcasts the sampled tokens to the other ranks on the device.
@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from llmcli.config import Config, ConfigError
 from llmcli.engine.cpu_threads import cpu_threads
-from llmcli.parallel.compact import pack_step
+from llmcli.engine.step_plan import StepPlan
 from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, HEARTBEAT_ENV
 from llmcli.parallel.shm_channel import ControlChannel
 from llmcli.parallel.tp_group import STORE_HOST, Group, TensorParallelError, env_seconds
@@ -172,7 +172,7 @@ class TensorParallelRunner:
     def memory_report(self) -> Any:
         return self._runner.memory_report
 
-    def launch(self, seqs: list, is_prefill: bool, before_sample: Any = None) -> "GroupStep":
+    def launch(self, plan: StepPlan, before_sample: Any = None) -> "GroupStep":
         """Broadcast the step to every worker and enqueue rank 0's shard; like ``ModelRunner.launch``.
 
         The workers' steps never wait for the host: the tokens each step samples reach them on the
@@ -180,17 +180,16 @@ class TensorParallelRunner:
         any tensor-parallel size.
         """
         group = self._group
-        timer = getattr(self._runner, "timer", None)
         with group.call("launch"):
             # the control plane's cost counts as input preparation in the engine's step timer
-            with timer.phase("prepare") if timer is not None else contextlib.nullcontext():
-                group.channel.post("run", (is_prefill, pack_step(seqs, is_prefill)), group.check_alive)
+            with self._runner.timer.phase("prepare"):
+                group.channel.post("run", (plan.for_workers(),), group.check_alive)
             # token masks (structured outputs) are built here on rank 0, where sampling happens
-            return GroupStep(self._runner.launch(seqs, is_prefill, before_sample), group)
+            return GroupStep(self._runner.launch(plan, before_sample), group)
 
-    def run(self, seqs: list, is_prefill: bool, before_sample: Any = None) -> list[int]:
+    def run(self, plan: StepPlan, before_sample: Any = None) -> list[int]:
         """Compute one step on every rank and return rank 0's sampled tokens."""
-        return self.launch(seqs, is_prefill, before_sample).token_ids()
+        return self.launch(plan, before_sample).token_ids()
 
     def shutdown(self) -> None:
         runner, self._runner = self._runner, None

@@ -2,8 +2,8 @@
 
 Each worker joins the process group, builds its shard of the model with the
 same ``ModelRunner`` as rank 0, then loops: wait for a command in the shared
-memory channel, run it, repeat. It never samples and never sees the
-tokenizer or the scheduler.
+memory channel (a step plan: ``llmcli.engine.step_plan``), run it, repeat. It
+never samples and never sees the tokenizer, the scheduler or a ``Sequence``.
 
 A worker ignores SIGINT (Ctrl-C in a terminal reaches the whole process
 group; rank 0 decides how to stop and tears the workers down). It exits on
@@ -25,7 +25,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from llmcli.parallel.compact import unpack_step
 from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, Heartbeat
 from llmcli.parallel.shm_channel import ChannelSpec, ControlChannel
 
@@ -119,7 +118,6 @@ class WorkerLoop:
 
     def __init__(self, args: WorkerArgs, channel: ControlChannel, runner: Any, heartbeat: Heartbeat) -> None:
         self.args, self.channel, self.runner, self.heartbeat = args, channel, runner, heartbeat
-        self.block_size = runner.config.kvcache_block_size
 
     def serve(self) -> None:
         rank = self.args.rank
@@ -131,7 +129,7 @@ class WorkerLoop:
             if method == "shutdown":
                 self.heartbeat.say("shutting down")
                 return
-            kind = ("a prefill step" if args[0] else "a decode step") if method == "run" else f"'{method}'"
+            kind = ("a prefill step" if args[0].is_prefill else "a decode step") if method == "run" else f"'{method}'"
             self.heartbeat.say(f"running {kind} (control call {number})")
             handler = getattr(self, f"do_{method}", None)
             if handler is None:
@@ -139,8 +137,8 @@ class WorkerLoop:
             handler(*args)
 
     # -- calls --------------------------------------------------------------------
-    def do_run(self, is_prefill: bool, packed: list) -> None:
-        self.runner.run(unpack_step(packed, is_prefill, self.block_size), is_prefill)
+    def do_run(self, plan: Any) -> None:
+        self.runner.run(plan)
 
     def do_ping(self) -> None:
         pass

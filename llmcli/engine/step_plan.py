@@ -1,0 +1,114 @@
+"""The step plan: what the scheduler decided for one step, as plain data the model runner reads.
+
+The scheduler side (``engine/plan_builder.py``) writes one ``StepPlan`` per step from its ``Sequence``
+objects; the runner side (``model_runner.py``, ``step_inputs.py``, ``cuda_graphs.py``, ``parallel/``) reads
+only this. One rank and every tensor-parallel rank read the same plan: it is also the control plane's wire
+format (rank 0 sends it without ``extras``, which only the sampling rank needs).
+
+Everything per sequence is keyed by its block-table row (``rows``): the runner's row table
+(``engine/row_table.py``) keeps what a row needs across steps (block table, sampling settings) and is
+refreshed from ``new_rows`` / ``blocks`` / ``freed`` only when a row changes hands or grows. A new cache
+kind (a sliding window's blocks, a recurrent-state slot) is one more field here, keyed by row the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmcli.sampling_params import SamplingParams
+
+
+@dataclass
+class RowSettings:
+    """A row's sampling settings, built once from ``SamplingParams`` when a sequence takes the row."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    num_prompt_tokens: int  # a sampled token's step (its seed stream's counter) is its index past the prompt
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, num_prompt_tokens: int) -> "RowSettings":
+        return cls(params.temperature, params.top_p, params.top_k, params.min_p, seed, num_prompt_tokens)
+
+
+@dataclass
+class ExtrasPlan:
+    """Penalties, logit biases, min_tokens and logprobs of one step, as lists the runner uploads.
+
+    Logit rows count the step's sampled rows; penalty and bias rows are rows of the device token tables
+    (slots kept by the scheduler side, ``engine/extras_plan.py``); ``*_inputs`` are rows of the step's input
+    tokens (an in-flight token is counted from the device).
+    """
+
+    # penalties: (logit rows, table slots), per row (repetition, presence, frequency); new slots and their
+    # prompt (slot, id) pairs; host-known (slot, id) pairs; (slot, input row) of tokens read on the device
+    pen_logit_rows: list[int] = field(default_factory=list)
+    pen_rows: list[int] = field(default_factory=list)
+    pen_settings: tuple[list[float], list[float], list[float]] = field(default_factory=lambda: ([], [], []))
+    pen_start: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))
+    pen_known: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    pen_from_input: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    # logit biases: logit rows and bias-table slots; new slots: closed flag, allowed (slot, id), logit_bias
+    # (slot, id, value), banned (slot, id)
+    bias_logit_rows: list[int] = field(default_factory=list)
+    bias_rows: list[int] = field(default_factory=list)
+    bias_start: tuple[list[int], ...] = ()
+    bias_values: list[float] = field(default_factory=list)
+    hold: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # min_tokens: (logit row, token id) pairs held back
+    lp_rows: list[int] = field(default_factory=list)  # sampled rows that want logprobs, and their k
+    lp_ks: list[int] = field(default_factory=list)
+    # prompt logprobs: per entry (entry index, first target position, count, k); hidden rows and targets
+    prompt_parts: list[tuple[int, int, int, int]] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    pen_slots: int = 0  # the device tables must hold this many slots
+    bias_slots: int = 0
+
+
+@dataclass
+class StepPlan:
+    """One step. Entries are in input order (a mixed step's decode entries, one token each, first).
+
+    Per entry: ``rows`` (block-table row), ``computed`` (tokens whose K/V is in the cache already),
+    ``scheduled`` (tokens computed now), ``pending`` (row of its in-flight last token in the previous
+    step's output, or -1) and ``samples`` (the chunk reaches its last known token: it gets a new token this
+    step). ``tokens``: every input token of the step, flat in entry order (0 where ``pending`` fills it in
+    on the device).
+    """
+
+    is_prefill: bool  # False: one token per entry (a decode step)
+    rows: np.ndarray  # int64
+    computed: np.ndarray  # int64
+    scheduled: np.ndarray  # int64
+    pending: np.ndarray  # int64
+    samples: np.ndarray  # bool
+    tokens: np.ndarray  # int64, sum(scheduled)
+    new_rows: list[tuple[int, RowSettings]] = field(default_factory=list)  # rows that changed hands
+    blocks: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, first index, new block ids)
+    freed: list[int] = field(default_factory=list)  # rows given back since the last plan
+    # a decode step of the previous plan's entries, each one token further, its token in flight in row i
+    follows: bool = False
+    extras: ExtrasPlan | None = None
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.rows) if not self.is_prefill else int(self.samples.sum())
+
+    def for_workers(self) -> "StepPlan":
+        """The plan as the other tensor-parallel ranks need it: nothing that only sampling reads."""
+        if self.extras is None and not self.new_rows:
+            return self
+        return StepPlan(self.is_prefill, self.rows, self.computed, self.scheduled, self.pending, self.samples,
+                        self.tokens, [], self.blocks, self.freed, self.follows, None)
