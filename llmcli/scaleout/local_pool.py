@@ -41,7 +41,8 @@ from typing import Any
 from llmcli.engine.cpu_threads import THREADS_ENV, replica_budget
 from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
 from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
-                                     failure_text, silence_limit_s, silence_text, startup_failure)
+                                     failure_text, running_ids, silence_limit_s, silence_text,
+                                     startup_failure)
 from llmcli.parallel.exits import describe_ended
 from llmcli.parallel.heartbeat import beat_interval
 
@@ -135,7 +136,7 @@ def replica_main(spec: ReplicaSpec, requests: Any, results: Any) -> None:
         text = failure_text(exc)
         sent = False
         with contextlib.suppress(Exception):
-            results.send(("died", text))
+            results.send(("died", text, running_ids(engine)))
             sent = True
         if not sent:  # the driver is gone: stderr is the only place left to say it
             sys.stderr.write(f"llmcli data-parallel replica {spec.index} failed:\n{text}\n")
@@ -159,6 +160,7 @@ class _Replica:
         self.results = results  # replica -> driver
         self.info: ReplicaInfo | None = None
         self.error_text = ""  # a traceback the replica sent before it exited
+        self.suspects: list[Any] | None = None  # what it was running when it failed (None: it did not say)
         self.lost = False
         self.heard = time.monotonic()  # when the driver last read a message from it
         # Sends go through a thread of their own: a stopped replica stops emptying its pipe, and a send into
@@ -311,7 +313,8 @@ class LocalReplicaPool:
 
     def wait(self, timeout: float) -> list[tuple]:
         """Events since the last call, waiting up to ``timeout`` for the first one:
-        ``("out", index, outputs, stats)`` and ``("lost", index, why)``."""
+        ``("out", index, outputs, stats)`` and ``("lost", index, why[, suspects])`` (suspects: the requests
+        it was running when it failed; absent or None when it could not say)."""
         live = [r for r in self.replicas if not r.lost]
         events: list[tuple] = [("lost", r.index, r.send_failed) for r in live if r.send_failed]
         handles: dict[Any, _Replica] = {r.results: r for r in live}
@@ -327,7 +330,7 @@ class LocalReplicaPool:
                 text = r.error_text.rstrip()
                 if text:
                     why += f"; its error:{chr(10) if chr(10) in text else ' '}{text}"
-                events.append(("lost", r.index, why))
+                events.append(("lost", r.index, why, r.suspects))
         for e in events:
             if e[0] == "lost":
                 self.replicas[e[1]].lost = True
@@ -343,7 +346,8 @@ class LocalReplicaPool:
             quiet = time.monotonic() - r.heard
             if r.index not in gone and quiet > self.silence_s and not any(
                     e[0] == "lost" and e[1] == r.index for e in events):
-                events.append(("lost", r.index, f"(pid {r.proc.pid}) {silence_text(quiet, self.silence_s)}"))
+                # stopped from outside, not by what it ran: no request is blamed
+                events.append(("lost", r.index, f"(pid {r.proc.pid}) {silence_text(quiet, self.silence_s)}", []))
 
     def _drain(self, r: _Replica, events: list[tuple], gone: set[int]) -> None:
         """Every complete message the replica sent (also after it died: the pipe keeps them)."""
@@ -354,7 +358,7 @@ class LocalReplicaPool:
                 if message[0] == "out":
                     events.append(("out", r.index, message[1], message[2]))
                 elif message[0] == "died":
-                    r.error_text = message[1]
+                    r.error_text, r.suspects = message[1], message[2]
         except (EOFError, OSError):
             gone.add(r.index)
 

@@ -80,6 +80,14 @@ def startup_failure(exc: BaseException) -> tuple[str, str, str]:
     return kind, str(exc), traceback.format_exc()
 
 
+def running_ids(engine: Any) -> list[Any]:
+    """The requests the engine was running (not only queued) when it failed: the ones that may have caused it."""
+    try:
+        return [seq.request_id for seq in engine.scheduler.running]
+    except Exception:  # noqa: BLE001 - an engine in a broken state: nobody is blamed
+        return []
+
+
 def failure_text(exc: BaseException) -> str:
     """What a replica that failed while running tells the driver: the one line of a tensor-parallel rank's
     failure (its own report names the rank and the cause), else the traceback."""
