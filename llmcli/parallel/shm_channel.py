@@ -27,6 +27,7 @@ import pickle
 import secrets
 import struct
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable
 
@@ -76,14 +77,24 @@ class ControlChannel:
         payload_bytes = payload_bytes or payload_bytes_from_env()
         meta = HEADER_BYTES + world_size * (ERROR_SLOT_BYTES + HEARTBEAT_SLOT_BYTES)
         name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        # SharedMemory registers the new segment with multiprocessing's resource tracker after creating it, and
+        # starting the tracker then (pipes, a process) can fail and leave the segment behind: start it first.
+        resource_tracker.ensure_running()
         shm = SharedMemory(name=name, create=True, size=meta + payload_bytes)
-        shm.buf[:meta] = bytes(meta)
-        workers = range(world_size - 1)
-        spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Event() for _ in workers],
-                           [ctx.Event() for _ in workers])
-        for ack in spec.acks:
-            ack.set()  # nothing outstanding yet
-        return cls(shm, spec, owner=True)
+        try:
+            shm.buf[:meta] = bytes(meta)
+            workers = range(world_size - 1)
+            spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Event() for _ in workers],
+                               [ctx.Event() for _ in workers])
+            for ack in spec.acks:
+                ack.set()  # nothing outstanding yet
+            return cls(shm, spec, owner=True)
+        except BaseException:
+            # Not yet anyone's channel, so no clean-up path knows it: the segment must not outlive this call
+            # (a descriptor limit makes the events fail, a Ctrl-C may land here).
+            shm.close()
+            shm.unlink()
+            raise
 
     @classmethod
     def attach(cls, spec: ChannelSpec) -> "ControlChannel":
