@@ -14,6 +14,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -163,3 +164,31 @@ def test_a_control_segment_is_not_left_behind_when_its_channel_fails(free):
     result = subprocess.run([sys.executable, "-c", SEGMENT_SCRIPT, str(free)], env=env(), capture_output=True,
                             timeout=60, cwd=REPO)
     assert result.stdout.decode().split() == ["0"], result.stderr.decode()
+
+
+# -- F18: -tp 2, Ctrl-C twice while the engine starts --------------------------------------------
+def test_two_ctrl_c_while_tensor_parallel_ranks_start_exit_130_leaving_nothing(tmp_path):
+    import signal
+
+    from processes import child_processes, wait_gone
+
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(command(str(quick_input(tmp_path / "in.jsonl")), "-o", str(out), "-tp", "2"), env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal has it
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := [pid for pid, _, cmd in child_processes(proc.pid) if "spawn_main" in cmd]):
+            assert proc.poll() is None and time.monotonic() < deadline, "no tensor-parallel worker started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)  # the second one stops the start-up where it is
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read().decode()
+    assert "terminate called" not in err and "Traceback" not in err, err
+    assert not wait_gone(workers), "a tensor-parallel worker outlived the run"
+    assert not list(Path("/dev/shm").glob(f"llmcli_tp_{proc.pid}_*")) and not out.exists()

@@ -22,6 +22,7 @@ a random token (``llmcli_tp_<pid>_<hex>``), so engines never share one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import secrets
@@ -61,6 +62,16 @@ class ChannelSpec:
     payload_bytes: int
     commands: list[Any]  # multiprocessing.Event per worker, index rank - 1
     acks: list[Any]
+
+
+def unlink_own_segments() -> None:
+    """Remove every control segment this process created (for a process about to end without clean-up)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/{SHM_PREFIX}{os.getpid()}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
 
 
 class ControlChannel:

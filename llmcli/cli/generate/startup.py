@@ -5,6 +5,14 @@ import threading
 from typing import Any, Callable
 
 
+THREAD_NAME = "llmcli-engine-start-up"
+
+
+def start_up_running() -> bool:
+    """Whether an engine's start-up thread is still at work (a second Ctrl-C left it where it was)."""
+    return any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate())
+
+
 class EngineStarter:
     """Runs ``build(cancelled)`` in a thread; ``result()`` waits for the engine, ``close()`` abandons it.
 
@@ -25,7 +33,7 @@ class EngineStarter:
             self._engine = build(self._cancel.is_set)
             self._done.set()
             return
-        self._thread = threading.Thread(target=self._run, name="llmcli-engine-start-up", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
