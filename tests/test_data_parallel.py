@@ -306,20 +306,25 @@ def test_logprobs_and_penalties_travel_from_replicas(tiny_checkpoint, tmp_path, 
                                                                         abs=1e-5)
 
 
-def test_local_replica_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica, tmp_path):
-    out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(command(tiny_model, inputs["kill"], out, *KILL_FLAGS, "-dp", "2"), env=env(),
+def hit_a_replica_mid_run(model: Path, inp: Path, out: Path, sig: int, **extra_env: str) -> tuple[str, list[int]]:
+    """A -dp 2 run whose first replica gets ``sig`` once OUT has a line; (its stderr, the replica pids)."""
+    proc = subprocess.Popen(command(model, inp, out, *KILL_FLAGS, "-dp", "2"), env={**env(), **extra_env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for_lines(proc, out, 1)
         replicas = children_of(proc.pid)
         assert len(replicas) == 2, replicas
-        os.kill(replicas[0], signal.SIGKILL)
+        os.kill(replicas[0], sig)
         assert proc.wait(timeout=180) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    stderr = proc.stderr.read().decode()
+    return proc.stderr.read().decode(), replicas
+
+
+def test_local_replica_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica, tmp_path):
+    out = tmp_path / "out.jsonl"
+    stderr, replicas = hit_a_replica_mid_run(tiny_model, inputs["kill"], out, signal.SIGKILL)
     assert "killed by signal SIGKILL" in stderr
     assert resent_count(stderr) >= 1
     assert lines_of(out) == one_replica["kill"]  # every input exactly once, same answers, in order
@@ -454,14 +459,20 @@ def test_ray_actor_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica,
     assert lines_of(out) == one_replica["kill"]
 
 
-def test_a_request_whose_replicas_keep_failing_fails_alone(tiny_model):
+def three_scripted_replicas(model, requests: int) -> tuple[DataParallelEngine, ScriptedPool]:
+    """A driver over three scripted replicas, ``requests`` requests sent to them."""
     from llmcli.config import Config
 
     pool = ScriptedPool(3)
-    engine = DataParallelEngine(Config(str(tiny_model), device="cpu"), ScaleOut(3), tokenizer=object(), pool=pool)
-    for i in range(9):
+    engine = DataParallelEngine(Config(str(model), device="cpu"), ScaleOut(3), tokenizer=object(), pool=pool)
+    for i in range(requests):
         engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id=i)
     engine.step()
+    return engine, pool
+
+
+def test_a_request_whose_replicas_keep_failing_fails_alone(tiny_model):
+    engine, pool = three_scripted_replicas(tiny_model, 9)
     on = {r: [item[0] for item in pool.sent[r]] for r in range(3)}
     poison, neighbour = on[0][0], on[0][1]
 
@@ -486,13 +497,7 @@ def test_a_request_whose_replicas_keep_failing_fails_alone(tiny_model):
 
 
 def test_a_stopped_replica_blames_nobody_and_a_lone_runner_fails_at_once(tiny_model):
-    from llmcli.config import Config
-
-    pool = ScriptedPool(3)
-    engine = DataParallelEngine(Config(str(tiny_model), device="cpu"), ScaleOut(3), tokenizer=object(), pool=pool)
-    for i in range(6):
-        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id=i)
-    engine.step()
+    engine, pool = three_scripted_replicas(tiny_model, 6)
     on0 = [item[0] for item in pool.sent[0]]
     pool.events = [("lost", 0, "(pid 1000) stopped responding: no heartbeat", [])]
     assert engine.step() == []  # silent, not failing on a request: all of its requests move on
@@ -507,19 +512,8 @@ def test_a_stopped_replica_blames_nobody_and_a_lone_runner_fails_at_once(tiny_mo
 
 def test_local_replica_stopped_mid_run_is_lost_and_its_requests_resent(tiny_model, inputs, one_replica, tmp_path):
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(command(tiny_model, inputs["kill"], out, *KILL_FLAGS, "-dp", "2"),
-                            env={**env(), "LLMCLI_DP_HEARTBEAT_S": "2"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        wait_for_lines(proc, out, 1)
-        replicas = children_of(proc.pid)
-        assert len(replicas) == 2, replicas
-        os.kill(replicas[0], signal.SIGSTOP)  # frozen, not dead: only its silence tells
-        assert proc.wait(timeout=180) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stderr = proc.stderr.read().decode()
+    # frozen, not dead: only its silence tells
+    stderr, replicas = hit_a_replica_mid_run(tiny_model, inputs["kill"], out, signal.SIGSTOP, LLMCLI_DP_HEARTBEAT_S="2")
     assert "stopped responding: no heartbeat for" in stderr and "LLMCLI_DP_HEARTBEAT_S=2" in stderr
     assert resent_count(stderr) >= 1
     assert lines_of(out) == one_replica["kill"]
