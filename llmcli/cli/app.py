@@ -169,35 +169,11 @@ def _guarded(run: Callable[[], int]) -> None:
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         say(console, "interrupted")
-        _leave_if_start_up_abandoned()
+        from llmcli.cli.generate.startup import leave_if_start_up_abandoned
+
+        leave_if_start_up_abandoned()
         raise typer.Exit(130) from None
     raise typer.Exit(code)
-
-
-def _leave_if_start_up_abandoned() -> None:
-    """A second Ctrl-C leaves the engine's start-up thread where it is, perhaps inside C++ (a tensor-parallel
-    rendezvous, a process group being made); interpreter exit under it aborts (SIGABRT, "terminate called
-    without an active exception"). Its worker processes and control segments go now, and so does the process,
-    with 130 once the exit hooks have run. Everything else (OUT's lock, IN's copy) has been released by then."""
-    from llmcli.cli.generate.startup import start_up_running
-
-    if not start_up_running():
-        return
-    import atexit
-    import multiprocessing
-
-    from llmcli.parallel.shm_channel import unlink_own_segments
-
-    for child in multiprocessing.active_children():
-        child.kill()
-    atexit._run_exitfuncs()  # the Python clean-up (the group's teardown, logging); not C++ destructors
-    unlink_own_segments()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    os._exit(130)
 
 
 @app.command(no_args_is_help=True, cls=Command)
