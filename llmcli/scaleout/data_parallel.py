@@ -105,6 +105,13 @@ def driver_config(engine_kwargs: dict[str, Any], scale: ScaleOut) -> Config:
     return Config(**engine_kwargs)
 
 
+def _one_line(loss: str) -> str:
+    """A replica's loss for an error record: its first line, with the last line of its traceback if any."""
+    lines = [line.strip() for line in loss.splitlines() if line.strip()]
+    head = lines[0].removesuffix("its error:").rstrip(" ;:")
+    return f"{head} ({lines[-1]})" if len(lines) > 1 else head
+
+
 @dataclass
 class ReplicaRunners:
     """What callers read from ``engine.model_runner``: the smallest KV pool, and replica 0's memory plan."""
@@ -259,7 +266,8 @@ class DataParallelEngine:
         failed = len(orphans) - len(resend)
         log.warning("llmcli: %s; sending its %d unfinished request(s) to the %d remaining replica(s)%s",
                     message, len(resend), len(live),
-                    f" ({failed} failed: running on {MAX_LOSSES} lost replicas)" if failed else "")
+                    f" ({failed} given up on, as suspected of killing replicas: see their error records)"
+                    if failed else "")
         for request_id in resend:
             self._route(request_id)
 
@@ -273,11 +281,10 @@ class DataParallelEngine:
                 count = self._blamed[request_id] = self._blamed.get(request_id, 0) + 1
                 if alone or count >= MAX_LOSSES:
                     token_ids, _, _ = self._outstanding.pop(request_id)
-                    first = message.splitlines()[0]
                     reason = ("it was the only request that replica was running" if alone else
                               f"it was running on {count} data-parallel replicas that failed")
                     self._failed.append(RequestOutput(request_id, None, list(token_ids), [], error=ReplicaFailure(
-                        f"{first.rstrip(':; ')}; {reason}, so it is not sent to another")))
+                        f"{_one_line(message)}; {reason}, so it is not sent to another")))
                     continue
             resend.append(request_id)
         return resend
