@@ -34,6 +34,8 @@ ENV_NUMBERS: dict[str, tuple[type, float, str]] = {
     "LLMCLI_TP_TIMEOUT_S": (float, 0, "seconds a tensor-parallel collective may take"),
     "LLMCLI_TP_EXIT_GRACE_S": (float, 0, "seconds tensor-parallel workers get to exit"),
     "LLMCLI_DP_START_TIMEOUT_S": (float, 0, "seconds a data-parallel replica may take to start"),
+    "LLMCLI_DP_HEARTBEAT_S": (float, 0, "seconds a silent data-parallel replica is waited for"),
+    "LLMCLI_TEMPLATE_TIMEOUT_S": (float, 0, "seconds a chat template may take to render"),
 }
 
 

@@ -306,20 +306,25 @@ def test_logprobs_and_penalties_travel_from_replicas(tiny_checkpoint, tmp_path, 
                                                                         abs=1e-5)
 
 
-def test_local_replica_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica, tmp_path):
-    out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(command(tiny_model, inputs["kill"], out, *KILL_FLAGS, "-dp", "2"), env=env(),
+def hit_a_replica_mid_run(model: Path, inp: Path, out: Path, sig: int, **extra_env: str) -> tuple[str, list[int]]:
+    """A -dp 2 run whose first replica gets ``sig`` once OUT has a line; (its stderr, the replica pids)."""
+    proc = subprocess.Popen(command(model, inp, out, *KILL_FLAGS, "-dp", "2"), env={**env(), **extra_env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for_lines(proc, out, 1)
         replicas = children_of(proc.pid)
         assert len(replicas) == 2, replicas
-        os.kill(replicas[0], signal.SIGKILL)
+        os.kill(replicas[0], sig)
         assert proc.wait(timeout=180) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    stderr = proc.stderr.read().decode()
+    return proc.stderr.read().decode(), replicas
+
+
+def test_local_replica_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica, tmp_path):
+    out = tmp_path / "out.jsonl"
+    stderr, replicas = hit_a_replica_mid_run(tiny_model, inputs["kill"], out, signal.SIGKILL)
     assert "killed by signal SIGKILL" in stderr
     assert resent_count(stderr) >= 1
     assert lines_of(out) == one_replica["kill"]  # every input exactly once, same answers, in order
@@ -452,3 +457,64 @@ def test_ray_actor_killed_mid_run_loses_nothing(tiny_model, inputs, one_replica,
     assert "replica1" in stderr
     assert resent_count(stderr) >= 1
     assert lines_of(out) == one_replica["kill"]
+
+
+def three_scripted_replicas(model, requests: int) -> tuple[DataParallelEngine, ScriptedPool]:
+    """A driver over three scripted replicas, ``requests`` requests sent to them."""
+    from llmcli.config import Config
+
+    pool = ScriptedPool(3)
+    engine = DataParallelEngine(Config(str(model), device="cpu"), ScaleOut(3), tokenizer=object(), pool=pool)
+    for i in range(requests):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id=i)
+    engine.step()
+    return engine, pool
+
+
+def test_a_request_whose_replicas_keep_failing_fails_alone(tiny_model):
+    engine, pool = three_scripted_replicas(tiny_model, 9)
+    on = {r: [item[0] for item in pool.sent[r]] for r in range(3)}
+    poison, neighbour = on[0][0], on[0][1]
+
+    def where(request_id):
+        return next(r for r in range(3) if request_id in [item[0] for item in pool.sent[r]] and r not in pool.killed)
+
+    # replica 0's engine fails while running the poison and a neighbour: both move on, nothing fails yet
+    pool.events = [("lost", 0, "(pid 1000) exited with status 1; its error: boom", [poison, neighbour])]
+    assert engine.step() == []
+    second = where(poison)
+    # the replica it moved to fails too, running it and a request that never failed before
+    innocent = next(rid for rid in on[second] if rid not in (poison, neighbour))
+    pool.events = [("lost", second, "(pid 1001) exited with status 1; its error: boom", [poison, innocent])]
+    got = engine.step()
+    assert [o.request_id for o in got] == [poison]  # given up on, as an error output, not sent to the third
+    assert "running on 2 data-parallel replicas" in got[0].error and "not sent to another" in got[0].error
+    third = 3 - 0 - second
+    moved = [item[0] for item in pool.sent[third]]
+    assert poison not in moved and innocent in moved and neighbour in moved  # the others are still answered
+    assert engine.has_unfinished()
+    engine.shutdown()
+
+
+def test_a_stopped_replica_blames_nobody_and_a_lone_runner_fails_at_once(tiny_model):
+    engine, pool = three_scripted_replicas(tiny_model, 6)
+    on0 = [item[0] for item in pool.sent[0]]
+    pool.events = [("lost", 0, "(pid 1000) stopped responding: no heartbeat", [])]
+    assert engine.step() == []  # silent, not failing on a request: all of its requests move on
+    on1 = [item[0] for item in pool.sent[1]]
+    pool.events = [("lost", 1, "(pid 1001) exited with status 1; its error: boom", [on1[0]])]
+    got = engine.step()
+    assert [o.request_id for o in got] == [on1[0]] and "the only request" in got[0].error
+    assert sorted(item[0] for item in pool.sent[2]) == sorted(set(range(6)) - {on1[0]})
+    assert set(on0) <= {item[0] for item in pool.sent[2]}
+    engine.shutdown()
+
+
+def test_local_replica_stopped_mid_run_is_lost_and_its_requests_resent(tiny_model, inputs, one_replica, tmp_path):
+    out = tmp_path / "out.jsonl"
+    # frozen, not dead: only its silence tells
+    stderr, replicas = hit_a_replica_mid_run(tiny_model, inputs["kill"], out, signal.SIGSTOP, LLMCLI_DP_HEARTBEAT_S="2")
+    assert "stopped responding: no heartbeat for" in stderr and "LLMCLI_DP_HEARTBEAT_S=2" in stderr
+    assert resent_count(stderr) >= 1
+    assert lines_of(out) == one_replica["kill"]
+    assert not wait_gone(replicas), "the stopped replica outlived the run"

@@ -30,7 +30,7 @@ INPUT_KEYS = {"prompt", "messages", "prompt_token_ids"}
 OUTPUT_KEYS = {"text", "choices", "response", "error"}
 TINY = "examples/tiny-qwen3"
 # Inline code that starts with one of these is another tool's command line, whose flags are not llmcli's.
-OTHER_PROGRAMS = {"python", "pip", "pytest", "ray", "kill", "jq", "cat", "git", "grep"}
+OTHER_PROGRAMS = {"python", "pip", "pytest", "ray", "kill", "jq", "cat", "git", "grep", "ulimit"}
 COMMANDS = typer.main.get_command(app).commands
 
 

@@ -172,6 +172,9 @@ def _guarded(run: Callable[[], int]) -> None:
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         say(console, "interrupted")
+        from llmcli.cli.generate.startup import leave_if_start_up_abandoned
+
+        leave_if_start_up_abandoned()
         raise typer.Exit(130) from None
     raise typer.Exit(code)
 

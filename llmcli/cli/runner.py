@@ -9,6 +9,7 @@ from typing import Any, Iterable, Iterator, Protocol
 from llmcli.engine.outputs import RequestOutput
 from llmcli.engine.sequence import RequestRejected
 from llmcli.cli.io.output import error_record, result_record
+from llmcli.scaleout.errors import ReplicaFailure
 from llmcli.cli.io.prepare import PreparedRequest
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.background_writer import BackgroundWriter
@@ -207,9 +208,12 @@ class Runner:
         if out.error is not None:  # the record's error (its siblings, still running, finish unseen)
             self._inflight -= self._missing[position] - 1
             del self._requests[position], self._groups[position], self._missing[position], self._budgets[position]
-            kind = item.params[0].structured_outputs.kind.replace("_", " ")
-            item.record.fail(item.record.structured_field or item.record.field_name("structured_outputs"),
-                             f"invalid {kind}: {out.error}")
+            constraint = item.params[0].structured_outputs
+            if constraint is None or isinstance(out.error, ReplicaFailure):  # not its fields' fault: its prompt
+                item.record.fail(item.record.prompt_field(), out.error)
+            else:
+                item.record.fail(item.record.structured_field or item.record.field_name("structured_outputs"),
+                                 f"invalid {constraint.kind.replace('_', ' ')}: {out.error}")
             self.rejected.append(item.record)
             self._write_error(position, item.record, unused=sum(self._budget(item)))
             return

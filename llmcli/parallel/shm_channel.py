@@ -22,11 +22,13 @@ a random token (``llmcli_tp_<pid>_<hex>``), so engines never share one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import secrets
 import struct
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable
 
@@ -62,6 +64,16 @@ class ChannelSpec:
     acks: list[Any]
 
 
+def unlink_own_segments() -> None:
+    """Remove every control segment this process created (for a process about to end without clean-up)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/{SHM_PREFIX}{os.getpid()}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
+
+
 class ControlChannel:
     def __init__(self, shm: SharedMemory, spec: ChannelSpec, owner: bool) -> None:
         self.shm, self.spec, self.owner = shm, spec, owner
@@ -76,14 +88,24 @@ class ControlChannel:
         payload_bytes = payload_bytes or payload_bytes_from_env()
         meta = HEADER_BYTES + world_size * (ERROR_SLOT_BYTES + HEARTBEAT_SLOT_BYTES)
         name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        # SharedMemory registers the new segment with multiprocessing's resource tracker after creating it, and
+        # starting the tracker then (pipes, a process) can fail and leave the segment behind: start it first.
+        resource_tracker.ensure_running()
         shm = SharedMemory(name=name, create=True, size=meta + payload_bytes)
-        shm.buf[:meta] = bytes(meta)
-        workers = range(world_size - 1)
-        spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Event() for _ in workers],
-                           [ctx.Event() for _ in workers])
-        for ack in spec.acks:
-            ack.set()  # nothing outstanding yet
-        return cls(shm, spec, owner=True)
+        try:
+            shm.buf[:meta] = bytes(meta)
+            workers = range(world_size - 1)
+            spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Event() for _ in workers],
+                               [ctx.Event() for _ in workers])
+            for ack in spec.acks:
+                ack.set()  # nothing outstanding yet
+            return cls(shm, spec, owner=True)
+        except BaseException:
+            # Not yet anyone's channel, so no clean-up path knows it: the segment must not outlive this call
+            # (a descriptor limit makes the events fail, a Ctrl-C may land here).
+            shm.close()
+            shm.unlink()
+            raise
 
     @classmethod
     def attach(cls, spec: ChannelSpec) -> "ControlChannel":

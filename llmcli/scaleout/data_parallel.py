@@ -20,9 +20,16 @@ actors on a Ray cluster (``ray_pool``).
   for a request that is not outstanding any more is dropped (never answered
   twice).
 * **Failures.** A replica that dies (process exit, Ray actor death, an error
-  in its loop) is reported as a warning, and its unanswered requests are sent
-  again to the others (nothing lost). When no replica is left,
-  ``DataParallelError`` names every loss.
+  in its loop) or stops responding (no heartbeat) is reported as a warning,
+  and its unanswered requests are sent again to the others (nothing lost).
+  When no replica is left, ``DataParallelError`` names every loss.
+* **Poison requests.** A request that may have killed its replica is not
+  carried from replica to replica: one that was running on two replicas that
+  failed (or was the only request running when its replica's engine failed)
+  comes back as an error output instead of being sent again. A replica that
+  failed with an error names what it was running; one that died without a
+  word (a signal) counts against all its unfinished requests; one that was
+  stopped (silent) against none.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from llmcli.engine.admission import check_request_fits, encode_prompt
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.sampling_params import SamplingParams
 from llmcli.scaleout.balancer import OutstandingTokenBalancer, request_cost
-from llmcli.scaleout.errors import DataParallelError
+from llmcli.scaleout.errors import DataParallelError, ReplicaFailure
 from llmcli.scaleout.replica import ReplicaInfo
 
 log = logging.getLogger("llmcli")
@@ -46,6 +53,7 @@ log = logging.getLogger("llmcli")
 BACKENDS = ("local", "ray")
 WAIT_S = 0.1
 FORCE_POOL_ENV = "LLMCLI_DP_FORCE_POOL"  # testing: "1" runs even one replica as a replica (process or actor)
+MAX_LOSSES = 2  # a request running on this many replicas that failed is failed itself, not sent on
 # Counters of EngineStats that describe the present (what runs now), not the past: a lost replica's are zeroed.
 CURRENT_STATE = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total")
 
@@ -97,6 +105,13 @@ def driver_config(engine_kwargs: dict[str, Any], scale: ScaleOut) -> Config:
     return Config(**engine_kwargs)
 
 
+def _one_line(loss: str) -> str:
+    """A replica's loss for an error record: its first line, with the last line of its traceback if any."""
+    lines = [line.strip() for line in loss.splitlines() if line.strip()]
+    head = lines[0].removesuffix("its error:").rstrip(" ;:")
+    return f"{head} ({lines[-1]})" if len(lines) > 1 else head
+
+
 @dataclass
 class ReplicaRunners:
     """What callers read from ``engine.model_runner``: the smallest KV pool, and replica 0's memory plan."""
@@ -146,6 +161,8 @@ class DataParallelEngine:
         self._stats: dict[int, EngineStats] = {
             r: EngineStats(kv_blocks_total=info.num_blocks) for r, info in enumerate(infos)}
         self._losses: list[str] = []
+        self._blamed: dict[Hashable, int] = {}  # request -> replicas that failed while running it
+        self._failed: list[RequestOutput] = []  # requests given up on, returned by the next step
         self._rng = random.Random(config.seed)
         self._closed = False
 
@@ -220,15 +237,18 @@ class DataParallelEngine:
                         self.balancer.done(out.request_id)
                         finished.append(out)
             else:
-                self._replica_lost(event[1], event[2])
+                self._replica_lost(event[1], event[2], event[3] if len(event) > 3 else None)
         self._flush()
+        finished += self._failed
+        self._failed = []
         return finished
 
     @property
     def _lost_replicas(self) -> set[int]:
         return {r for r, ok in enumerate(self.balancer.alive) if not ok}
 
-    def _replica_lost(self, replica: int, why: str) -> None:
+    def _replica_lost(self, replica: int, why: str, suspects: list[Any] | None = None) -> None:
+        """``suspects``: what the replica was running when it failed (None: unknown, so all it held)."""
         if not self.balancer.alive[replica]:
             return
         self.pool.kill(replica)
@@ -239,13 +259,35 @@ class DataParallelEngine:
             setattr(stats, name, 0)
         message = f"data-parallel replica {replica} {why}"
         self._losses.append(message)
+        resend = self._give_up_on_poison(orphans, suspects, message)
         live = self.balancer.live
         if not live:
             raise DataParallelError("every data-parallel replica has been lost:\n" + "\n".join(self._losses))
-        log.warning("llmcli: %s; sending its %d unfinished request(s) to the %d remaining replica(s)",
-                    message, len(orphans), len(live))
-        for request_id in orphans:
+        failed = len(orphans) - len(resend)
+        log.warning("llmcli: %s; sending its %d unfinished request(s) to the %d remaining replica(s)%s",
+                    message, len(resend), len(live),
+                    f" ({failed} given up on, as suspected of killing replicas: see their error records)"
+                    if failed else "")
+        for request_id in resend:
             self._route(request_id)
+
+    def _give_up_on_poison(self, orphans: list[Any], suspects: list[Any] | None, message: str) -> list[Any]:
+        """The orphans to send again; the ones that may be killing replicas become error outputs instead."""
+        blamed = set(orphans) if suspects is None else set(suspects).intersection(orphans)
+        alone = suspects is not None and len(blamed) == 1  # the only request its engine ran when it failed
+        resend = []
+        for request_id in orphans:
+            if request_id in blamed:
+                count = self._blamed[request_id] = self._blamed.get(request_id, 0) + 1
+                if alone or count >= MAX_LOSSES:
+                    token_ids, _, _ = self._outstanding.pop(request_id)
+                    reason = ("it was the only request that replica was running" if alone else
+                              f"it was running on {count} data-parallel replicas that failed")
+                    self._failed.append(RequestOutput(request_id, None, list(token_ids), [], error=ReplicaFailure(
+                        f"{_one_line(message)}; {reason}, so it is not sent to another")))
+                    continue
+            resend.append(request_id)
+        return resend
 
     # -- statistics -------------------------------------------------------------------
     @property

@@ -12,6 +12,10 @@ class DataParallelError(RuntimeError):
     """The data-parallel replicas cannot go on (none left, or one failed to start); the message says why."""
 
 
+class ReplicaFailure(str):
+    """The error of a request given up on because the replicas that ran it failed (not a fault of its fields)."""
+
+
 def raise_startup_failure(index: int, where: str, kind: str, message: str, text: str) -> None:
     """Re-raise a replica's start-up failure in the driver, as the kind of error it was."""
     log.debug("data-parallel replica %d failed to start:\n%s", index, text)

@@ -11,7 +11,10 @@ driver's sends never wait on a replica that is itself busy sending.
 
 Loss: the driver waits on every replica's result pipe and process sentinel at
 once; a sentinel that fires means the replica is gone (whatever it sent before
-is still read). Replicas ignore SIGINT (Ctrl-C reaches the whole process
+is still read). A replica also writes a heartbeat from a thread of its own, so
+one that says nothing for ``LLMCLI_DP_HEARTBEAT_S`` is stopped or frozen, not
+busy: it is lost too (and killed). The driver's sends go through a thread per
+replica, so a stopped replica's full pipe never blocks the driver. Replicas ignore SIGINT (Ctrl-C reaches the whole process
 group; the driver decides how to stop) and leave by themselves within half a
 second when the driver's process disappears. ``shutdown`` (also at interpreter
 exit and when the pool is garbage collected) asks them to stop, then kills
@@ -26,6 +29,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # noqa: F401 - its atexit hook must be registered before ours (ours runs first)
 import os
+import queue
 import signal
 import sys
 import threading
@@ -37,8 +41,10 @@ from typing import Any
 from llmcli.engine.cpu_threads import THREADS_ENV, replica_budget
 from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
 from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
-                                     failure_text, startup_failure)
+                                     failure_text, running_ids, silence_limit_s, silence_text,
+                                     startup_failure)
 from llmcli.parallel.exits import describe_ended
+from llmcli.parallel.heartbeat import beat_interval
 
 log = logging.getLogger("llmcli")
 
@@ -53,6 +59,7 @@ class ReplicaSpec:
     threads: int | None
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
+    beat_s: float = 1.0  # how often the replica's heartbeat thread writes to its result pipe
 
 
 # -- GPU placement -------------------------------------------------------------------
@@ -102,6 +109,15 @@ def replica_main(spec: ReplicaSpec, requests: Any, results: Any) -> None:
         with send_lock:
             results.send(("out", outputs, stats))
 
+    def beat() -> None:  # its own thread, so a long step is not silence; only a stopped process is
+        try:
+            while True:
+                time.sleep(spec.beat_s)
+                with send_lock:
+                    results.send(("beat",))
+        except (OSError, ValueError):
+            pass  # the driver is gone, or this replica is ending
+
     loop = ReplicaLoop(engine, emit)
 
     def read_requests() -> None:
@@ -114,12 +130,13 @@ def replica_main(spec: ReplicaSpec, requests: Any, results: Any) -> None:
     try:
         results.send(("ready", describe(engine, spec.index)))
         threading.Thread(target=read_requests, daemon=True, name="llmcli-dp-inbox").start()
+        threading.Thread(target=beat, daemon=True, name="llmcli-dp-heartbeat").start()
         loop.run()
     except BaseException as exc:  # noqa: BLE001
         text = failure_text(exc)
         sent = False
         with contextlib.suppress(Exception):
-            results.send(("died", text))
+            results.send(("died", text, running_ids(engine)))
             sent = True
         if not sent:  # the driver is gone: stderr is the only place left to say it
             sys.stderr.write(f"llmcli data-parallel replica {spec.index} failed:\n{text}\n")
@@ -143,7 +160,27 @@ class _Replica:
         self.results = results  # replica -> driver
         self.info: ReplicaInfo | None = None
         self.error_text = ""  # a traceback the replica sent before it exited
+        self.suspects: list[Any] | None = None  # what it was running when it failed (None: it did not say)
         self.lost = False
+        self.heard = time.monotonic()  # when the driver last read a message from it
+        # Sends go through a thread of their own: a stopped replica stops emptying its pipe, and a send into
+        # a full pipe would block the driver, which must stay free to notice the silence.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.send_failed: str | None = None
+
+    def start_sender(self) -> None:
+        threading.Thread(target=self._send_loop, daemon=True, name=f"llmcli-dp-send{self.index}").start()
+
+    def _send_loop(self) -> None:
+        while True:
+            message = self.outbox.get()
+            try:
+                self.requests.send(message)
+            except (OSError, ValueError) as exc:  # BrokenPipeError and friends: it is gone
+                self.send_failed = f"stopped taking requests ({type(exc).__name__})"
+                return
+            if message[0] == STOP:
+                return
 
 
 class _Procs:
@@ -162,8 +199,7 @@ class _Procs:
         atexit.unregister(self.teardown)
         live = [r for r in self.replicas if r.proc.is_alive()]
         for r in live:
-            with contextlib.suppress(Exception):
-                r.requests.send((STOP,))
+            r.outbox.put((STOP,))
         deadline = time.monotonic() + STOP_WAIT_S
         for r in live:
             r.proc.join(max(0.0, deadline - time.monotonic()))
@@ -193,7 +229,7 @@ class LocalReplicaPool:
         self._procs = _Procs()
         self._finalizer = weakref.finalize(self, self._procs.teardown)
         self._finalizer.atexit = False  # the explicit atexit hook below runs before multiprocessing's own
-        self._pending_losses: list[tuple[int, str]] = []
+        self.silence_s = silence_limit_s()
 
     @property
     def replicas(self) -> list[_Replica]:
@@ -224,12 +260,14 @@ class LocalReplicaPool:
                 env = {"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus[index] is not None else {}
                 if threads is not None:
                     env[THREADS_ENV] = str(threads)
-                spec = ReplicaSpec(index, self.engine_kwargs, threads, os.getpid(), env)
+                spec = ReplicaSpec(index, self.engine_kwargs, threads, os.getpid(), env, beat_interval(self.silence_s))
                 proc = ctx.Process(target=replica_main, args=(spec, req_r, res_w), name=f"llmcli-dp-replica{index}")
                 proc.start()
                 req_r.close()
                 res_w.close()  # ours closed, the replica's end is the only writer: EOF when it exits
-                procs.replicas.append(_Replica(index, proc, req_w, res_r))
+                replica = _Replica(index, proc, req_w, res_r)
+                replica.start_sender()
+                procs.replicas.append(replica)
             return self._wait_ready(timeout_s)
         except BaseException:
             procs.teardown()
@@ -255,6 +293,7 @@ class LocalReplicaPool:
                         pass
                 if message is not None and message[0] == "ready":
                     r.info = message[1]
+                    r.heard = time.monotonic()
                     waiting.pop(r.results, None)
                     waiting.pop(r.proc.sentinel, None)
                     continue
@@ -269,46 +308,57 @@ class LocalReplicaPool:
     # -- steady state -----------------------------------------------------------------
     def submit(self, index: int, batch: list[tuple]) -> None:
         r = self.replicas[index]
-        if r.lost:
-            return
-        try:
-            r.requests.send((ADD, batch))
-        except (OSError, ValueError) as exc:  # BrokenPipeError and friends: it is gone
-            self._pending_losses.append((index, f"stopped taking requests ({type(exc).__name__})"))
+        if not r.lost:
+            r.outbox.put((ADD, batch))
 
     def wait(self, timeout: float) -> list[tuple]:
         """Events since the last call, waiting up to ``timeout`` for the first one:
-        ``("out", index, outputs, stats)`` and ``("lost", index, why)``."""
-        events: list[tuple] = [("lost", i, why) for i, why in self._pending_losses]
-        self._pending_losses.clear()
+        ``("out", index, outputs, stats)`` and ``("lost", index, why[, suspects])`` (suspects: the requests
+        it was running when it failed; absent or None when it could not say)."""
         live = [r for r in self.replicas if not r.lost]
+        events: list[tuple] = [("lost", r.index, r.send_failed) for r in live if r.send_failed]
         handles: dict[Any, _Replica] = {r.results: r for r in live}
         handles.update({r.proc.sentinel: r for r in live})
         ready = multiprocessing.connection.wait(list(handles), 0 if events else timeout) if handles else []
         gone = {handles[h].index for h in ready if h is handles[h].proc.sentinel}
         for r in {handles[h] for h in ready}:
             self._drain(r, events, gone)
+        self._check_silence(live, events, gone)
         for r in live:
             if r.index in gone and not any(e[0] == "lost" and e[1] == r.index for e in events):
                 why = f"(pid {r.proc.pid}) {describe_ended(r.proc)}"
                 text = r.error_text.rstrip()
                 if text:
                     why += f"; its error:{chr(10) if chr(10) in text else ' '}{text}"
-                events.append(("lost", r.index, why))
+                events.append(("lost", r.index, why, r.suspects))
         for e in events:
             if e[0] == "lost":
                 self.replicas[e[1]].lost = True
         return events
+
+    def _check_silence(self, live: list[_Replica], events: list[tuple], gone: set[int]) -> None:
+        """A replica the driver has heard nothing from for ``silence_s`` (not even the heartbeat its own
+        thread sends) is lost, as a dead one is."""
+        for r in live:
+            if r.index in gone or time.monotonic() - r.heard <= self.silence_s:
+                continue
+            self._drain(r, events, gone)  # what it sent while the driver was busy elsewhere
+            quiet = time.monotonic() - r.heard
+            if r.index not in gone and quiet > self.silence_s and not any(
+                    e[0] == "lost" and e[1] == r.index for e in events):
+                # stopped from outside, not by what it ran: no request is blamed
+                events.append(("lost", r.index, f"(pid {r.proc.pid}) {silence_text(quiet, self.silence_s)}", []))
 
     def _drain(self, r: _Replica, events: list[tuple], gone: set[int]) -> None:
         """Every complete message the replica sent (also after it died: the pipe keeps them)."""
         try:
             while r.results.poll():
                 message = r.results.recv()
+                r.heard = time.monotonic()
                 if message[0] == "out":
                     events.append(("out", r.index, message[1], message[2]))
                 elif message[0] == "died":
-                    r.error_text = message[1]
+                    r.error_text, r.suspects = message[1], message[2]
         except (EOFError, OSError):
             gone.add(r.index)
 

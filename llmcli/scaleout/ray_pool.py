@@ -13,7 +13,9 @@ and runs ``ReplicaLoop`` in a thread of its own. ``submit(batch)`` puts requests
 in its inbox and returns at once; ``poll(timeout)`` returns what finished since
 the last poll (waiting up to ``timeout`` for something). The driver keeps one
 ``poll`` in flight per actor and waits on all of them with ``ray.wait``; a
-``RayActorError`` from a poll means that replica is lost.
+``RayActorError`` from a poll means that replica is lost, and so does a poll
+that has not come back within ``LLMCLI_DP_HEARTBEAT_S`` (a stopped or frozen
+actor: polls are served by a thread of their own).
 
 Ray itself: if Ray is not initialized in this process, the pool calls
 ``ray.init`` (with the address given, or a new local cluster without one) and
@@ -34,8 +36,8 @@ import uuid
 from typing import Any
 
 from llmcli.scaleout.errors import DataParallelError, raise_startup_failure
-from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe,
-                                     startup_failure)
+from llmcli.scaleout.replica import (ADD, STOP, ReplicaInfo, ReplicaLoop, build_engine, describe, running_ids,
+                                     silence_limit_s, silence_text, startup_failure)
 
 log = logging.getLogger("llmcli")
 
@@ -108,16 +110,18 @@ class ReplicaActor:
         try:
             self.loop.run()
         except BaseException:  # noqa: BLE001 - the driver treats this replica as lost and says why
-            self.outbox.put(("died", traceback.format_exc()))
+            self.outbox.put(("died", traceback.format_exc(), running_ids(self.engine)))
 
     def submit(self, batch: list[tuple]) -> None:
         self.loop.inbox.put((ADD, batch))
 
-    def poll(self, timeout: float) -> tuple[list, Any, str | None]:
-        """(outputs, latest stats or None, traceback if the loop died) since the last poll."""
+    def poll(self, timeout: float) -> tuple[list, Any, str | None, list]:
+        """(outputs, latest stats or None, traceback if the loop died, what it was running then) since the last
+        poll."""
         outputs: list = []
         stats = None
         error = None
+        suspects: list = []
         items = []
         try:
             items.append(self.outbox.get(timeout=timeout))
@@ -130,8 +134,8 @@ class ReplicaActor:
                 outputs.extend(item[1])
                 stats = item[2]
             else:
-                error = item[1]
-        return outputs, stats, error
+                error, suspects = item[1], item[2]
+        return outputs, stats, error, suspects
 
     def stop(self) -> None:
         if self.loop is not None:
@@ -162,6 +166,8 @@ class RayReplicaPool:
         self.actors: list[Any] = []
         self.groups: list[Any] = []
         self.polls: dict[int, Any] = {}  # replica -> its poll in flight
+        self.polled_at: dict[int, float] = {}  # replica -> when that poll was sent
+        self.silence_s = silence_limit_s()
         self.submits: dict[int, list[Any]] = {}  # replica -> submit refs not yet seen done
         self.lost: set[int] = set()
         self.owns_ray = False
@@ -256,8 +262,8 @@ class RayReplicaPool:
                 if status == "failed":
                     raise_startup_failure(index, "its Ray node", *payload)
                 infos[index] = payload
-        for index, actor in enumerate(self.actors):
-            self.polls[index] = actor.poll.remote(POLL_S)
+        for index in range(self.size):
+            self._poll(index)
             self.submits[index] = []
         log.info("data parallelism: %d Ray replicas on %s", self.size, sorted({i.host for i in infos.values()}))
         return [infos[i] for i in range(self.size)]
@@ -291,7 +297,7 @@ class RayReplicaPool:
         for ref in ready:
             index = by_ref[ref]
             try:
-                outputs, stats, error = ray.get(ref)
+                outputs, stats, error, suspects = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 self._lose(index, f"(Ray actor {self.actor_name(index)}) was lost: {type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0] if str(exc) else ''}", events)
@@ -299,16 +305,29 @@ class RayReplicaPool:
             if outputs or stats is not None:
                 events.append(("out", index, outputs, stats))
             if error is not None:
-                self._lose(index, f"(Ray actor {self.actor_name(index)}) failed; its error:\n{error.rstrip()}", events)
+                self._lose(index, f"(Ray actor {self.actor_name(index)}) failed; its error:\n{error.rstrip()}", events,
+                           suspects)
                 continue
-            self.polls[index] = self.actors[index].poll.remote(POLL_S)
+            self._poll(index)
+        # A poll returns within POLL_S from a thread of the actor's own, whatever its engine computes: one that
+        # has not come back in silence_s means a stopped or frozen actor (or its node), lost as a dead one.
+        now = time.monotonic()
+        for index in list(self.polls):
+            quiet = now - self.polled_at[index] - POLL_S
+            if index not in self.lost and quiet > self.silence_s:
+                self._lose(index, f"(Ray actor {self.actor_name(index)}) {silence_text(quiet, self.silence_s)}",
+                           events, [])
         return events
 
-    def _lose(self, index: int, why: str, events: list[tuple]) -> None:
+    def _poll(self, index: int) -> None:
+        self.polls[index] = self.actors[index].poll.remote(POLL_S)
+        self.polled_at[index] = time.monotonic()
+
+    def _lose(self, index: int, why: str, events: list[tuple], suspects: list | None = None) -> None:
         self.lost.add(index)
         self._consume(self.submits.pop(index, []))
         self.polls.pop(index, None)
-        events.append(("lost", index, why))
+        events.append(("lost", index, why, suspects))
         self.kill(index)
 
     def kill(self, index: int) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 HEARTBEAT_S = 0.5  # a busy replica reports its statistics at least this often, answers or not
+SILENCE_ENV = "LLMCLI_DP_HEARTBEAT_S"
+DEFAULT_SILENCE_S = 30.0
 
 # inbox messages
 ADD = "add"  # ("add", [(request_id, prompt_token_ids, params), ...])
@@ -49,6 +51,19 @@ def build_engine(engine_kwargs: dict[str, Any], threads: int | None) -> Any:
     return LLMEngine(Config(**engine_kwargs))
 
 
+def silence_limit_s() -> float:
+    """How long a replica may go without a word (a heartbeat, sent by a thread of its own whatever its engine
+    computes) before it is reported lost: only a stopped (SIGSTOP) or frozen replica stays silent that long."""
+    from llmcli.config import env_number
+
+    return float(env_number(SILENCE_ENV, DEFAULT_SILENCE_S))
+
+
+def silence_text(seconds: float, limit_s: float) -> str:
+    return (f"stopped responding: no heartbeat for {seconds:.1f} s ({SILENCE_ENV}={limit_s:g}); it may have been "
+            "stopped (SIGSTOP) or be frozen")
+
+
 def describe(engine: Any, index: int) -> ReplicaInfo:
     runner = engine.model_runner
     return ReplicaInfo(index=index, pid=os.getpid(), host=socket.gethostname(), device=engine.config.device,
@@ -63,6 +78,14 @@ def startup_failure(exc: BaseException) -> tuple[str, str, str]:
 
     kind = "config" if isinstance(exc, ConfigError) else "model" if isinstance(exc, ModelNotFoundError) else "other"
     return kind, str(exc), traceback.format_exc()
+
+
+def running_ids(engine: Any) -> list[Any]:
+    """The requests the engine was running (not only queued) when it failed: the ones that may have caused it."""
+    try:
+        return [seq.request_id for seq in engine.scheduler.running]
+    except Exception:  # noqa: BLE001 - an engine in a broken state: nobody is blamed
+        return []
 
 
 def failure_text(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ from rich.console import Console
 from llmcli.cli.generate.checks import check_out
 from llmcli.cli.generate.handoff import GenerateOptions, Job, Opened, TablePlan
 from llmcli.cli.generate.startup import EngineStarter
+from llmcli.cli.fd_limit import ensure_open_files
 from llmcli.cli.io.lock import OutputLock, OutputLocked
 from llmcli.cli.io.source import InputFile, is_stream, stdin_open
 from llmcli.cli.io.tables import TableInput
@@ -27,6 +28,7 @@ def open_input(tables: TablePlan, console: Console, resources: ExitStack) -> Ope
     lock = _lock_output(opts, console, resources)
     started = time.perf_counter()
     scale = _scale_out(opts)
+    ensure_open_files(int(opts.engine.get("tensor_parallel_size") or 1), scale.data_parallel_size)
     resumed = check_out(opts.output, opts.input, opts.resume, opts.overwrite)
     if opts.input == "-" and not stdin_open():
         raise UsageError("IN is - but stdin is closed; give IN as a file, or pipe the input in")

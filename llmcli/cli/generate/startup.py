@@ -1,8 +1,43 @@
 """The engine's start-up in a thread, so that it overlaps reading, checking and tokenizing the input."""
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from typing import Any, Callable
+
+
+THREAD_NAME = "llmcli-engine-start-up"
+
+
+def start_up_running() -> bool:
+    """Whether an engine's start-up thread is still at work (a second Ctrl-C left it where it was)."""
+    return any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate())
+
+
+def leave_if_start_up_abandoned() -> None:
+    """After a Ctrl-C: a second one leaves the engine's start-up thread where it is, perhaps inside C++ (a
+    tensor-parallel rendezvous, a process group being made), and interpreter exit under it aborts (SIGABRT,
+    "terminate called without an active exception"). Then the worker processes go now, the Python exit hooks
+    run (the group's teardown, logging), the control segments are removed, and the process ends with 130
+    without C++ clean-up. Everything else (OUT's lock, IN's copy) has been released by then."""
+    if not start_up_running():
+        return
+    import atexit
+    import multiprocessing
+
+    from llmcli.parallel.shm_channel import unlink_own_segments
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    atexit._run_exitfuncs()
+    unlink_own_segments()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(130)
 
 
 class EngineStarter:
@@ -25,7 +60,7 @@ class EngineStarter:
             self._engine = build(self._cancel.is_set)
             self._done.set()
             return
-        self._thread = threading.Thread(target=self._run, name="llmcli-engine-start-up", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

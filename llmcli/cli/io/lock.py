@@ -14,6 +14,7 @@ takes it afresh.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -90,8 +91,15 @@ class OutputLock:
                 os.close(fd)
                 continue
             if writable:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                except OSError as exc:  # a full disk or quota: leave no empty lock file behind
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path)
+                    os.close(fd)
+                    raise OutputLocked(f"cannot start OUT {self.output}: writing the lock file {self.path} "
+                                       f"failed ({exc.strerror or exc}); free space in OUT's folder") from None
             self.fd = fd
             if mode is not None:
                 try:

@@ -11,6 +11,7 @@ from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
+from llmcli.cli.io.time_limit import TimeLimitExceeded, time_limit
 from llmcli.engine.admission import bad_word_ids, truncate_prompt
 from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
@@ -20,6 +21,16 @@ from llmcli.sampling_params import SamplingParams, SamplingParamsError
 # API: a chat request runs until it stops or the context is full, a completions request stops at 16.
 PLAIN_MAX_TOKENS = 256
 OPENAI_COMPLETIONS_MAX_TOKENS = 16
+# A chat template is code that comes with the model: one that does not finish in this long (per render of a
+# batch, then per record) is that record's error, not a hung run.
+TEMPLATE_TIMEOUT_ENV = "LLMCLI_TEMPLATE_TIMEOUT_S"
+DEFAULT_TEMPLATE_TIMEOUT_S = 10.0
+
+
+def template_time_limit() -> float:
+    from llmcli.config import env_number
+
+    return float(env_number(TEMPLATE_TIMEOUT_ENV, DEFAULT_TEMPLATE_TIMEOUT_S))
 
 
 def default_max_tokens(rec: InputRecord) -> int | None:
@@ -268,19 +279,25 @@ class Preparer:
         groups: dict[str, list[int]] = {}
         for i, rec in enumerate(recs):
             groups.setdefault(repr(sorted(self._kwargs_of(rec).items())), []).append(i)
+        limit = template_time_limit()
         for members in groups.values():
             kwargs = self._template_args(self._kwargs_of(recs[members[0]]))
             try:
-                texts = self.tokenizer.apply_chat_template([recs[i].prompt for i in members], **kwargs)
+                with time_limit(limit):
+                    texts = self.tokenizer.apply_chat_template([recs[i].prompt for i in members], **kwargs)
                 if isinstance(texts, list) and len(texts) == len(members):
                     for i, text in zip(members, texts):
                         found[i] = text
                     continue
-            except Exception:  # noqa: BLE001 - jinja errors, or a tokenizer without a template: say which record
+            except (Exception, TimeLimitExceeded):  # noqa: BLE001 - jinja errors, no template, a slow one: say which
                 pass
             for i in members:
                 try:
-                    found[i] = self.tokenizer.apply_chat_template(recs[i].prompt, **kwargs)
+                    with time_limit(limit):
+                        found[i] = self.tokenizer.apply_chat_template(recs[i].prompt, **kwargs)
+                except TimeLimitExceeded:
+                    found[i] = FieldProblem(recs[i].prompt_field(), f"the chat template did not finish within "
+                                                                    f"{limit:g} s ({TEMPLATE_TIMEOUT_ENV})")
                 except Exception as exc:  # noqa: BLE001
                     found[i] = FieldProblem(recs[i].prompt_field(), f"the chat template failed: {exc}")
         return found  # type: ignore[return-value]

@@ -200,7 +200,7 @@ def _check_token_ids(ids: Any, name: str) -> list[int]:
         raise FieldProblem(name, "must be a non-empty array of token ids")
     for i, t in enumerate(ids):
         if not _is_int(t) or t < 0:
-            raise FieldProblem(name, f"item {i} must be a non-negative integer, got {_short(t)}")
+            raise FieldProblem(name, f"item {i} must be a non-negative integer, got {_describe(t)}")
     return ids
 
 
@@ -367,26 +367,28 @@ def parse_line(raw: RawLine) -> InputRecord:
     if not isinstance(obj, dict):
         rec.fail(None, f"must be a JSON object, got {_type_name(obj)}")
         return rec
-    # Nesting deeper than MAX_DEPTH needs more brackets than that: most lines are not walked at all.
-    deep = _too_deep(obj) if raw.data.count(b"{") + raw.data.count(b"[") > MAX_DEPTH else None
-    if deep is not None:
-        rec.fail(deep, f"is nested more than {MAX_DEPTH} levels deep, which llmcli does not accept")
-        return rec
     try:
         if "custom_id" in obj or "body" in obj:
             custom_id = obj.get("custom_id")
             # Even a bad custom_id is an OpenAI line: its error line keeps the batch output's shape (and
             # names it as written, so --resume finds it).
             rec.openai = OpenAIRequest(custom_id=custom_id, url="")
-            rec.out_id, rec.key = custom_id, record_key(custom_id, openai=True)
+            if not isinstance(custom_id, (dict, list)):  # a container may be nested too deep to write back
+                rec.out_id, rec.key = custom_id, record_key(custom_id, openai=True)
             if not isinstance(custom_id, str) or not custom_id:
                 raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
+        elif "id" in obj:
+            if not (isinstance(obj["id"], str) or _is_int(obj["id"])):
+                raise FieldProblem("id", f"must be a string or an integer, got {_type_name(obj['id'])}")
+            rec.out_id, rec.key = obj["id"], record_key(obj["id"], openai=False)
+        # Checked once the record's name is known, so its error line carries its own id. Nesting deeper than
+        # MAX_DEPTH needs more brackets than that: most lines are not walked at all.
+        deep = _too_deep(obj) if raw.data.count(b"{") + raw.data.count(b"[") > MAX_DEPTH else None
+        if deep is not None:
+            raise FieldProblem(deep, f"is nested more than {MAX_DEPTH} levels deep, which llmcli does not accept")
+        if rec.openai is not None:
             _parse_openai(rec, obj)
         else:
-            if "id" in obj:
-                if not (isinstance(obj["id"], str) or _is_int(obj["id"])):
-                    raise FieldProblem("id", f"must be a string or an integer, got {_type_name(obj['id'])}")
-                rec.out_id, rec.key = obj["id"], record_key(obj["id"], openai=False)
             _parse_plain(rec, obj)
     except FieldProblem as problem:
         rec.prompt = None

@@ -3,13 +3,20 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
+
+from llmcli.cli.usage_error import UsageError
+
+# The longest input line read: far above any record llmcli can run (a prompt's bytes are bounded by
+# max_model_len times the longest vocabulary entry), low enough that an IN without line breaks (a JSON
+# array, a binary file) is refused after reading this much instead of filling memory.
+MAX_LINE_BYTES = 64 << 20
+_SPOOL_CHUNK = 1 << 20
 
 
 @dataclass
@@ -67,6 +74,28 @@ def read_lines(path: str) -> list[RawLine]:
     return lines
 
 
+def _spool_failed(folder: str, exc: OSError) -> UsageError:
+    return UsageError(f"copying the input to a temporary file in {folder} failed ({exc.strerror or exc}); "
+                      "set TMPDIR to a folder with room, or give IN as a file")
+
+
+def _refuse_endless(stream: Any, what: str) -> None:
+    """A character device other than a terminal or /dev/null (/dev/zero, /dev/urandom) never ends: refused."""
+    try:
+        fd = stream.fileno()
+        st = os.fstat(fd)
+    except (AttributeError, OSError, ValueError):
+        return  # no descriptor (a test runner's stand-in): nothing to check
+    if not stat.S_ISCHR(st.st_mode) or os.isatty(fd):
+        return
+    try:
+        if os.path.samestat(st, os.stat(os.devnull)):
+            return  # an empty input
+    except OSError:
+        pass
+    raise UsageError(f"{what} is a character device, not a file or a pipe; give a JSONL file")
+
+
 class InputFile:
     """The input as a seekable file, read twice: once to check every line, once to run them in chunks.
 
@@ -76,12 +105,19 @@ class InputFile:
     """
 
     def __init__(self, path: str) -> None:
+        self.name = source_name(path)
         if path == "-":
             if sys.stdin is None:
                 raise OSError(errno.EBADF, "stdin is closed")
+            _refuse_endless(sys.stdin.buffer, "IN is - but stdin")
             self._file = self._spool(sys.stdin.buffer)
             return
         file = open(Path(path), "rb")
+        try:
+            _refuse_endless(file, f"IN {path}")
+        except UsageError:
+            file.close()
+            raise
         if file.seekable():
             self._file = file
             return
@@ -90,16 +126,36 @@ class InputFile:
 
     @staticmethod
     def _spool(stream: BinaryIO) -> BinaryIO:
-        copy = tempfile.TemporaryFile(prefix="llmcli-stdin-")
-        shutil.copyfileobj(stream, copy, 1 << 20)
-        copy.seek(0)
+        # Read and write apart: a full TMPDIR is not a stdin that "cannot be read".
+        folder = os.environ.get("TMPDIR") or "the temporary folder"
+        try:
+            folder = tempfile.gettempdir()
+            copy = tempfile.TemporaryFile(prefix="llmcli-stdin-")
+        except OSError as exc:
+            raise _spool_failed(folder, exc) from None
+        try:
+            while chunk := stream.read(_SPOOL_CHUNK):  # a read error propagates: stdin (or the pipe) failed
+                try:
+                    copy.write(chunk)
+                    copy.flush()
+                except OSError as exc:
+                    raise _spool_failed(folder, exc) from None
+            copy.seek(0)
+        except BaseException:
+            copy.close()
+            raise
         return copy
 
     def lines(self) -> Iterator[tuple[RawLine, int]]:
-        """Every non-blank line with the byte offset where it starts, in order."""
+        """Every non-blank line with the byte offset where it starts, in order (each at most MAX_LINE_BYTES)."""
         self._file.seek(0)
         offset = 0
-        for number, chunk in enumerate(iter(self._file.readline, b""), start=1):
+        number = 0
+        while chunk := self._file.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(chunk) > MAX_LINE_BYTES:
+                raise UsageError(f"{self.name}:{number}: line longer than {MAX_LINE_BYTES >> 20} MiB; IN must be "
+                                 "JSONL, one JSON object per line (a JSON array or a binary file is not)")
             start = offset
             offset += len(chunk)
             data = chunk.rstrip(b"\n").rstrip(b"\r")
