@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -258,12 +259,46 @@ def test_f13_damaged_checkpoints_are_one_line_exit_2(tiny_model, tiny_model_shar
         assert not out.exists() or out.stat().st_size == 0, name
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
-def test_f13_unreadable_weight_file_says_permission_denied(tiny_model, tmp_path):
-    folder = _copy(tiny_model, tmp_path)
-    os.chmod(folder / ST, 0)
-    with pytest.raises(CheckpointError, match="permission denied"):
-        _llm(folder)
+PERMISSION_PROBE = """
+import json, sys
+from pathlib import Path
+from llmcli.models.hub import load_tokenizer, read_generation_config, resolve_model_path
+from llmcli.models.loader import check_weight_file
+root = Path(sys.argv[1])
+out = {}
+for key, call in [("weights", lambda: check_weight_file(root / "w" / "model.safetensors")),
+                  ("generation", lambda: read_generation_config(root / "g")),
+                  ("tokenizer", lambda: load_tokenizer(root / "t")),
+                  ("folder", lambda: resolve_model_path(str(root / "f")))]:
+    try:
+        call()
+        out[key] = "no error"
+    except Exception as exc:
+        out[key] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_f13_unreadable_files_say_permission_denied(tiny_model, tmp_path):
+    """Mode 000 files and a folder that cannot be listed, read without root's right to ignore file modes."""
+    for name, file in (("w", ST), ("g", "generation_config.json"), ("t", "tokenizer.json"), ("f", None)):
+        folder = _copy(tiny_model, tmp_path, name)
+        os.chmod(folder / file, 0) if file else os.chmod(folder, 0o311)
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
+            "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    if drop and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: file modes do not apply")
+    try:
+        done = subprocess.run([*drop, sys.executable, "-c", PERMISSION_PROBE, str(tmp_path)], capture_output=True,
+                              text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    finally:
+        os.chmod(tmp_path / "f", 0o755)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert said["weights"].endswith("model.safetensors cannot be read: permission denied"), said
+    assert said["generation"].endswith("generation_config.json cannot be read: permission denied"), said
+    assert "tokenizer.json cannot be read: permission denied" in said["tokenizer"], said
+    assert said["folder"].startswith("cannot list model folder") and "permission denied" in said["folder"], said
 
 
 # --------------------------------------------------------------------------
