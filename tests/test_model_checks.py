@@ -177,7 +177,7 @@ def test_f4_fifo_weight_file_is_refused_at_once(tiny_model, tmp_path):
     writer = subprocess.Popen(["timeout", "60", "sh", "-c", f"sleep 5; : > '{fifo}'"])
     started = time.perf_counter()
     try:
-        with pytest.raises(CheckpointError, match=r"model[.]safetensors is a FIFO; weights must be regular"):
+        with pytest.raises(CheckpointError, match=r"model[.]safetensors is a FIFO, not a regular file"):
             _llm(folder)
         assert time.perf_counter() - started < 4
     finally:
@@ -211,7 +211,7 @@ SINGLE_FILE_DAMAGE = {
     "header not UTF-8": (_garble_header, "damaged or unreadable"),
     "dangling symlink": (lambda d: _replace_weights(d, lambda p: p.symlink_to("/nonexistent/model.safetensors")),
                          "does not exist [(]a symbolic link to /nonexistent"),
-    "a folder": (lambda d: _replace_weights(d, lambda p: p.mkdir()), "is a folder"),
+    "a folder": (lambda d: _replace_weights(d, lambda p: p.mkdir()), "is a folder, not a regular file"),
     "missing tensor": (lambda d: _edit_tensors(d, lambda s: s.pop("model.layers.1.mlp.down_proj.weight")),
                        "missing tensors: model.layers.1.mlp.down_proj.weight"),
     "transposed k_proj": (lambda d: _edit_tensors(d, _replace(K_PROJ, lambda t: t.t().contiguous())),
@@ -387,7 +387,7 @@ def test_f14_rotary_table_is_sized_by_max_model_len(tiny_model, tmp_path, edit):
 # F15, F19, F20: generation_config.json
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("text,message", [("{oops", "is not valid JSON"), ("", "is not valid JSON"),
-                                          ("[1, 2]", "must hold a JSON object, not list")])
+                                          ("[1, 2]", "must hold a JSON object, not a list")])
 def test_f15_broken_generation_config_is_one_error_naming_it(tiny_model, tmp_path, text, message):
     folder = _copy(tiny_model, tmp_path)
     (folder / "generation_config.json").write_text(text)

@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from llmcli.models.model_files import json_kind
+
 # What the shared decoder's MLP computes (SwiGLU); a family with another activation names its own in
 # ``hidden_acts`` on its model class.
 SILU = ("silu", "swish")
@@ -33,7 +35,7 @@ def _is_number(value: Any) -> bool:
 def check_config_file(raw: Any, path: Path) -> None:
     """What transformers would trip over with a Python error rather than a message: the shape of the file."""
     if not isinstance(raw, dict):
-        raise ModelConfigError(f"{path} must hold a JSON object, not {type(raw).__name__ if raw is not None else 'null'}")
+        raise ModelConfigError(f"{path} must hold a JSON object, not {json_kind(raw)}")
     archs = raw.get("architectures")
     if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
         raise ModelConfigError(f"{path}: architectures={archs!r} must be a list of class names, e.g. "

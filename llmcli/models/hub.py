@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
 from llmcli.layers.quantization import QuantConfig, QuantizationError, parse_quant_config
+from llmcli.models.model_files import check_readable_file, json_kind, read_json
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -68,10 +68,7 @@ def load_hf_config(model_path: Path) -> Any:
     from llmcli.models.config_checks import check_config_file, check_config_values
 
     path = model_path / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"{path} could not be read: {exc}") from None
+    raw = read_json(path, ModelNotFoundError)
     check_config_file(raw, path)
     try:
         config = AutoConfig.from_pretrained(str(model_path))
@@ -110,15 +107,9 @@ def read_generation_config(model_path: Path) -> dict[str, Any]:
     gen = model_path / "generation_config.json"
     if not os.path.lexists(gen):
         return {}
-    try:
-        data = json.loads(gen.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ModelConfigError(f"{gen} cannot be read: {(exc.strerror or str(exc)).lower()}") from None
-    except ValueError as exc:
-        raise ModelConfigError(f"{gen} is not valid JSON ({exc}); fix or remove it") from None
+    data = read_json(gen, ModelConfigError, "; fix or remove it")
     if not isinstance(data, dict):
-        raise ModelConfigError(f"{gen} must hold a JSON object, not {type(data).__name__ if data is not None else 'null'}"
-                               "; fix or remove it")
+        raise ModelConfigError(f"{gen} must hold a JSON object, not {json_kind(data)}; fix or remove it")
     return data
 
 
@@ -201,7 +192,7 @@ def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any 
                                      f"({', '.join(TOKENIZER_FILES[:2])}, ...)")
         return None
     for file in present:  # before transformers opens them: a FIFO would block, EACCES would read as "missing"
-        _check_tokenizer_file(file)
+        check_readable_file(file, "tokenizer file", ModelConfigError)
     try:
         loaded = AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for a broken tokenizer
@@ -213,31 +204,11 @@ def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any 
     return loaded
 
 
-def _check_tokenizer_file(file: Path) -> None:
-    """A tokenizer file that is not a readable regular file (or, for JSON, not JSON) is named as the cause."""
-    from llmcli.models.config_checks import ModelConfigError
-
-    try:
-        mode = os.stat(file).st_mode
-    except OSError as exc:
-        raise ModelConfigError(f"tokenizer file {file} cannot be read: {(exc.strerror or str(exc)).lower()}") from None
-    if not stat.S_ISREG(mode):
-        raise ModelConfigError(f"tokenizer file {file} is not a regular file")
-    try:
-        with open(file, "rb"):
-            pass
-    except OSError as exc:
-        raise ModelConfigError(f"tokenizer file {file} cannot be read: {(exc.strerror or str(exc)).lower()}") from None
-
-
 def _check_tokenizer_json(file: Path) -> None:
     from llmcli.models.config_checks import ModelConfigError
 
     if file.suffix == ".json":
-        try:
-            json.loads(file.read_bytes())
-        except ValueError as exc:
-            raise ModelConfigError(f"tokenizer file {file} is not valid JSON: {exc}") from None
+        read_json(file, ModelConfigError)
 
 
 # QuantizationError is re-exported here for config.py, which may not import the layers itself

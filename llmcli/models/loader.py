@@ -1,9 +1,7 @@
 """Filling a model's parameters: safetensors checkpoints (single or sharded) or random dummy weights."""
 from __future__ import annotations
 
-import json
 import os
-import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,6 +13,7 @@ from torch import nn
 from llmcli.layers.quantization.fp8 import QuantConfig, QuantizationError
 from llmcli.layers.quantization.loading import Fp8Checkpoint
 from llmcli.layers.weight_shape import WeightShapeError, expect_shape
+from llmcli.models.model_files import check_readable_file, os_reason, read_json
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_NAME = "model.safetensors.index.json"
@@ -25,38 +24,14 @@ class CheckpointError(ValueError):
     dtypes, a damaged or unreadable file); the message names the file and the tensor."""
 
 
-def _os_reason(exc: OSError) -> str:
-    return (exc.strerror or str(exc)).lower() if exc.errno is not None else str(exc)
-
-
 def check_weight_file(path: Path) -> None:
-    """A weight file must be a readable regular file: a FIFO or a device would block or never end, a dangling
-    link or a folder is a damaged checkpoint. Opened once here, in Python, so a slow mount still lets Ctrl-C in."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        target = f" (a symbolic link to {os.readlink(path)}, which does not exist)" if os.path.islink(path) else ""
-        raise CheckpointError(f"weight file {path} does not exist{target}") from None
-    except OSError as exc:
-        raise CheckpointError(f"weight file {path} cannot be used: {_os_reason(exc)}") from None
-    if not stat.S_ISREG(mode):
-        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise CheckpointError(f"weight file {path} is {kind}; weights must be regular *.safetensors files")
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise CheckpointError(f"weight file {path} cannot be read: {_os_reason(exc)}") from None
+    """A weight file must be a readable regular file (a FIFO would block start-up); else CheckpointError."""
+    check_readable_file(path, "weight file", CheckpointError)
 
 
 def read_index(index: Path) -> dict[str, str]:
     """``weight_map`` of model.safetensors.index.json (tensor name -> shard file name), checked."""
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CheckpointError(f"{index} cannot be read: {_os_reason(exc)}") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{index} is not valid JSON: {exc}") from None
+    data = read_json(index, CheckpointError)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index} has no weight_map object of tensor names and shard file names")
@@ -87,7 +62,7 @@ def open_weights(file: Path) -> Iterator[Any]:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             yield f
     except (SafetensorError, OSError) as exc:
-        detail = _os_reason(exc) if isinstance(exc, OSError) else str(exc)
+        detail = os_reason(exc) if isinstance(exc, OSError) else str(exc)
         raise CheckpointError(f"weight file {file} is damaged or unreadable: {detail}") from None
 
 
