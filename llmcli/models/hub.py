@@ -157,8 +157,8 @@ def load_generation_defaults(model_path: Path) -> dict[str, Any]:
                 why = re.sub(r"^SamplingParams\.\w+: | \(got .*\)$", "", str(exc))
         if why is not None:
             raise ModelConfigError(f"{model_path / 'generation_config.json'}: {name}={json.dumps(value)} {why} (fix "
-                                   f"the file, or pass --generation-config ignore (generation_config='ignore' in "
-                                   f"Python), or give --{name.replace('_', '-')})")
+                                   "the file, or pass --generation-config ignore (generation_config='ignore' in "
+                                   "Python) to leave it unread)")
     return values
 
 
@@ -186,11 +186,17 @@ def load_tokenizer(model_path: Path | str, tokenizer: str | None = None) -> Any 
 
     folder = resolve_tokenizer_path(tokenizer) if tokenizer else Path(model_path)
     present = [folder / n for n in TOKENIZER_FILES if os.path.lexists(folder / n)]
-    if not present:
-        if tokenizer:
-            raise ModelNotFoundError(f"--tokenizer {tokenizer}: {folder} holds no tokenizer files "
-                                     f"({', '.join(TOKENIZER_FILES[:2])}, ...)")
-        return None
+    if not present:  # a rarer format may still load; transformers' empty stand-in (one token) is no tokenizer
+        try:
+            loaded = AutoTokenizer.from_pretrained(str(folder))
+        except Exception:
+            loaded = None
+        if loaded is None or len(loaded) <= 1:
+            if tokenizer:
+                raise ModelNotFoundError(f"--tokenizer {tokenizer}: {folder} holds no tokenizer files "
+                                         f"({', '.join(TOKENIZER_FILES[:2])}, ...)")
+            return None
+        return loaded
     for file in present:  # before transformers opens them: a FIFO would block, EACCES would read as "missing"
         check_readable_file(file, "tokenizer file", ModelConfigError)
     try:
