@@ -59,7 +59,8 @@ def check_config_values(config: Any, raw: dict, path: Path, hidden_acts: tuple[s
     def fail(field: str, why: str) -> ModelConfigError:
         return ModelConfigError(f"{path}: {field}={getattr(config, field, None)!r} {why}")
 
-    if "vocab_size" not in raw and "vocab_size" not in (raw.get("text_config") or {}):
+    # a multimodal config keeps its text model's fields in text_config, where the family reads them
+    if "vocab_size" not in raw and "text_config" not in raw:
         raise ModelConfigError(f"{path} gives no vocab_size (the number of rows of the embedding); add it")
     for field in POSITIVE_SIZES:
         value = getattr(config, field, None)
