@@ -204,11 +204,12 @@ def _replace_weights(folder: Path, make) -> None:
     make(folder / ST)
 
 
+DAMAGED = r"weight file \S*/model[.]safetensors is damaged or unreadable: "
 SINGLE_FILE_DAMAGE = {
-    "truncated mid-tensor": (lambda d: _truncate(d, lambda b: len(b) // 2), "damaged or unreadable"),
-    "truncated in the header": (lambda d: _truncate(d, lambda b: 100), "damaged or unreadable"),
-    "zero bytes": (lambda d: _truncate(d, lambda b: 0), "damaged or unreadable"),
-    "header not UTF-8": (_garble_header, "damaged or unreadable"),
+    "truncated mid-tensor": (lambda d: _truncate(d, lambda b: len(b) // 2), DAMAGED),
+    "truncated in the header": (lambda d: _truncate(d, lambda b: 100), DAMAGED),
+    "zero bytes": (lambda d: _truncate(d, lambda b: 0), DAMAGED),
+    "header not UTF-8": (_garble_header, DAMAGED),
     "dangling symlink": (lambda d: _replace_weights(d, lambda p: p.symlink_to("/nonexistent/model.safetensors")),
                          "does not exist [(]a symbolic link to /nonexistent"),
     "a folder": (lambda d: _replace_weights(d, lambda p: p.mkdir()), "is a folder, not a regular file"),
@@ -257,6 +258,11 @@ def test_f13_damaged_checkpoints_are_one_line_exit_2(tiny_model, tiny_model_shar
         except AssertionError as exc:
             raise AssertionError(f"{name}: {exc}") from None
         assert not out.exists() or out.stat().st_size == 0, name
+    # probe-memory and bench load the same way (case0: truncated mid-tensor)
+    for command in (["probe-memory"], ["bench", "--num-prompts", "1", "--input-len", "4", "--output-len", "2"]):
+        result = runner.invoke(app, [*command, "--model", str(tmp_path / "case0"), "--device", "cpu"])
+        text = result.stderr if hasattr(result, "stderr") else result.output
+        assert result.exit_code == 2 and "Traceback" not in text and DAMAGED[:12] in text, text
 
 
 PERMISSION_PROBE = """

@@ -114,6 +114,9 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
     files = checkpoint_files(model_path)
     index = model_path / INDEX_NAME
     weight_map = read_index(index) if index.is_file() else {}
+    for file in files:  # every header read first, so a damaged file is named before anything loads
+        with open_weights(file):
+            pass
     try:
         fp8 = Fp8Checkpoint(quant, files)
     except QuantizationError as exc:
