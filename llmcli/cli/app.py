@@ -147,7 +147,9 @@ def _guarded(run: Callable[[], int]) -> None:
     from llmcli.parallel.tp_runner import TensorParallelError
     from llmcli.cli.flag_errors import flag_message
     from llmcli.cli.generate import UsageError
+    from llmcli.models.config_checks import ModelConfigError
     from llmcli.models.hub import ModelNotFoundError
+    from llmcli.models.loader import CheckpointError
     from llmcli.sampling_params import SamplingParamsError
 
     console = _console()
@@ -161,7 +163,7 @@ def _guarded(run: Callable[[], int]) -> None:
         # Raised only by command-line (or --config) values here: name the flag, not the Python field.
         say(console, f"error: {flag_message(str(exc))}")
         raise typer.Exit(2) from None
-    except (UsageError, ModelNotFoundError) as exc:
+    except (UsageError, ModelNotFoundError, ModelConfigError, CheckpointError) as exc:
         say(console, f"error: {exc}")
         raise typer.Exit(2) from None
     except (KVCacheTooSmall, KVCacheAllocationError) as exc:  # the engine's sizes do not fit this machine

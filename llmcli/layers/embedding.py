@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
 
@@ -22,6 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, (self.vocab_size, param.shape[1]))
         part = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         param.data[: part.shape[0]].copy_(part)
         param.data[part.shape[0]:].zero_()  # padding rows of the last shard

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
 
@@ -36,9 +37,12 @@ class LinearBase(nn.Module):
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if self.tp_dim is not None and (param.dim() > 1 or self.tp_dim == 0):
-            loaded = self._shard(loaded, self.tp_dim)
-        param.data.copy_(loaded)
+        sharded = self.tp_dim is not None and (param.dim() > 1 or self.tp_dim == 0)
+        full = list(param.shape)
+        if sharded:
+            full[self.tp_dim] *= self.tp_size
+        expect_shape(loaded, full)
+        param.data.copy_(self._shard(loaded, self.tp_dim) if sharded else loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -68,6 +72,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
         size = self.out_sizes[shard_id] // self.tp_size
+        expect_shape(loaded, (self.out_sizes[shard_id], *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0))
 
 
@@ -85,6 +90,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        expect_shape(loaded, (size * self.tp_size, *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0))
 
 

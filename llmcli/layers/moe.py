@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcli.kernels.moe_reference import moe_reference, route
+from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
 MOE_BACKENDS = ("auto", "triton", "reference")
@@ -68,7 +69,7 @@ class StackedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, local_inter: int) -> None:
         super().__init__()
-        self.tp_rank, self.local_inter = tp_rank(), local_inter
+        self.tp_rank, self.tp_size, self.local_inter = tp_rank(), tp_size(), local_inter
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local_inter, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local_inter), requires_grad=False)
         for param, slots in ((self.gate_up_proj, SLOTS[:2]), (self.down_proj, SLOTS[2:])):
@@ -79,6 +80,8 @@ class StackedExperts(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
         expert, slot = shard
         n, start = self.local_inter, self.tp_rank * self.local_inter
+        full = n * self.tp_size  # moe_intermediate_size
+        expect_shape(loaded, (param.shape[1], full) if slot == "down_proj" else (full, param.shape[2]))
         if slot == "down_proj":  # [H, I]: this rank's columns
             param.data[expert].copy_(loaded.narrow(1, start, n))
         else:  # [I, H]: this rank's rows, into the gate or the up half

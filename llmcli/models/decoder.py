@@ -171,7 +171,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend, max_model_len: int | None = None) -> None:
         super().__init__()
         spec = self.spec(config)
-        self.model = self.make_model(spec, backend, max(max_model_len or 0, spec.max_positions))
+        self.model = self.make_model(spec, backend, max_model_len or spec.max_positions)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
         self.tie_word_embeddings = spec.tie_word_embeddings
         if self.tie_word_embeddings:

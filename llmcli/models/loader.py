@@ -1,35 +1,69 @@
 """Filling a model's parameters: safetensors checkpoints (single or sharded) or random dummy weights."""
 from __future__ import annotations
 
-import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from llmcli.layers.quantization.fp8 import QuantConfig, QuantizationError
 from llmcli.layers.quantization.loading import Fp8Checkpoint
+from llmcli.layers.weight_shape import WeightShapeError, expect_shape
+from llmcli.models.model_files import check_readable_file, os_reason, read_json
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+INDEX_NAME = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """The checkpoint does not match the model (missing or unexpected tensors, wrong shapes)."""
+    """The checkpoint does not match the model or cannot be read (missing or unexpected tensors, wrong shapes or
+    dtypes, a damaged or unreadable file); the message names the file and the tensor."""
+
+
+def check_weight_file(path: Path) -> None:
+    """A weight file must be a readable regular file (a FIFO would block start-up); else CheckpointError."""
+    check_readable_file(path, "weight file", CheckpointError)
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """``weight_map`` of model.safetensors.index.json (tensor name -> shard file name), checked."""
+    data = read_json(index, CheckpointError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map object of tensor names and shard file names")
+    return weight_map
 
 
 def checkpoint_files(model_path: Path) -> list[Path]:
-    index = model_path / "model.safetensors.index.json"
+    index = model_path / INDEX_NAME
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (model_path / n).is_file()]
+        names = sorted(set(read_index(index).values()))
+        missing = [n for n in names if not os.path.lexists(model_path / n)]
         if missing:
             raise CheckpointError(f"{index} names shard files that are absent: {', '.join(missing)}")
-        return [model_path / n for n in names]
-    files = sorted(model_path.glob("*.safetensors"))
+        files = [model_path / n for n in names]
+    else:
+        files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_path}")
+    for file in files:
+        check_weight_file(file)
     return files
+
+
+@contextmanager
+def open_weights(file: Path) -> Iterator[Any]:
+    """``safe_open`` with a damaged file (truncated, bad header) or an OS error said as one CheckpointError."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        detail = os_reason(exc) if isinstance(exc, OSError) else str(exc)
+        raise CheckpointError(f"weight file {file} is damaged or unreadable: {detail}") from None
 
 
 def _target(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[str, object]:
@@ -76,14 +110,29 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
     stacked = _stacked_names(model)
     tied = getattr(model, "tie_word_embeddings", False)
     seen, unexpected = set(), []
+    stored_in: dict[str, Path] = {}  # tensor name -> the shard it was read from: a second copy is refused
     files = checkpoint_files(model_path)
+    index = model_path / INDEX_NAME
+    weight_map = read_index(index) if index.is_file() else {}
+    for file in files:  # every header read first, so a damaged file is named before anything loads
+        with open_weights(file):
+            pass
     try:
         fp8 = Fp8Checkpoint(quant, files)
     except QuantizationError as exc:
         raise CheckpointError(f"checkpoint in {model_path}: {exc}") from None
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"checkpoint in {model_path} is damaged or unreadable: {exc}") from None
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_weights(file) as f:
             for name in f.keys():
+                if name in stored_in:
+                    raise CheckpointError(f"tensor {name} is stored twice, in {stored_in[name].name} and {file.name}; "
+                                          "a checkpoint holds each tensor once")
+                stored_in[name] = file
+                if weight_map.get(name, file.name) != file.name:
+                    raise CheckpointError(f"{INDEX_NAME} puts tensor {name} in {weight_map[name]}, but it is stored "
+                                          f"in {file.name}")
                 if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or fp8.consumes(name):
                     continue
                 target, shard = stacked.get(name) or _target(name, mapping)
@@ -95,14 +144,22 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
                     tensor = fp8.values(name, f.get_tensor(name), target)
                 except QuantizationError as exc:
                     raise CheckpointError(f"{file.name}: {exc}") from None
+                except SafetensorError as exc:
+                    raise CheckpointError(f"weight file {file} is damaged: tensor {name}: {exc}") from None
+                if not tensor.is_floating_point():
+                    raise CheckpointError(f"{file.name}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; "
+                                          "weights must be floating point (float32, bfloat16, float16 or FP8)")
                 loader = getattr(param, "weight_loader", None)
                 try:
                     if loader is None:
+                        expect_shape(tensor, param.shape)
                         param.data.copy_(tensor)
                     elif shard is None:
                         loader(param, tensor)
                     else:
                         loader(param, tensor, shard)
+                except WeightShapeError as exc:  # as transformers says it
+                    raise CheckpointError(f"{file.name}: size mismatch for {name}: {exc}") from None
                 except RuntimeError as exc:
                     raise CheckpointError(f"{file.name}: tensor {name} {tuple(tensor.shape)} does not fit "
                                           f"parameter {target} {tuple(param.shape)}: {exc}") from None

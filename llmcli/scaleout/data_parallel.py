@@ -139,7 +139,7 @@ class DataParallelEngine:
         if tokenizer is None:
             from llmcli.engine.llm_engine import load_tokenizer
 
-            tokenizer = load_tokenizer(config)
+            tokenizer = load_tokenizer(config.model_path, config.tokenizer)
         self.tokenizer = tokenizer
         kwargs = dict(engine_kwargs) if engine_kwargs is not None else {
             name: getattr(config, name) for name in Config.knob_names()}

@@ -44,6 +44,29 @@ def check_out(output: str, input: str, resume: bool, overwrite: bool) -> ResumeS
     return ResumeState()
 
 
+def check_out_not_model(output: str, model_path: Path, tokenizer: str | None) -> None:
+    """OUT must not be (or link to) a file the run reads: the checkpoint, its config or its tokenizer."""
+    if output == "-":
+        return
+    folders = [model_path] + ([Path(tokenizer)] if tokenizer and Path(tokenizer).is_dir() else [])
+    try:
+        out = os.stat(output)
+    except OSError:
+        return  # a new file: it replaces nothing
+    for folder in folders:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if os.path.samestat(out, entry.stat()):
+                    raise UsageError(f"OUT {output} is {entry.path}, a file of the model being run; write the "
+                                     "answers elsewhere")
+            except OSError:
+                continue
+
+
 class InputMatch:
     """--resume must continue the input that produced OUT (the sidecar fingerprint), unless forced.
 

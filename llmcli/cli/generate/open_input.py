@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from llmcli.cli.generate.checks import check_out
+from llmcli.cli.generate.checks import check_out, check_out_not_model
 from llmcli.cli.generate.handoff import GenerateOptions, Job, Opened, TablePlan
 from llmcli.cli.generate.startup import EngineStarter
 from llmcli.cli.fd_limit import ensure_open_files
@@ -38,10 +38,11 @@ def open_input(tables: TablePlan, console: Console, resources: ExitStack) -> Ope
     # Batch encoding runs on the tokenizer's own threads; llmcli's worker processes are spawned, not forked.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     tokenizer_started = time.perf_counter()
-    try:
-        tokenizer = load_tokenizer(config.model_path, config.tokenizer)
-    except Exception as exc:  # only an explicit --tokenizer raises
-        raise UsageError(f"--tokenizer {config.tokenizer} could not be loaded: {exc}") from None
+    check_out_not_model(opts.output, config.model_path, config.tokenizer)
+    tokenizer = load_tokenizer(config.model_path, config.tokenizer)  # a broken one: ModelConfigError, exit 2
+    if tokenizer is None:
+        say(console, f"warning: {config.model_path} has no tokenizer files: texts cannot be decoded, so each record "
+                     "carries its token_ids (and text records cannot run)")
     job = Job(opts, console, config, tokenizer, chat_template, started, time.perf_counter() - tokenizer_started)
     inputs = resources.enter_context(ExitStack())  # entered before the engine: IN is closed after it
     # A missing IN: no engine started. stdin, a pipe or a table is copied while the engine starts.

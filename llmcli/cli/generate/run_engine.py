@@ -30,7 +30,7 @@ def run_engine(prepared: Prepared) -> Outcome:
         with StopFlag() as stop, GenerateProgress(plan.total, console, enabled=show, tokens_total=prepared.guess.total,
                                                   started=gen_started) as progress:
             runner = Runner(engine, writer, progress, model=opts.engine["model"], max_model_len=config.max_model_len,
-                            include_token_ids=opts.include_token_ids, window=window, stop=stop,
+                            include_token_ids=opts.include_token_ids or job.tokenizer is None, window=window, stop=stop,
                             include_metrics=opts.include_metrics, reasoning=plan.reasoning, guess=prepared.guess,
                             token_bytes=TokenBytes(getattr(engine, "tokenizer", None)),
                             reasoning_field=opts.reasoning_field)

@@ -125,6 +125,7 @@ class Preparer:
         for (i, params), ids in zip(waiting, self._encode_texts(texts, rendered)):
             rec = recs[i]
             try:
+                self._check_tokenizer_ids(rec, ids)
                 ids = self._check_length(rec, ids)
             except FieldProblem as problem:
                 rec.fail(problem.field, problem.message)
@@ -195,6 +196,14 @@ class Preparer:
         if bad is not None:
             raise FieldProblem(rec.prompt_field(), f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
+
+    def _check_tokenizer_ids(self, rec: InputRecord, ids: list[int]) -> None:
+        """A text the tokenizer turns into ids past the model's vocabulary: the two do not belong together."""
+        bad = max(ids, default=0)
+        if bad >= self.vocab_size:
+            raise FieldProblem(rec.prompt_field(), f"the tokenizer produced token id {bad}, but the model's "
+                                                   f"vocab_size is {self.vocab_size}: the tokenizer and the model "
+                                                   "do not match")
 
     def _check_length(self, rec: InputRecord, ids: list[int]) -> list[int]:
         """``ids`` as the engine will run them (cut by truncate_prompt_tokens), checked against max_model_len."""

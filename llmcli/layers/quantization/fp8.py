@@ -117,7 +117,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     w = weight.float()
     s = scale.float()
     rows, cols = w.shape
-    if s.numel() == 1:
+    one_block = block is None or (rows <= block[0] and cols <= block[1])
+    if s.numel() == 1 and one_block:  # a lone scale where a block grid is due would broadcast: refused below
         return w * s.reshape(())
     if s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1 and s.shape[0] == rows and block is None):
         if s.numel() != rows:

@@ -54,16 +54,23 @@ class Fp8Checkpoint:
 
     def values(self, name: str, tensor: torch.Tensor, target: str) -> torch.Tensor:
         """The weight's values to load: an FP8 tensor times its scale (float32), any other tensor as it is."""
+        base = name.removesuffix(".weight")
+        scale_name = next((base + s for s in WEIGHT_SCALE_SUFFIXES if base + s in self.scales), None)
         if tensor.dtype != FP8_DTYPE:
+            if scale_name is not None and name.endswith(".weight"):
+                raise QuantizationError(f"checkpoint tensor {name} is {str(tensor.dtype).removeprefix('torch.')} "
+                                        f"but has a scale ({scale_name}): only FP8 weights are scaled")
             return tensor
         if self.quant is None:
             raise QuantizationError(f"checkpoint tensor {name} is float8_e4m3fn but config.json has no "
                                     "quantization_config")
-        base = name.removesuffix(".weight")
-        scale = next((self.scales[base + s] for s in WEIGHT_SCALE_SUFFIXES if base + s in self.scales), None)
-        if scale is None:
+        if scale_name is None:
             raise QuantizationError(f"checkpoint tensor {name} is FP8 but has no {base}.weight_scale_inv or "
                                     f"{base}.weight_scale")
+        scale = self.scales[scale_name]
+        if not scale.is_floating_point():
+            raise QuantizationError(f"checkpoint tensor {scale_name} is {str(scale.dtype).removeprefix('torch.')}; "
+                                    "weight scales must be floating point")
         try:
             values = dequantize(tensor, scale, self.quant.block_size)
         except QuantizationError as exc:
