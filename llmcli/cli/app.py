@@ -140,6 +140,7 @@ def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
     from llmcli.config import ConfigError, EnvError, check_environment
     from llmcli.engine.kv_cache import KVCacheAllocationError, KVCacheTooSmall
+    from llmcli.engine.memory_check import HostMemoryTooSmall
     from llmcli.scaleout.errors import DataParallelError
     from llmcli.parallel.tp_runner import TensorParallelError
     from llmcli.cli.flag_errors import flag_message
@@ -158,7 +159,7 @@ def _guarded(run: Callable[[], int]) -> None:
         # Raised only by command-line (or --config) values here: name the flag, not the Python field.
         say(console, f"error: {flag_message(str(exc))}")
         raise typer.Exit(2) from None
-    except (UsageError, ModelNotFoundError) as exc:
+    except (UsageError, ModelNotFoundError, HostMemoryTooSmall) as exc:
         say(console, f"error: {exc}")
         raise typer.Exit(2) from None
     except (KVCacheTooSmall, KVCacheAllocationError) as exc:  # the engine's sizes do not fit this machine
