@@ -42,6 +42,7 @@ ENV_NUMBERS: dict[str, tuple[type, float, str]] = {
     "LLMCLI_TP_TIMEOUT_S": (float, 0, "seconds a tensor-parallel collective may take"),
     "LLMCLI_TP_EXIT_GRACE_S": (float, 0, "seconds tensor-parallel workers get to exit"),
     "LLMCLI_DP_START_TIMEOUT_S": (float, 0, "seconds a data-parallel replica may take to start"),
+    "LLMCLI_PROGRESS_INTERVAL_S": (float, 0, "seconds between progress lines when stderr is not a terminal"),
 }
 
 

@@ -222,11 +222,14 @@ def generate(
                                                    "skip: write an error record for it and carry on.",
                                               rich_help_panel=OUTPUT)] = OnError.fail,
     max_errors: Annotated[int, typer.Option(help="Most input errors listed on stderr.", rich_help_panel=OUTPUT)] = 20,
-    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar "
-                                                     "\\[default: only when stderr is a terminal].",
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show progress: a live "
+                                                     "bar on a terminal, a plain line every 30 s (records, tok/s, "
+                                                     "ETA) in a log \\[default: only when stderr is a terminal].",
                                                      show_default=False, rich_help_panel=OUTPUT)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, summary or notes on stderr "
-                                        "(errors are still reported).", rich_help_panel=OUTPUT)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, summary or notes on stderr; "
+                                        "errors and warnings that change the results (unknown fields, invalid "
+                                        "records, records cut at a default length limit) are still reported.",
+                                        rich_help_panel=OUTPUT)] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say how long each start-up phase took.",
                                           rich_help_panel=OUTPUT)] = False,
     temperature: Annotated[Optional[float], typer.Option(
