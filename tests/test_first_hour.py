@@ -18,21 +18,12 @@ from llmcli.cli.prefix_hint import SharedPrefixes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import REPO, env  # noqa: E402
+from test_cli_ux import engine_args, write_jsonl  # noqa: E402
 
 runner = CliRunner()
 NOTE = ("4 records stopped at a length limit they do not set (the default max_tokens: 256 for plain records, 16 "
         "for OpenAI completions, the context for OpenAI chat); give max_tokens in a record, or --max-tokens, to "
         "let them run longer")
-
-
-def engine_args(model: Path) -> list[str]:
-    return ["--model", str(model), "--device", "cpu", "--num-kvcache-blocks", "64", "--block-size", "16",
-            "--max-num-seqs", "4", "--max-model-len", "256"]
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    return path
 
 
 def test_progress_lines_every_30_seconds_by_default():
