@@ -61,7 +61,7 @@ def check_host_memory(config: Config) -> None:
         fixes.append("a lower --max-num-batched-tokens")
     if need.kv_pool > need.weights // 4:
         fixes.append("a lower --max-model-len")
-    name = Path(str(config.model_path or config.model)).name
+    name = Path(str(config.model)).name or str(config.model)  # a hub id: its name, not the cache folder
     raise HostMemoryTooSmall(
         f"{name} does not fit in memory on CPU: it needs at least {_gib(need.total)} (weights {_gib(need.weights)}, "
         f"activations {_gib(need.activations)}, KV cache for {need.kv_tokens:,} tokens {_gib(need.kv_pool)}) but "
