@@ -1,7 +1,7 @@
 """On CPU, before anything large is allocated: do the weights, the activations and a minimal KV pool fit in the
 memory this process may use? Refused in one line with both numbers, instead of an OOM kill minutes later.
 
-The weights are counted exactly (the model built on PyTorch's meta device: shapes, no storage); the
+The weights are counted from config.json's sizes (within a fraction of a percent); the
 activations are estimated from a prefill step of ``max_num_batched_tokens`` tokens; the minimal KV pool is one
 sequence of ``max_model_len`` tokens, or the planned pool when that is smaller. What is available is the least
 of the machine's available memory (``MemAvailable``), the cgroup's limit less its usage (containers, systemd
@@ -97,23 +97,23 @@ def host_need(config: Config) -> HostNeed:
 
 
 def _weight_bytes(config: Config) -> int:
-    """Parameters and buffers of the model, counted on the meta device (no memory, a fraction of a second)."""
-    from llmcli.kernels import make_backend
-    from llmcli.models import build_model, head_dim_of
+    """The model's parameters from config.json's sizes (biases and norms left out: a fraction of a percent).
 
+    Not by building the model on PyTorch's meta device: its ops import torch.compile's machinery, seconds of
+    start-up that llmcli otherwise never pays (tests/test_startup.py)."""
     hf = config.hf_config
-    head_dim = head_dim_of(hf)
-    backend = make_backend("torch", hf.num_attention_heads, hf.num_key_value_heads, head_dim, head_dim ** -0.5,
-                           config.kvcache_block_size)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(config.torch_dtype)
-    try:
-        with torch.device("meta"):
-            model = build_model(hf, backend, config.max_model_len)
-    finally:
-        torch.set_default_dtype(default)
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    hidden, vocab, layers = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
+    heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
+    head_dim = getattr(hf, "head_dim", None) or hidden // heads
+    attention = hidden * (2 * heads + 2 * kv_heads) * head_dim
+    dense = 3 * hidden * hf.intermediate_size
+    experts = getattr(hf, "num_experts", 0) or 0
+    sparse = experts * 3 * hidden * (getattr(hf, "moe_intermediate_size", 0) or 0) + hidden * experts
+    dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    mlps = sum(sparse if experts and i not in dense_only and (i + 1) % step == 0 else dense for i in range(layers))
+    embeddings = vocab * hidden * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+    return (embeddings + layers * attention + mlps) * config.torch_dtype.itemsize
 
 
 def available_host_memory() -> tuple[int, str] | None:
