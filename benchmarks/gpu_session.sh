@@ -24,6 +24,10 @@
 #           weights on 8B against bf16, each against its bound (~5 min)
 #   moe     tests/test_triton_moe.py on the GPU, test_gpu_e2e.py on a 4-layer random Qwen3-30B-A3B, then
 #           speed_gpu.py --preset moe: Qwen3-30B-A3B against the MoE bound (~6 min)
+#   blocks  issue 45's default KV block: speed_gpu.py --preset blocks (0.6B and 8B at 64 vs 256, one call), then
+#           the shared-system-prompt preset at the default (hit rate, wall time; JSON in $OUT) (~5 min)
+#   e2e-all tests/test_gpu_e2e.py whole, at the default block size: Qwen3-0.6B, Llama-3.2-1B and the 4-layer
+#           Qwen3-30B-A3B (#31's noise-aware near-tie rule; xfail until it passes) (~6 min)
 # Retired stages and scripts (decode-gemm, prefill-graphs, elementwise, host-diag, real_path_gpu.py, fp8_gpu.py,
 # moe_gpu.py, families_gpu.py, ...): benchmarks/RESULTS.md, "Scripts retired in the round of 2026-12-02", says
 # what each answered and where it lives in history.
@@ -86,6 +90,10 @@ for stage in "$@"; do
     moe) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | tee "$OUT/moe_kernels.log" | tail -5
       timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k A3B 2>&1 | tee "$OUT/moe_e2e.log"
       timeout 330 python3 benchmarks/speed_gpu.py --preset moe 2>&1 | tee "$OUT/moe.log" ;;
+    blocks) timeout 330 python3 benchmarks/speed_gpu.py --preset blocks 2>&1 | tee "$OUT/blocks.log"
+      timeout 200 python3 -m llmcli bench --config configs/bench-shared-system-prompt.toml --model configs/Qwen3-0.6B \
+        --output "$OUT/shared_system_prompt.json" 2>&1 | tee "$OUT/shared_system_prompt.log" ;;
+    e2e-all) timeout 540 python3 -m pytest -q -s -rxX -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e_all.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
   esac
 done

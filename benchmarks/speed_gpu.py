@@ -15,6 +15,7 @@ one-question scripts measured (``PRESETS``; benchmarks/RESULTS.md, "Scripts reti
     python benchmarks/speed_gpu.py                                          # one H200, ~5 min (--time-budget 280)
     python benchmarks/speed_gpu.py --models configs/Qwen3-0.6B --variants base   # default + prefill-heavy, ~2.5 min
     python benchmarks/speed_gpu.py --preset fp8                             # FP8 KV on 0.6B, FP8 weights on 8B
+    python benchmarks/speed_gpu.py --preset blocks                          # KV blocks of 64 (default) vs 256
     python benchmarks/speed_gpu.py --smoke                                  # CPU, tiny random model (seconds)
 """
 from __future__ import annotations
@@ -55,6 +56,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "attention": dict(models=[SMALL, BIG], variants=["base", "attention_backend=flash-attn"],
                       later_variants=["base", "attention_backend=flash-attn"], prefill_heavy=False),
     "families": dict(models=["configs/Llama-3.1-8B", "configs/Qwen2.5-7B", BIG], variants=["base"]),
+    # issue 45: the default 64-token KV blocks against the old default of 256, same call
+    "blocks": dict(models=[SMALL, BIG], variants=["base", "kvcache_block_size=256"],
+                   later_variants=["base", "kvcache_block_size=256"], prefill_heavy=False),
 }
 WAIT_IDLE_MS = 0.02  # a wait this short means the tokens were there already: the device had run dry
 

@@ -396,7 +396,7 @@ def test_engine_defaults_in_help_are_configs():
     import dataclasses
 
     from llmcli.cli.options import ENGINE_KNOBS
-    from llmcli.config import Config
+    from llmcli.config import DEFAULT_KVCACHE_BLOCK_SIZE, Config
 
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     for knob in ENGINE_KNOBS:
@@ -405,6 +405,8 @@ def test_engine_defaults_in_help_are_configs():
             assert knob.default == ("on" if real else "off"), knob.name
         elif isinstance(real, (int, float)):
             assert float(knob.default) == real, knob.name
+        elif knob.name == "kvcache_block_size":  # None: the backend's size, stated as the usual one
+            assert knob.default.split(";")[0] == str(DEFAULT_KVCACHE_BLOCK_SIZE), knob.default
         elif real is None:
             assert knob.default and not knob.default[0].isdigit(), knob.name  # said in words: derived
         else:

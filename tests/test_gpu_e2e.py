@@ -107,6 +107,9 @@ class Llmcli:
 
         self.llm = LLM(str(path), dtype="bfloat16", attention_backend=backend, gpu_memory_utilization=0.5,
                        max_model_len=2048, **kw)
+        # unset, the block size is the default every user gets (issue 45): 64, flash-attn's own 256
+        want = kw.get("kvcache_block_size", 256 if backend == "flash-attn" else 64)
+        assert self.llm.engine.config.kvcache_block_size == want
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
         from llmcli import SamplingParams

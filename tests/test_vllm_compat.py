@@ -54,9 +54,9 @@ def test_default_max_tokens_follow_the_record_kind(tokenizer):
     assert prepared(tokenizer, {"prompt": "hi"}).params[0].max_tokens == 256
     req = prepared(tokenizer, chat_line("c", max_completion_tokens=7))
     assert req.params[0].max_tokens == 7 and req.limit_set
-    # --max-tokens is every record's default, OpenAI lines included, but not a limit the record set
+    # --max-tokens is every record's default, OpenAI lines included, and a limit the user set (issue 45)
     req = prepared(tokenizer, chat_line("c"), {"max_tokens": 9})
-    assert req.params[0].max_tokens == 9 and not req.limit_set
+    assert req.params[0].max_tokens == 9 and req.limit_set
 
 
 def test_summary_counts_records_cut_at_a_default_limit(tiny_model, tmp_path):

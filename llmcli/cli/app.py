@@ -143,6 +143,7 @@ def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
     from llmcli.config import ConfigError, EnvError, check_environment
     from llmcli.engine.kv_cache import KVCacheAllocationError, KVCacheTooSmall
+    from llmcli.engine.memory_check import HostMemoryTooSmall
     from llmcli.scaleout.errors import DataParallelError
     from llmcli.parallel.tp_runner import TensorParallelError
     from llmcli.cli.flag_errors import flag_message
@@ -163,7 +164,7 @@ def _guarded(run: Callable[[], int]) -> None:
         # Raised only by command-line (or --config) values here: name the flag, not the Python field.
         say(console, f"error: {flag_message(str(exc))}")
         raise typer.Exit(2) from None
-    except (UsageError, ModelNotFoundError, ModelConfigError, CheckpointError) as exc:
+    except (UsageError, ModelNotFoundError, ModelConfigError, CheckpointError, HostMemoryTooSmall) as exc:
         say(console, f"error: {exc}")
         raise typer.Exit(2) from None
     except (KVCacheTooSmall, KVCacheAllocationError) as exc:  # the engine's sizes do not fit this machine
@@ -230,11 +231,14 @@ def generate(
                                                    "skip: write an error record for it and carry on.",
                                               rich_help_panel=OUTPUT)] = OnError.fail,
     max_errors: Annotated[int, typer.Option(help="Most input errors listed on stderr.", rich_help_panel=OUTPUT)] = 20,
-    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar "
-                                                     "\\[default: only when stderr is a terminal].",
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show progress: a live "
+                                                     "bar on a terminal, a plain line every 30 s (records, tok/s, "
+                                                     "ETA) in a log \\[default: only when stderr is a terminal].",
                                                      show_default=False, rich_help_panel=OUTPUT)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, summary or notes on stderr "
-                                        "(errors are still reported).", rich_help_panel=OUTPUT)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, summary or notes on stderr; "
+                                        "errors and warnings that change the results (unknown fields, invalid "
+                                        "records, records cut at a default length limit) are still reported.",
+                                        rich_help_panel=OUTPUT)] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say how long each start-up phase took.",
                                           rich_help_panel=OUTPUT)] = False,
     temperature: Annotated[Optional[float], typer.Option(

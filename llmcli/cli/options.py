@@ -50,7 +50,9 @@ ENGINE_KNOBS = (
     Knob("tensor_parallel_size", int, "Ranks to shard the model over: GPUs on CUDA, processes on CPU.", "1",
          aliases=("-tp",)),
     Knob("enforce_eager", bool, "Run without CUDA graphs.", "off"),
-    Knob("kvcache_block_size", int, "Tokens per KV-cache block.", "256", aliases=("--block-size",)),
+    Knob("kvcache_block_size", int, "Tokens per KV-cache block; the prefix cache shares whole blocks, so a "
+                                    "shared prompt prefix shorter than a block is never shared.",
+         "64; 256 with --attention-backend flash-attn", aliases=("--block-size",)),
     Knob("num_kvcache_blocks", int, "Use exactly this many KV blocks instead of sizing the pool from free memory.",
          "sized from free memory", aliases=("--num-gpu-blocks-override",)),
     Knob("kv_cache_memory_gib", float, "Give the KV cache exactly this many GiB instead of sizing it from "

@@ -1,9 +1,11 @@
-"""Rich progress on stderr while generating, and the summary table at the end."""
+"""Progress on stderr while generating (a live bar on a terminal, a plain line every 30 s in a log), and the
+summary table at the end."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -51,13 +53,36 @@ class ProgressState:
         return min(self.tokens_total, self.generated + self.unused_tokens)
 
 
+def fraction_done(st: ProgressState) -> float:
+    return st.tokens_done / st.tokens_total if st.tokens_total else (1.0 if st.finished else 0.0)
+
+
+def eta_s(st: ProgressState) -> float | None:
+    """Seconds left at the run's average pace so far; None before the first token."""
+    fraction = fraction_done(st)
+    return st.elapsed_s * (1 - fraction) / max(fraction, 1e-9) if st.tokens_done > 0 else None
+
+
+def log_line(st: ProgressState) -> str:
+    """One plain line for a log file: when, records written, token progress, rates, ETA (no bar, no colours)."""
+    elapsed = max(st.elapsed_s, 1e-9)
+    eta = eta_s(st)
+    if st.finished:
+        when = ("done" if st.records_done >= st.records_total else "stopped") + f" after {_clock(st.elapsed_s)}"
+    else:
+        when = f"elapsed {_clock(st.elapsed_s)}, eta {'-:--:--' if eta is None else _clock(eta)}"
+    return (f"{time.strftime('%Y-%m-%d %H:%M:%S')} generate: {st.records_done:,}/{st.records_total:,} records "
+            f"written, {fraction_done(st):.0%} of {_human(st.tokens_total)} tokens, gen {_human(st.generated / elapsed)} "
+            f"tok/s, prompt {_human(st.prompt_done / elapsed)} tok/s, {when}")
+
+
 def frame(st: ProgressState) -> Table:
     """Two lines that fit 80 columns: the bar with token progress and times, then requests, rates, queues."""
-    fraction = st.tokens_done / st.tokens_total if st.tokens_total else (1.0 if st.finished else 0.0)
+    fraction, eta = fraction_done(st), eta_s(st)
     if st.finished:
         times = f"{_clock(st.elapsed_s)} " + ("done" if st.records_done >= st.records_total else "stopped")
-    elif st.tokens_done > 0:
-        times = f"{_clock(st.elapsed_s)} eta {_clock(st.elapsed_s * (1 - fraction) / max(fraction, 1e-9))}"
+    elif eta is not None:
+        times = f"{_clock(st.elapsed_s)} eta {_clock(eta)}"
     else:
         times = f"{_clock(st.elapsed_s)} eta -:--:--"
     elapsed = max(st.elapsed_s, 1e-9)
@@ -75,39 +100,76 @@ def frame(st: ProgressState) -> Table:
     return grid
 
 
-class GenerateProgress:
-    """Live two-line display on stderr; rates are averages since generation started, as in the summary.
+LOG_INTERVAL_S = 30.0  # between two plain progress lines; LLMCLI_PROGRESS_INTERVAL_S changes it (tests)
 
+
+def log_interval_s() -> float:
+    from llmcli.config import env_number
+
+    return float(env_number("LLMCLI_PROGRESS_INTERVAL_S", LOG_INTERVAL_S))
+
+
+class GenerateProgress:
+    """Progress on stderr; rates are averages since generation started, as in the summary.
+
+    ``live``: the two-line display, redrawn in place (stderr a terminal that nothing else writes to); otherwise a
+    plain line every ``log_interval_s()`` seconds and one at the end (a log file, or a terminal that OUT's
+    records also go to, where redrawing in place would overwrite them). ``written``, when given, is the count
+    of records in OUT, which ``req`` shows (records finished in the engine may still wait for the writer).
     Disabled, it does nothing, so the runner calls it unconditionally.
     """
 
     def __init__(self, total: int, console: Console, enabled: bool, tokens_total: int = 0,
-                 started: float | None = None) -> None:
+                 started: float | None = None, live: bool = True,
+                 written: Callable[[], int] | None = None) -> None:
         self.enabled = enabled
         self.state = ProgressState(records_total=total, tokens_total=tokens_total)
+        self.console = console
         self._started = time.perf_counter() if started is None else started
+        self._written = written
         self._live = Live(console=console, get_renderable=self._render, refresh_per_second=4,
-                          transient=False, redirect_stdout=False, redirect_stderr=False) if enabled else None
+                          transient=False, redirect_stdout=False, redirect_stderr=False) if enabled and live else None
+        self._lines = enabled and not live
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
-    def _render(self) -> Table:
+    def _sync(self) -> None:
         if not self.state.finished:
             self.state.elapsed_s = time.perf_counter() - self._started
+        if self._written is not None:
+            self.state.records_done = self._written()
+
+    def _render(self) -> Table:
+        self._sync()
         return frame(self.state)
+
+    def _tick(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._sync()
+            say(self.console, log_line(self.state))
 
     def __enter__(self) -> "GenerateProgress":
         if self._live is not None:
             self._live.start()
+        elif self._lines:
+            self._ticker = threading.Thread(target=self._tick, args=(log_interval_s(),), name="llmcli-progress",
+                                            daemon=True)
+            self._ticker.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+            self._sync()
+            say(self.console, log_line(self.state))
         if self._live is not None:
             self._live.stop()
-            if not self._live.console.is_terminal:
-                self._live.console.line()  # Rich ends the frame with a newline on terminals only
 
     def advance(self, n: int = 1, unused_tokens: int = 0) -> None:
-        """``n`` records written; ``unused_tokens`` of the budget will never be generated."""
-        self.state.records_done += n
+        """``n`` records handed to the writer; ``unused_tokens`` of the budget will never be generated."""
+        if self._written is None:
+            self.state.records_done += n
         self.state.unused_tokens += unused_tokens
 
     def revise_budget(self, delta: int) -> None:
@@ -126,7 +188,7 @@ class GenerateProgress:
         self.update(stats, pending)
         if not pending and not stats.num_running and not stats.num_waiting:
             self.state.prompt_done = stats.prompt_tokens
-        self.state.elapsed_s = time.perf_counter() - self._started
+        self._sync()
         self.state.finished = True
         if self._live is not None:
             self._live.refresh()

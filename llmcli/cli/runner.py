@@ -13,6 +13,7 @@ from llmcli.scaleout.errors import ReplicaFailure
 from llmcli.cli.io.prepare import PreparedRequest
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.background_writer import BackgroundWriter
+from llmcli.cli.prefix_hint import SharedPrefixes
 
 
 class ProgressSink(Protocol):
@@ -52,6 +53,7 @@ class RunCounts:
     answered: int = 0
     failed: int = 0
     default_limited: int = 0  # answered records cut at a length limit they did not set themselves
+    block_size_hint: str | None = None  # prompts share a prefix shorter than a KV block (prefix_hint.py)
     interrupted: bool = False
     signal_name: str = ""
 
@@ -97,7 +99,8 @@ class Runner:
     def __init__(self, engine: Any, writer: BackgroundWriter, progress: ProgressSink, *, model: str,
                  include_token_ids: bool, window: int, stop: StopFlag, include_metrics: bool = False,
                  reasoning: str | None = None, max_model_len: int = 0, guess: BudgetGuess | None = None,
-                 token_bytes: Any = None, reasoning_field: str = "reasoning") -> None:
+                 token_bytes: Any = None, reasoning_field: str = "reasoning", block_size: int = 0) -> None:
+        """``block_size``: the prefix cache's block, to tell when prompts share less than one (0: no cache)."""
         self.engine = engine
         self.writer = writer
         self.progress = progress
@@ -123,6 +126,7 @@ class Runner:
         self.max_model_len = max_model_len
         self.guess = guess or BudgetGuess()
         self._pending_seqs = self.guess.pending_seqs  # completions of the run not yet handed to the engine
+        self.prefixes = SharedPrefixes(block_size) if block_size else None
 
     def run(self, items: Iterable[tuple[int, PreparedRequest | InputRecord]]) -> RunCounts:
         """Answer every ``(position, item)``; positions are output order, 0, 1, 2, ... each once."""
@@ -148,9 +152,12 @@ class Runner:
                 raise
         if self.stop.requested:
             self.counts.interrupted, self.counts.signal_name = True, self.stop.signal_name
-            # Finished work is final even if an earlier record is not: keep it, --resume fills the gaps.
-            self.writer.drain()
+        # Finished work is final even if an earlier record is not (interrupted: --resume fills the gaps); and
+        # the last progress frame counts the records in OUT.
+        self.writer.drain()
         self.progress.finish(self.engine.stats, self._pending_seqs)
+        if self.prefixes is not None:
+            self.counts.block_size_hint = self.prefixes.hint(self.engine.stats.prefix_cache_hit_rate)
         return self.counts
 
     def _admit(self, pending: Iterator) -> None:
@@ -180,6 +187,8 @@ class Runner:
                 self.rejected.append(item.record)
                 self._write_error(position, item.record, unused=sum(budget))
                 continue  # siblings added before the rejection finish unseen: _collect ignores them
+            if self.prefixes is not None:
+                self.prefixes.observe(item.prompt_token_ids)
             self._groups[position] = [None] * len(item.params)
             self._requests[position] = item
             self._missing[position] = len(item.params)

@@ -12,6 +12,7 @@ from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.logprob_outputs import BlockEntries, LazyLogprobs, TokenText
 from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from llmcli.engine.cpu_threads import cpu_threads
+from llmcli.engine.memory_check import check_host_memory
 from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_prompt, truncate_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence, SequenceStatus
@@ -80,6 +81,8 @@ class LLMEngine:
     def _start_runner(self, config: Config) -> StepRunner:
         if config.device == "cpu":  # rank 0's share; the other ranks take the same (parallel/tp_runner.py)
             import torch
+
+            check_host_memory(config)  # before any weight is allocated: one line, not an OOM kill
 
             torch.set_num_threads(cpu_threads(config.hf_config.hidden_size, config.tensor_parallel_size))
         if config.tensor_parallel_size > 1:

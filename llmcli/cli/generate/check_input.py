@@ -33,8 +33,7 @@ def check_input(opened: Opened) -> Checked:
     if refuse_duplicates(console, index.duplicates, name, opts.max_errors_shown):
         raise EndRun(EXIT_USAGE)
     match.check(console, opts.quiet)
-    if not opts.quiet:
-        fields.warn(console, name)
+    fields.warn(console, name)  # even with -q: an ignored field changes the results
     plan = RunPlan(opened.resumed, match.seen.result(), len(index), index.total - len(index), name,
                    choose_parser(opts.reasoning_parser, job.chat_template or template_of(job.tokenizer)),
                    opened.stdout, opened.lock)
@@ -52,7 +51,7 @@ def _report(job: Job, index: InputIndex, plan: RunPlan) -> None:
         say(console, f"{len(bad)} of {len(index)} input records are invalid; nothing was generated "
                      "(fix them, or pass --on-error skip to write error records instead)")
         raise EndRun(EXIT_USAGE)
-    if bad and not opts.quiet:
+    if bad:  # even with -q: these records get error records instead of answers
         report_errors(console, plan.source, bad, opts.max_errors_shown)
         say(console, f"{len(bad)} invalid records get error records in OUT")
     if not opts.quiet:

@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import time
 
+from rich.console import Console
+
 from llmcli.cli.generate.checks import report_errors
 from llmcli.cli.generate.handoff import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, Outcome
 from llmcli.cli.io.prepare import OPENAI_COMPLETIONS_MAX_TOKENS, PLAIN_MAX_TOKENS
 from llmcli.cli.progress import GenerateSummary, say, summary_table
+
+
+def _note(console: Console, text: str) -> None:
+    """A note after the summary: wrapped between words on a terminal, one line in a log."""
+    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=not console.is_terminal)
 
 
 def report(outcome: Outcome) -> int:
@@ -14,7 +21,7 @@ def report(outcome: Outcome) -> int:
     job, plan, counts, stats = outcome.job, outcome.plan, outcome.counts, outcome.stats
     opts, console = job.opts, job.console
     report_errors(console, plan.source, outcome.rejected, opts.max_errors_shown)
-    if not opts.quiet:
+    if not opts.quiet:  # -q hides the progress and the summary, not what changed the results (the note below)
         console.print(summary_table(GenerateSummary(
             total=plan.total, answered=counts.answered, failed=counts.failed, skipped=plan.skipped,
             prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens,
@@ -23,12 +30,13 @@ def report(outcome: Outcome) -> int:
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             preemptions=stats.num_preemptions, interrupted=counts.interrupted,
             default_limited=counts.default_limited)))
-        if counts.default_limited:
-            limit = (f"--max-tokens {opts.sampling['max_tokens']}" if "max_tokens" in opts.sampling else
-                     f"the default max_tokens: {PLAIN_MAX_TOKENS} for plain records, "
-                     f"{OPENAI_COMPLETIONS_MAX_TOKENS} for OpenAI completions, the context for OpenAI chat")
-            say(console, f"{counts.default_limited} records stopped at a length limit they do not set ({limit}); "
-                         "give max_tokens in a record, or --max-tokens, to let them run longer")
+        if counts.block_size_hint:
+            _note(console, counts.block_size_hint)
+    if counts.default_limited:  # records cut at a limit nobody set (--max-tokens sets one for every record)
+        _note(console, f"{counts.default_limited} records stopped at a length limit they do not set (the default "
+                       f"max_tokens: {PLAIN_MAX_TOKENS} for plain records, {OPENAI_COMPLETIONS_MAX_TOKENS} for "
+                       "OpenAI completions, the context for OpenAI chat); give max_tokens in a record, or "
+                       "--max-tokens, to let them run longer")
     if counts.interrupted:
         say(console, f"interrupted ({counts.signal_name}): {outcome.written} records written; "
                      "run the same command with --resume to finish")

@@ -47,7 +47,7 @@ class PreparedRequest:
     record: InputRecord
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # n entries, each with n=1 (the i-th seeded seed+i)
-    limit_set: bool = True  # max_tokens came from the record; False: from --max-tokens or the built-in default
+    limit_set: bool = True  # max_tokens came from the record or --max-tokens; False: the built-in default
 
 
 class Preparer:
@@ -185,9 +185,8 @@ class Preparer:
         # replace() keeps unset fields unset: the engine fills them from the model's generation config
         return [base.replace(n=1, seed=seed) for seed in seeds]
 
-    @staticmethod
-    def _limit_set(rec: InputRecord) -> bool:
-        return "max_tokens" in rec.sampling
+    def _limit_set(self, rec: InputRecord) -> bool:
+        return "max_tokens" in rec.sampling or "max_tokens" in self.defaults
 
     # -- prompt -----------------------------------------------------------------
     def _check_ids(self, rec: InputRecord) -> list[int]:
