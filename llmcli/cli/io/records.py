@@ -9,6 +9,7 @@ import orjson
 from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.source import RawLine
+from llmcli.engine.chat_messages import ContentPartError, template_message
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 # Deepest nesting a record may hold (README, reliability): the input fingerprint and the constraint
@@ -170,19 +171,20 @@ def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
             raise FieldProblem(where, f"must be an object, got {_type_name(msg)}")
         if not isinstance(msg.get("role"), str):
             raise FieldProblem(f"{where}.role", "must be a string")
-        content = msg.get("content")
-        if isinstance(content, list):
-            # OpenAI content parts: only text can be fed to a text-only model.
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise FieldProblem(f"{where}.content[{j}]",
-                                       'only {"type": "text", "text": ...} parts are supported')
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(content)}")
-        checked.append({**msg, "content": content})
+        calls = msg.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise FieldProblem(f"{where}.tool_calls", "must be an array of tool-call objects")
+        try:  # OpenAI content parts (only text, for a text-only model); null beside tool_calls
+            msg = template_message(msg)
+        except ContentPartError as exc:
+            raise FieldProblem(f"{where}.content[{exc.index}]", str(exc)) from None
+        except ValueError:
+            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(msg.get('content'))}"
+                               + (" (null only in an assistant turn with tool_calls)"
+                                  if msg.get("content") is None else "")) from None
+        if not isinstance(msg["content"], str):
+            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(msg['content'])}")
+        checked.append(msg)
     return checked
 
 
