@@ -7,6 +7,7 @@ from typing import Any, Callable
 import orjson
 
 from llmcli.cli.io.field_problem import FieldProblem
+from llmcli.cli.io.openai_fields import OPENAI_ONLY_FIELDS, Echo, check_unhonoured, take_echo, take_tools
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.source import RawLine
 from llmcli.engine.chat_messages import ContentPartError, template_message
@@ -24,6 +25,7 @@ class OpenAIRequest:
 
     custom_id: str
     url: str  # one of OPENAI_ENDPOINTS
+    echo: Echo | None = None  # /v1/completions with "echo": true
 
     @property
     def chat(self) -> bool:
@@ -214,7 +216,7 @@ def _known(openai_body: bool) -> set[str]:
     # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
     if openai_body:
         return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *STRUCTURED_FIELDS, *OPENAI_BODY_EXTRA,
-                *_SAMPLING_CHECKS}
+                *OPENAI_ONLY_FIELDS, *_SAMPLING_CHECKS}
     return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS}
 
 
@@ -289,15 +291,23 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
     rec.unknown = (unknown_fields(obj, ("custom_id", "method", "url", "body"))
                    + unknown_fields(body, _known(openai_body=True), prefix="body."))
     body = _aliased(body, "body.")
+    check_unhonoured(body)
+    rec.chat_template_kwargs = _template_kwargs(body, "body.chat_template_kwargs")
     if rec.openai.chat:
+        if "echo" in body:
+            raise FieldProblem("body.echo", "is a /v1/completions field")
         rec.kind, rec.prompt = "messages", _check_messages(body.get("messages"), "body.messages")
         sampling = _take_sampling({k: v for k, v in body.items() if k != "logprobs"}, "body.")
         sampling.update(_chat_logprobs(body))
+        rec.chat_template_kwargs = take_tools(body, rec.chat_template_kwargs)
     else:
+        for name in ("tools", "tool_choice"):
+            if name in body:
+                raise FieldProblem(f"body.{name}", "is a /v1/chat/completions field")
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
         sampling = _take_sampling(body, "body.")
+        rec.openai.echo = take_echo(body, sampling)
     rec.sampling = sampling
-    rec.chat_template_kwargs = _template_kwargs(body, "body.chat_template_kwargs")
     _take_structured(rec, body, "body.")
 
 
@@ -368,12 +378,15 @@ def parse_line(raw: RawLine) -> InputRecord:
     try:
         if "custom_id" in obj or "body" in obj:
             custom_id = obj.get("custom_id")
-            # Even a bad custom_id is an OpenAI line: its error line keeps the batch output's shape (and
-            # names it as written, so --resume finds it).
-            rec.openai = OpenAIRequest(custom_id=custom_id, url="")
-            rec.out_id, rec.key = custom_id, record_key(custom_id, openai=True)
+            # Even a bad custom_id is an OpenAI line: its error line keeps the batch output's shape, whose
+            # custom_id is a string: the one written, else "line-N" (the same name on every run, so --resume
+            # finds it).
+            named = custom_id if isinstance(custom_id, str) else f"line-{raw.number}"
+            rec.openai = OpenAIRequest(custom_id=named, url="")
+            rec.out_id, rec.key = named, record_key(named, openai=True)
             if not isinstance(custom_id, str) or not custom_id:
-                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
+                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id, got "
+                                   + ("none" if custom_id is None else _describe(custom_id)))
             _parse_openai(rec, obj)
         else:
             if "id" in obj:
