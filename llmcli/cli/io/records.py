@@ -9,6 +9,7 @@ import orjson
 from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.cli.io.openai_fields import OPENAI_ONLY_FIELDS, Echo, check_unhonoured, take_echo, take_tools
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
+from llmcli.cli.io.score_fields import SCORE_FIELDS, Score, take_score
 from llmcli.cli.io.source import RawLine
 from llmcli.engine.chat_messages import ContentPartError, template_message
 
@@ -60,6 +61,7 @@ class InputRecord:
     unknown: list[str] = field(default_factory=list)  # fields llmcli does not know (dotted), ignored
     error: RecordError | None = None
     structured_field: str | None = None  # the field that gave sampling["structured_outputs"], as written
+    score: Score | None = None  # a score record: continuations' log-likelihoods or the prompt's perplexity
 
     def fail(self, field_name: str | None, message: str) -> None:
         self.error = RecordError(self.line, field_name, message)
@@ -217,7 +219,7 @@ def _known(openai_body: bool) -> set[str]:
     if openai_body:
         return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *STRUCTURED_FIELDS, *OPENAI_BODY_EXTRA,
                 *OPENAI_ONLY_FIELDS, *_SAMPLING_CHECKS}
-    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS}
+    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS, *SCORE_FIELDS}
 
 
 def did_you_mean(name: str) -> str | None:
@@ -267,6 +269,7 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     rec.sampling = _take_sampling(obj, "")
     rec.chat_template_kwargs = _template_kwargs(obj, "chat_template_kwargs")
     _take_structured(rec, obj, "")
+    rec.score = take_score(obj, rec.sampling)
 
 
 def _take_structured(rec: InputRecord, src: dict[str, Any], prefix: str) -> None:
