@@ -85,3 +85,21 @@ def test_python_m_entry_runs_lm_eval_with_the_llmcli_model(tiny_model, tmp_path)
                           env={**__import__("os").environ, "PYTHONPATH": str(root), "HF_DATASETS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "llmcli_tiny_mc" in done.stdout and "acc" in done.stdout
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_give_the_same_log_likelihoods(tiny_model):
+    import llmcli.lm_eval
+
+    engine = dict(dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=16, device="cpu")
+    requests = [(None, [5, 9, 30 + i], [41, 7, i + 1]) for i in range(6)]
+    one = llmcli.lm_eval.LLMCLIModel(str(tiny_model), **engine)
+    want = one._loglikelihood_tokens(requests)
+    one.engine.shutdown()
+    two = llmcli.lm_eval.LLMCLIModel(str(tiny_model), data_parallel_size=2, **engine)
+    try:
+        got = two._loglikelihood_tokens(requests)
+    finally:
+        two.engine.shutdown()
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in want], abs=1e-5)
