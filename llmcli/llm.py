@@ -6,11 +6,13 @@ from typing import Any, Sequence as Seq
 from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
 from llmcli.engine.admission import truncate_prompt
+from llmcli.engine.chat_messages import template_messages
 from llmcli.engine.outputs import CompletionOutput, RequestOutput
 from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
 from llmcli.engine.structured.grammar import GrammarError
 from llmcli.sampling_params import SamplingParams
+from llmcli.vllm_args import config_kwargs
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
 
@@ -24,11 +26,21 @@ class LLM:
     """Offline generation over a batch of prompts (text or token ids, bare or in vLLM's dict forms)."""
 
     def __init__(self, model: str, **knobs: Any) -> None:
-        self.engine = LLMEngine(Config(model, **knobs))
+        """``knobs``: Config fields, or vLLM's names for them (docs/python-api.md, "Coming from vLLM")."""
+        self.engine = LLMEngine(Config(model, **config_kwargs(knobs)))
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer the engine encodes and decodes with (vLLM's name)."""
+        return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name); ``llm.llm_engine.model_config.max_model_len`` as in vLLM."""
+        return self.engine
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams holding the model's generation_config.json values (none with generation_config='ignore')."""
@@ -96,7 +108,7 @@ class LLM:
             raise ValueError(f"model {self.engine.config.model} has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            template_messages(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
             chat_template=chat_template, **(chat_template_kwargs or {})) for conversation in conversations]
         # chat=True: the template already wrote any special tokens it wants (no second BOS)
         prompts = [{"prompt": text, "prompt_token_ids": ids}

@@ -116,6 +116,7 @@ class SamplingParams:
     bans words that are one token (with or without a leading space; a longer one is an
     error: banning it would need the previous tokens). ``truncate_prompt_tokens=k`` keeps
     the last k prompt tokens (-1: as many as leave room for one generated token).
+    ``detokenize=False``: completions carry token ids and an empty ``text`` (vLLM's meaning).
     """
 
     temperature: float | None = None
@@ -141,6 +142,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True  # False: completions' text stays "" (token ids only), as in vLLM
     unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -263,6 +265,10 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens) or (
                 self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for what max_model_len allows")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "must be true or false")
+        if not self.detokenize and self.stop:
+            raise bad("detokenize", "must be True with stop strings: finding them needs the text (use stop_token_ids)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 

@@ -35,7 +35,7 @@ def test_every_input_kind_parses():
     assert (r.kind, r.prompt, r.out_id, r.error) == ("prompt", "hello", "a", None)
     assert r.sampling == {"temperature": 0.5, "stop": "x"}
     r = rec_of({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, 5)
-    assert r.kind == "messages" and r.prompt[0]["content"] == "ab" and r.out_id == 4  # 0-based line index
+    assert r.kind == "messages" and r.prompt[0]["content"] == "a\nb" and r.out_id == 4  # 0-based line index
     r = rec_of({"prompt_token_ids": [1, 2, 3], "n": 2, "seed": 1})
     assert (r.kind, r.prompt, r.sampling) == ("prompt_token_ids", [1, 2, 3], {"n": 2, "seed": 1})
     r = rec_of({"prompt": [4, 5]})  # OpenAI's token-id form under "prompt"

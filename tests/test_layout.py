@@ -17,6 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llmcli"
 # engines, the public API, the engine with tensor parallelism beside it, the model, its layers, the kernels.
 LAYERS: dict[str, set[str]] = {
     "cli": {"scaleout", "api", "engine", "parallel", "models", "layers", "kernels", "base"},
+    # lm-evaluation-harness's model over the public API, beside the CLI (neither imports the other)
+    "lm_eval": {"scaleout", "api", "engine", "parallel", "models", "layers", "kernels", "base"},
     "scaleout": {"api", "engine", "parallel", "models", "layers", "kernels", "base"},
     "api": {"engine", "parallel", "models", "layers", "kernels", "base"},
     "engine": {"parallel", "models", "layers", "kernels", "base"},
@@ -34,7 +36,7 @@ def layer_of(module: str) -> str:
     if len(parts) == 1 or parts[1] in ("__main__",):
         return "cli"
     top = parts[1]
-    if top in ("llm",):
+    if top in ("llm", "vllm_args"):
         return "api"
     if top in ("config", "sampling_params"):
         return "base"

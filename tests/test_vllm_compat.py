@@ -360,8 +360,10 @@ def test_one_plain_shape_whatever_n_and_openai_errors_keep_openai_shape():
     assert [c["text"] for c in two["choices"]] == ["hi", "yo"]
     bad = rec_of({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}}, 3)
     line = error_record(bad)
-    assert line["custom_id"] == 7 and line["response"]["status_code"] == 400
+    # OpenAI's batch output has a string custom_id: a line without one is named by its line number
+    assert line["custom_id"] == "line-3" and line["response"]["status_code"] == 400
     assert line["response"]["body"]["error"]["param"] == "custom_id"
+    assert "got integer 7" in line["response"]["body"]["error"]["message"]
     from llmcli.cli.io.records import output_key
     assert output_key(line) == bad.key  # --resume knows it is answered
 

@@ -174,13 +174,13 @@ class Runner:
             self._pending_seqs -= len(item.params)
             try:
                 if len(item.params) > 1:  # all n checked before any is queued (add_request checks one)
-                    for params in item.params:
-                        self.engine.check_fits(item.prompt_token_ids, params)
+                    for i, params in enumerate(item.params):
+                        self.engine.check_fits(item.prompt_of(i), params)
                 for i, params in enumerate(item.params):
                     # The id names the record as the user knows it (the engine's warnings quote it).
                     rid = f"line {item.record.line}" + (f" completion {i}" if len(item.params) > 1 else "")
                     self._ids[rid] = (position, i)
-                    self.engine.add_request(item.prompt_token_ids, params, request_id=rid)
+                    self.engine.add_request(item.prompt_of(i), params, request_id=rid)
             except RequestRejected as exc:  # can never run with this model or KV pool
                 item.record.fail(too_big_field(self.engine, item), str(exc))
                 budget = self._budget(item)

@@ -93,6 +93,14 @@ class LLMEngine:
         return ModelRunner(config, self.clock)
 
     @property
+    def model_config(self) -> Config:
+        """The engine's settings under vLLM's name (``model_config.max_model_len``, ``.model``, ``.hf_config``)."""
+        return self.config
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
     def startup_s(self) -> dict[str, float]:
         """Seconds per start-up phase: tokenizer, weights, probe, kv_cache, compile, graphs (rank 0's, with
         tensor parallelism, after the whole group's ``tensor_parallel``)."""
@@ -280,7 +288,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
-            index=0, text=self.stopper.final_text(seq) if self.detokenize or seq.text is not None else None,
+            index=0, text=("" if not seq.params.detokenize else self.stopper.final_text(seq)
+                           if self.detokenize or seq.text is not None else None),
             token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason or "length",
             stop_reason=seq.stop_reason, skip_special_tokens=seq.params.skip_special_tokens)
         if seq.params.logprobs is not None:

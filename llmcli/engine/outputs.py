@@ -94,6 +94,10 @@ class RequestOutput:
         return self.metrics.num_cached_prompt_tokens
 
     @property
+    def num_cached_tokens(self) -> int:  # vLLM's name
+        return self.metrics.num_cached_prompt_tokens
+
+    @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
 

@@ -113,3 +113,18 @@ def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]
         offsets.append(at)
         at += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], prompt_positions: list[dict[int, Logprob] | None], first_text: str,
+                  token_ids: list[int], positions: list[dict[int, Logprob]], k: int) -> dict[str, Any]:
+    """Completions with ``echo``: the prompt's tokens, then the completion's, in ``completion_logprobs``'
+    shape; the first prompt token has no context, so its logprob and top list are null (OpenAI, vLLM)."""
+    head = completion_logprobs(prompt_ids[1:], list(prompt_positions)[1:], k)
+    tail = completion_logprobs(token_ids, positions, k)
+    tokens = [first_text, *head["tokens"], *tail["tokens"]]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]], "text_offset": offsets}

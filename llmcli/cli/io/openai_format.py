@@ -6,7 +6,8 @@ import uuid
 from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
-from llmcli.cli.io.logprobs_format import Bytes, chat_logprobs, completion_logprobs, plain_prompt_logprobs
+from llmcli.cli.io.logprobs_format import (Bytes, chat_logprobs, completion_logprobs, echo_logprobs,
+                                          plain_prompt_logprobs)
 from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
 
@@ -16,9 +17,9 @@ from llmcli.cli.io.records import InputRecord
 REASONING_FIELD = "reasoning"
 
 
-def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+def _usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict[str, Any]:
     prompt = len(outputs[0].prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = 0 if prompt_only else sum(len(o.token_ids) for o in outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -42,6 +43,25 @@ def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None, k
     return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
 
+def _echo_choice(index: int, out: RequestOutput, rec: InputRecord, k: int | None,
+                 tokenizer: Any) -> dict[str, Any]:
+    """A completions choice with ``echo``: the prompt's text (and its tokens' logprobs) before the completion's;
+    with ``max_tokens: 0`` the prompt alone."""
+    prompt_ids = out.prompt_token_ids
+    prompt_only = rec.openai.echo.prompt_only
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else "".join(f"token_id:{t}" for t in ids)
+
+    prompt_text = rec.prompt if isinstance(rec.prompt, str) else decode(prompt_ids)
+    ids, positions = ([], []) if prompt_only else (out.token_ids, out.logprobs or [])
+    logprobs = None
+    if k is not None and out.prompt_logprobs is not None:
+        logprobs = echo_logprobs(prompt_ids, out.prompt_logprobs, decode(prompt_ids[:1]), ids, positions, k)
+    return {"index": index, "text": prompt_text + ("" if prompt_only else out.text), "logprobs": logprobs,
+            "finish_reason": "length" if prompt_only else out.finish_reason}
+
+
 def _line(rec: InputRecord, status: int, body: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
@@ -55,17 +75,21 @@ def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str,
                   reasoning: str | None = None, token_bytes: Bytes | None = None,
                   reasoning_field: str = REASONING_FIELD) -> dict[str, Any]:
     """The batch output line answering ``rec`` with its n completions (text completions are never split)."""
-    chat = rec.openai.chat
+    chat, echo = rec.openai.chat, rec.openai.echo
     body = {
         "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [_choice(i, out, chat, reasoning, rec.sampling.get("logprobs"), token_bytes, reasoning_field)
+                    if echo is None else _echo_choice(i, out, rec, rec.sampling.get("logprobs"),
+                                                      getattr(token_bytes, "tokenizer", None))
                     for i, out in enumerate(outputs)],
-        "usage": _usage(outputs),
+        "usage": _usage(outputs, echo is not None and echo.prompt_only),
     }
     prompt_k = rec.sampling.get("prompt_logprobs")
+    if echo is not None and not echo.prompt_logprobs_asked:
+        prompt_k = None  # asked for by echo, written in the choices' logprobs
     if prompt_k is not None and outputs[0].prompt_logprobs is not None:  # vLLM's extension
         body["prompt_logprobs"] = plain_prompt_logprobs(outputs[0].prompt_token_ids, outputs[0].prompt_logprobs,
                                                         prompt_k)

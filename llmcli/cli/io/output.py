@@ -5,6 +5,7 @@ from typing import Any
 
 from llmcli.engine.outputs import RequestOutput
 from llmcli.cli.io.logprobs_format import Bytes, plain_logprobs, plain_prompt_logprobs
+from llmcli.cli.io.score_format import score_result
 from llmcli.cli.io.openai_format import REASONING_FIELD, openai_error, openai_result
 from llmcli.cli.io.reasoning import split_reasoning
 from llmcli.cli.io.records import InputRecord
@@ -42,6 +43,8 @@ def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str,
 
     ``reasoning`` names the reasoning parser (None: the text is left whole) and ``reasoning_field`` the field
     its thinking goes to; ``token_bytes`` gives chat logprobs' ``bytes`` (None: the UTF-8 of each token's text)."""
+    if rec.score is not None:
+        return score_result(rec, outputs, include_token_ids)
     if rec.openai is not None:
         return openai_result(rec, outputs, model, reasoning=reasoning, token_bytes=token_bytes,
                              reasoning_field=reasoning_field)

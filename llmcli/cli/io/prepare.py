@@ -9,6 +9,7 @@ import orjson
 
 from llmcli.cli.io.field_problem import FieldProblem
 from llmcli.cli.io.records import InputRecord
+from llmcli.cli.io.score_fields import SCORE_PARAMS
 from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
 from llmcli.cli.io.time_limit import TimeLimitExceeded, time_limit
@@ -48,6 +49,11 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # n entries, each with n=1 (the i-th seeded seed+i)
     limit_set: bool = True  # max_tokens came from the record or --max-tokens; False: the built-in default
+    prompts: list[list[int]] | None = None  # a score record's: one prompt per request (None: all run the one)
+
+    def prompt_of(self, i: int) -> list[int]:
+        """The token ids the ``i``-th engine request of this record runs."""
+        return self.prompt_token_ids if self.prompts is None else self.prompts[i]
 
 
 class Preparer:
@@ -108,7 +114,7 @@ class Preparer:
                 params = self._params(rec)
                 if rec.kind == "prompt_token_ids":
                     ids = self._check_length(rec, self._check_ids(rec))
-                    out[i] = PreparedRequest(rec, ids, params, self._limit_set(rec))
+                    out[i] = self._request(rec, ids, params)
                     continue
                 if self.tokenizer is None:
                     raise FieldProblem(rec.prompt_field(), "the model has no tokenizer; give prompt_token_ids instead")
@@ -126,12 +132,36 @@ class Preparer:
             rec = recs[i]
             try:
                 self._check_tokenizer_ids(rec, ids)
-                ids = self._check_length(rec, ids)
+                out[i] = self._request(rec, self._check_length(rec, ids), params)
             except FieldProblem as problem:
                 rec.fail(problem.field, problem.message)
-                continue
-            out[i] = PreparedRequest(rec, ids, params, self._limit_set(rec))
         return out
+
+    def _request(self, rec: InputRecord, ids: list[int], params: list[SamplingParams]) -> PreparedRequest:
+        """The record's request; a score record's runs each continuation after the prompt (or the prompt alone,
+        for its perplexity) with SCORE_PARAMS."""
+        if rec.score is None:
+            return PreparedRequest(rec, ids, params, self._limit_set(rec))
+        if rec.score.kind == "perplexity":
+            if len(ids) < 2:
+                raise FieldProblem(rec.prompt_field(), "needs at least 2 tokens for a perplexity (the first has no "
+                                                       "context)")
+            return PreparedRequest(rec, ids, [SCORE_PARAMS], True)
+        texts = [c for c in rec.score.continuations if isinstance(c, str)]
+        if texts and self.tokenizer is None:
+            raise FieldProblem("continuations", "the model has no tokenizer; give token ids instead")
+        encoded = iter(encode_texts(self.tokenizer, texts, chat=True) if texts else [])  # no special tokens
+        conts = [next(encoded) if isinstance(c, str) else list(c) for c in rec.score.continuations]
+        for j, cont in enumerate(conts):
+            if not cont:
+                raise FieldProblem(f"continuations[{j}]", "encodes to zero tokens")
+            if len(ids) + len(cont) >= self.max_model_len:
+                raise FieldProblem(f"continuations[{j}]", f"prompt and continuation are {len(ids) + len(cont)} "
+                                                          f"tokens, too long for max_model_len={self.max_model_len}")
+            if max(cont) >= self.vocab_size:
+                raise FieldProblem(f"continuations[{j}]", f"token ids must be in [0, {self.vocab_size})")
+        rec.score.continuation_ids = conts
+        return PreparedRequest(rec, ids, [SCORE_PARAMS] * len(conts), True, prompts=[ids + c for c in conts])
 
     # -- sampling ---------------------------------------------------------------
     def _params(self, rec: InputRecord) -> list[SamplingParams]:

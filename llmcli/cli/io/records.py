@@ -7,8 +7,11 @@ from typing import Any, Callable
 import orjson
 
 from llmcli.cli.io.field_problem import FieldProblem
+from llmcli.cli.io.openai_fields import OPENAI_ONLY_FIELDS, Echo, check_unhonoured, take_echo, take_tools
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
+from llmcli.cli.io.score_fields import SCORE_FIELDS, Score, take_score
 from llmcli.cli.io.source import RawLine
+from llmcli.engine.chat_messages import ContentPartError, template_message
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 # Deepest nesting a record may hold (README, reliability): the input fingerprint and the constraint
@@ -23,6 +26,7 @@ class OpenAIRequest:
 
     custom_id: str
     url: str  # one of OPENAI_ENDPOINTS
+    echo: Echo | None = None  # /v1/completions with "echo": true
 
     @property
     def chat(self) -> bool:
@@ -63,6 +67,7 @@ class InputRecord:
     structured_field: str | None = None  # the field that gave sampling["structured_outputs"], as written
     carry: dict[str, Any] | None = None  # a table row's kept columns, copied to its output line as they are
     columns: Callable[[str | None], str | None] | None = None  # a table row: the column a field came from
+    score: Score | None = None  # a score record: continuations' log-likelihoods or the prompt's perplexity
 
     def fail(self, field_name: str | None, message: str) -> None:
         if self.columns is not None:
@@ -179,19 +184,20 @@ def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
             raise FieldProblem(where, f"must be an object, got {_type_name(msg)}")
         if not isinstance(msg.get("role"), str):
             raise FieldProblem(f"{where}.role", "must be a string")
-        content = msg.get("content")
-        if isinstance(content, list):
-            # OpenAI content parts: only text can be fed to a text-only model.
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise FieldProblem(f"{where}.content[{j}]",
-                                       'only {"type": "text", "text": ...} parts are supported')
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(content)}")
-        checked.append({**msg, "content": content})
+        calls = msg.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise FieldProblem(f"{where}.tool_calls", "must be an array of tool-call objects")
+        try:  # OpenAI content parts (only text, for a text-only model); null beside tool_calls
+            msg = template_message(msg)
+        except ContentPartError as exc:
+            raise FieldProblem(f"{where}.content[{exc.index}]", str(exc)) from None
+        except ValueError:
+            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(msg.get('content'))}"
+                               + (" (null only in an assistant turn with tool_calls)"
+                                  if msg.get("content") is None else "")) from None
+        if not isinstance(msg["content"], str):
+            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(msg['content'])}")
+        checked.append(msg)
     return checked
 
 
@@ -221,8 +227,8 @@ def _known(openai_body: bool) -> set[str]:
     # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
     if openai_body:
         return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *STRUCTURED_FIELDS, *OPENAI_BODY_EXTRA,
-                *_SAMPLING_CHECKS}
-    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS}
+                *OPENAI_ONLY_FIELDS, *_SAMPLING_CHECKS}
+    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS, *SCORE_FIELDS}
 
 
 def did_you_mean(name: str) -> str | None:
@@ -272,6 +278,7 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     rec.sampling = _take_sampling(obj, "")
     rec.chat_template_kwargs = _template_kwargs(obj, "chat_template_kwargs")
     _take_structured(rec, obj, "")
+    rec.score = take_score(obj, rec.sampling)
 
 
 def _take_structured(rec: InputRecord, src: dict[str, Any], prefix: str) -> None:
@@ -296,15 +303,23 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
     rec.unknown = (unknown_fields(obj, ("custom_id", "method", "url", "body"))
                    + unknown_fields(body, _known(openai_body=True), prefix="body."))
     body = _aliased(body, "body.")
+    check_unhonoured(body)
+    rec.chat_template_kwargs = _template_kwargs(body, "body.chat_template_kwargs")
     if rec.openai.chat:
+        if "echo" in body:
+            raise FieldProblem("body.echo", "is a /v1/completions field")
         rec.kind, rec.prompt = "messages", _check_messages(body.get("messages"), "body.messages")
         sampling = _take_sampling({k: v for k, v in body.items() if k != "logprobs"}, "body.")
         sampling.update(_chat_logprobs(body))
+        rec.chat_template_kwargs = take_tools(body, rec.chat_template_kwargs)
     else:
+        for name in ("tools", "tool_choice"):
+            if name in body:
+                raise FieldProblem(f"body.{name}", "is a /v1/chat/completions field")
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
         sampling = _take_sampling(body, "body.")
+        rec.openai.echo = take_echo(body, sampling)
     rec.sampling = sampling
-    rec.chat_template_kwargs = _template_kwargs(body, "body.chat_template_kwargs")
     _take_structured(rec, body, "body.")
 
 
@@ -370,13 +385,15 @@ def parse_line(raw: RawLine) -> InputRecord:
     try:
         if "custom_id" in obj or "body" in obj:
             custom_id = obj.get("custom_id")
-            # Even a bad custom_id is an OpenAI line: its error line keeps the batch output's shape (and
-            # names it as written, so --resume finds it).
-            rec.openai = OpenAIRequest(custom_id=custom_id, url="")
-            if not isinstance(custom_id, (dict, list)):  # a container may be nested too deep to write back
-                rec.out_id, rec.key = custom_id, record_key(custom_id, openai=True)
+            # Even a bad custom_id is an OpenAI line: its error line keeps the batch output's shape, whose
+            # custom_id is a string: the one written, else "line-N" (the same name on every run, so --resume
+            # finds it).
+            named = custom_id if isinstance(custom_id, str) else f"line-{raw.number}"
+            rec.openai = OpenAIRequest(custom_id=named, url="")
+            rec.out_id, rec.key = named, record_key(named, openai=True)
             if not isinstance(custom_id, str) or not custom_id:
-                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id")
+                raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id, got "
+                                   + ("none" if custom_id is None else _describe(custom_id)))
         elif "id" in obj:
             if not (isinstance(obj["id"], str) or _is_int(obj["id"])):
                 raise FieldProblem("id", f"must be a string or an integer, got {_type_name(obj['id'])}")

@@ -1,0 +1,105 @@
+"""lm-evaluation-harness on llmcli's engine (issue 42): the model "llmcli" against lm-eval's own "hf" model on
+the same tiny fp32 weights and local tasks (tests/lm_eval_tasks/): multiple choice, rolling perplexity and
+greedy generation."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
+TASKS = ["llmcli_tiny_mc", "llmcli_tiny_ppl", "llmcli_tiny_gen"]
+ENGINE = "dtype=float32,kvcache_block_size=16,num_kvcache_blocks=64,max_num_seqs=16"
+
+
+def evaluate(model: str, model_args: str):
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=TASKS, device="cpu", batch_size=4,
+                                   task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False), log_samples=True,
+                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+
+
+def by_doc(results, task):
+    """Each document's responses: [(loglikelihood, is_greedy), ...], [loglikelihood] or [text]."""
+    return {s["doc_id"]: [r[0] for r in s["resps"]] for s in results["samples"][task]}
+
+
+@pytest.fixture(scope="module")
+def both(tiny_model, monkeypatch_module):
+    monkeypatch_module.chdir(TASKS_DIR)  # the tasks' data_files are relative to their folder
+    monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
+    import llmcli.lm_eval  # noqa: F401  (registers "llmcli")
+
+    ours = evaluate("llmcli", f"pretrained={tiny_model},{ENGINE}")
+    theirs = evaluate("hf", f"pretrained={tiny_model},dtype=float32")
+    return ours, theirs
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_multiple_choice_equals_the_hf_model(both):
+    ours, theirs = both
+    assert ours["results"]["llmcli_tiny_mc"]["acc,none"] == theirs["results"]["llmcli_tiny_mc"]["acc,none"]
+    a, b = by_doc(ours, "llmcli_tiny_mc"), by_doc(theirs, "llmcli_tiny_mc")
+    assert a.keys() == b.keys() and len(a) == 8
+    for doc in a:
+        assert [g for _, g in a[doc]] == [g for _, g in b[doc]]  # is_greedy
+        for (ll, _), (want, _) in zip(a[doc], b[doc]):
+            assert abs(float(ll) - float(want)) < 1e-3
+
+
+def test_rolling_perplexity_equals_the_hf_model(both):
+    ours, theirs = both
+    a, b = by_doc(ours, "llmcli_tiny_ppl"), by_doc(theirs, "llmcli_tiny_ppl")
+    assert a.keys() == b.keys() and len(a) == 4
+    for doc in a:
+        assert float(a[doc][0]) == pytest.approx(float(b[doc][0]), rel=1e-4)
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        got, want = ours["results"]["llmcli_tiny_ppl"][metric], theirs["results"]["llmcli_tiny_ppl"][metric]
+        assert math.isfinite(got) and got == pytest.approx(want, rel=1e-4)
+
+
+def test_greedy_generation_equals_the_hf_model(both):
+    ours, theirs = both
+    a, b = by_doc(ours, "llmcli_tiny_gen"), by_doc(theirs, "llmcli_tiny_gen")
+    assert a == b and any(text for texts in a.values() for text in texts)
+
+
+@pytest.mark.slow  # lm-eval's command line indexes all of its built-in tasks first (~30 s on 2 cores)
+def test_python_m_entry_runs_lm_eval_with_the_llmcli_model(tiny_model, tmp_path):
+    cmd = [sys.executable, "-m", "llmcli.lm_eval", "--model", "llmcli", "--model_args",
+           f"pretrained={tiny_model},{ENGINE}", "--tasks", "llmcli_tiny_mc", "--include_path", str(TASKS_DIR),
+           "--limit", "2", "--output_path", str(tmp_path / "out")]
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(cmd, cwd=TASKS_DIR, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root), "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "llmcli_tiny_mc" in done.stdout and "acc" in done.stdout
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_give_the_same_log_likelihoods(tiny_model):
+    import llmcli.lm_eval
+
+    engine = dict(dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=16, device="cpu")
+    requests = [(None, [5, 9, 30 + i], [41, 7, i + 1]) for i in range(6)]
+    one = llmcli.lm_eval.LLMCLIModel(str(tiny_model), **engine)
+    want = one._loglikelihood_tokens(requests)
+    one.engine.shutdown()
+    two = llmcli.lm_eval.LLMCLIModel(str(tiny_model), data_parallel_size=2, **engine)
+    try:
+        got = two._loglikelihood_tokens(requests)
+    finally:
+        two.engine.shutdown()
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in want], abs=1e-5)
