@@ -69,10 +69,11 @@ def _online(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-                     score_budget: int = SCORE_BUDGET) -> torch.Tensor:
+                     score_budget: int | None = None) -> torch.Tensor:
     """q [Lq, H, D] against k/v [Lk, KH, D]; the queries are the last Lq of the Lk positions, each sees the keys
     at or before it (and, with ``window``, after its position minus ``window``). Returns [Lq, H, D] in q's dtype,
-    computed in float32 with at most about ``2 * score_budget`` scores alive at once."""
+    computed in float32 with at most about ``2 * score_budget`` scores alive at once (default ``SCORE_BUDGET``)."""
+    score_budget = score_budget or SCORE_BUDGET
     q_len, num_heads, _ = q.shape
     k_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads

@@ -160,7 +160,7 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
         fp = tl.load(src_ptr + src_row + heads[:, None] * src_head_stride + ROT + pdims[None, :], mask=pmask,
                      other=0.0).to(tl.float32)
     else:
-        fp = f1
+        fp = f1  # unused
     if NORM:
         sq = tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)
         if PASS > 0:
@@ -169,17 +169,22 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
         dmask = dims < HALF
         w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + ROT + pdims, mask=pdims < PASS, other=0.0).to(tl.float32)[None, :]
         if OFFSET:  # (x / rms(x)) * (offset + w) in float32, as transformers' zero-centred norms, then rounded
             n1 = (f1 * rstd * (w1 + w_offset)).to(out_dtype).to(tl.float32)
             n2 = (f2 * rstd * (w2 + w_offset)).to(out_dtype).to(tl.float32)
-            n_pass = (fp * rstd * (wp + w_offset)).to(out_dtype)
         else:
             # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype (this
             # is where FP fusion would turn a product and the sum into one fma: the launch turns it off)
             n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
             n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
-            n_pass = ((fp * rstd).to(dtype).to(tl.float32) * wp).to(out_dtype)
+        if PASS > 0:
+            wp = tl.load(w_ptr + ROT + pdims, mask=pdims < PASS, other=0.0).to(tl.float32)[None, :]
+            if OFFSET:
+                n_pass = (fp * rstd * (wp + w_offset)).to(out_dtype)
+            else:
+                n_pass = ((fp * rstd).to(dtype).to(tl.float32) * wp).to(out_dtype)
+        else:
+            n_pass = n1
     else:  # rotary only (Llama, Qwen2, Mistral): the inputs are already in the output dtype
         n1, n2 = f1, f2
         n_pass = fp.to(out_dtype)
@@ -206,13 +211,11 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
                            FP8: tl.constexpr = False, w_offset=0.0):
     # ROT: the rotated dims (HEAD_DIM, or fewer with partial rotary); BLOCK_RHALF covers half of them, BLOCK_HALF
     # half the head (v's store), BLOCK_PASS the rest of the head
-    ROT_DIMS = ROT
-    BLOCK_R = BLOCK_RHALF
     RHALF = ROT // 2
     HALF = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    rdims = tl.arange(0, BLOCK_R)
+    rdims = tl.arange(0, BLOCK_RHALF)
     rmask = rdims < RHALF
     out_dtype = q_out_ptr.dtype.element_ty
     # cos/sin rounded to the dtype first (``cos_table[positions].to(q.dtype)``), shared by q's and k's heads
@@ -221,11 +224,11 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
     s1 = tl.load(sin_ptr + pos * sin_stride + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + pos * sin_stride + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     _norm_rotate_heads(q_ptr, q_out_ptr, qw_ptr, token * q_stride, token * (HQ * HEAD_DIM), q_head_stride,
-                       c1, c2, s1, s2, eps, w_offset, HQ, BLOCK_HQ, HEAD_DIM, ROT_DIMS, BLOCK_R, BLOCK_PASS, NORM,
+                       c1, c2, s1, s2, eps, w_offset, HQ, BLOCK_HQ, HEAD_DIM, ROT, BLOCK_RHALF, BLOCK_PASS, NORM,
                        OFFSET)
     k1, k2, kp = _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM),
-                                    k_head_stride, c1, c2, s1, s2, eps, w_offset, HK, BLOCK_HK, HEAD_DIM, ROT_DIMS,
-                                    BLOCK_R, BLOCK_PASS, NORM, OFFSET)
+                                    k_head_stride, c1, c2, s1, s2, eps, w_offset, HK, BLOCK_HK, HEAD_DIM, ROT,
+                                    BLOCK_RHALF, BLOCK_PASS, NORM, OFFSET)
     if STORE:  # what store_kv does with the rotated k and v: both into row ``slot`` of the paged caches
         slot = tl.load(slot_ptr + token).to(tl.int64)
         heads = tl.arange(0, BLOCK_HK)
@@ -236,10 +239,10 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
         kmask = live & (rdims[None, :] < RHALF)
         tl.store(k_dst + rdims[None, :], to_cache(k1, k_scale, k_cache_ptr, FP8), mask=kmask)
         tl.store(k_dst + RHALF + rdims[None, :], to_cache(k2, k_scale, k_cache_ptr, FP8), mask=kmask)
-        if ROT_DIMS < HEAD_DIM:
+        if ROT < HEAD_DIM:
             pdims = tl.arange(0, BLOCK_PASS)
-            tl.store(k_dst + ROT_DIMS + pdims[None, :], to_cache(kp, k_scale, k_cache_ptr, FP8),
-                     mask=live & (pdims[None, :] < HEAD_DIM - ROT_DIMS))
+            tl.store(k_dst + ROT + pdims[None, :], to_cache(kp, k_scale, k_cache_ptr, FP8),
+                     mask=live & (pdims[None, :] < HEAD_DIM - ROT))
         dims = tl.arange(0, BLOCK_HALF)
         mask = live & (dims[None, :] < HALF)
         v_src = v_ptr + token * v_stride + heads[:, None] * v_head_stride + dims[None, :]
