@@ -136,7 +136,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_stride, c1, c2, s1, s2, eps, w_offset,
                        H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
                        OFFSET: tl.constexpr):
     """RMSNorm (``NORM``; without it ``w_ptr`` is never read) then rotary of one token's ``H`` heads: the first
     ``ROT`` dims rotated, their two halves kept apart (rotate-half), the other ``HEAD_DIM - ROT`` (partial rotary)
@@ -144,7 +144,6 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
     Stores them at ``dst_row`` and returns the rotated halves and the pass-through part (the first half again
     when there is none), rounded to the output dtype."""
     HALF = ROT // 2
-    PASS = HEAD_DIM - ROT
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < H) & (dims[None, :] < HALF)
@@ -207,7 +206,8 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
                            HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr,
                            BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr,
-                           BLOCK_RHALF: tl.constexpr, BLOCK_PASS: tl.constexpr, OFFSET: tl.constexpr,
+                           BLOCK_RHALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                           OFFSET: tl.constexpr,
                            FP8: tl.constexpr = False, w_offset=0.0):
     # ROT: the rotated dims (HEAD_DIM, or fewer with partial rotary); BLOCK_RHALF covers half of them, BLOCK_HALF
     # half the head (v's store), BLOCK_PASS the rest of the head
@@ -224,11 +224,11 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
     s1 = tl.load(sin_ptr + pos * sin_stride + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + pos * sin_stride + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     _norm_rotate_heads(q_ptr, q_out_ptr, qw_ptr, token * q_stride, token * (HQ * HEAD_DIM), q_head_stride,
-                       c1, c2, s1, s2, eps, w_offset, HQ, BLOCK_HQ, HEAD_DIM, ROT, BLOCK_RHALF, BLOCK_PASS, NORM,
+                       c1, c2, s1, s2, eps, w_offset, HQ, BLOCK_HQ, HEAD_DIM, ROT, BLOCK_RHALF, PASS, BLOCK_PASS, NORM,
                        OFFSET)
     k1, k2, kp = _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM),
                                     k_head_stride, c1, c2, s1, s2, eps, w_offset, HK, BLOCK_HK, HEAD_DIM, ROT,
-                                    BLOCK_RHALF, BLOCK_PASS, NORM, OFFSET)
+                                    BLOCK_RHALF, PASS, BLOCK_PASS, NORM, OFFSET)
     if STORE:  # what store_kv does with the rotated k and v: both into row ``slot`` of the paged caches
         slot = tl.load(slot_ptr + token).to(tl.int64)
         heads = tl.arange(0, BLOCK_HK)
@@ -239,10 +239,10 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
         kmask = live & (rdims[None, :] < RHALF)
         tl.store(k_dst + rdims[None, :], to_cache(k1, k_scale, k_cache_ptr, FP8), mask=kmask)
         tl.store(k_dst + RHALF + rdims[None, :], to_cache(k2, k_scale, k_cache_ptr, FP8), mask=kmask)
-        if ROT < HEAD_DIM:
+        if PASS > 0:
             pdims = tl.arange(0, BLOCK_PASS)
             tl.store(k_dst + ROT + pdims[None, :], to_cache(kp, k_scale, k_cache_ptr, FP8),
-                     mask=live & (pdims[None, :] < HEAD_DIM - ROT))
+                     mask=live & (pdims[None, :] < PASS))
         dims = tl.arange(0, BLOCK_HALF)
         mask = live & (dims[None, :] < HALF)
         v_src = v_ptr + token * v_stride + heads[:, None] * v_head_stride + dims[None, :]
@@ -300,7 +300,8 @@ def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weig
         float(kv_scales[0]), float(kv_scales[1]),
         HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk, BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d,
         BLOCK_HALF=triton.next_power_of_2(d // 2), STORE=store is not None, BLOCK_SIZE=block_size, NORM=norm,
-        ROT=rot, BLOCK_RHALF=triton.next_power_of_2(rot // 2), BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)),
+        ROT=rot, BLOCK_RHALF=triton.next_power_of_2(rot // 2), PASS=d - rot,
+        BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)),
         OFFSET=offset, FP8=is_fp8(k_cache), w_offset=float(weight_offset), num_warps=4, **_UNFUSED)
     return q_out, k_out
 
