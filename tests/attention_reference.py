@@ -44,10 +44,11 @@ class PagedCase:
 
 
 def paged_case(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, int, int, int], dtype: torch.dtype,
-               device: torch.device, window: int | None, seed: int = 0) -> PagedCase:
+               device: torch.device, window: int | None, seed: int = 0, with_ref: bool = True) -> PagedCase:
     """Chunk ``i``: ``q_lens[i]`` new tokens after ``prefix_lens[i]`` cached ones, in a pool of randomly
     permuted blocks; the new keys are stored in their slots, then every block that no query of its sequence can
-    see (all its positions before the first query's window) is filled with NaN."""
+    see (all its positions before the first query's window) is filled with NaN. ``with_ref=False``: no
+    reference (``ref`` is empty), for sizes a CPU softmax would take long over."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_dim, block_size = shape
     ctx = [p + n for p, n in zip(prefix_lens, q_lens)]
@@ -76,7 +77,8 @@ def paged_case(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, int,
             v_cache.view(-1, num_kv_heads, head_dim)[slot] = v[row + j]
         keys = k_cache[tables[i, : per_seq[i]].long()].reshape(-1, num_kv_heads, head_dim)[: ctx[i]]
         values = v_cache[tables[i, : per_seq[i]].long()].reshape(-1, num_kv_heads, head_dim)[: ctx[i]]
-        refs.append(masked_softmax_attention(q[row : row + n], keys, values, head_dim ** -0.5, window))
+        if with_ref:
+            refs.append(masked_softmax_attention(q[row : row + n], keys, values, head_dim ** -0.5, window))
         row += n
     for i, p in enumerate(prefix_lens):  # after the reference has read the clean cache
         first_seen = 0 if window is None else max(0, p - window + 1)
@@ -87,7 +89,7 @@ def paged_case(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, int,
     cum = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=device)
     return PagedCase(q.to(device), k.to(device), v.to(device), k_cache.to(device), v_cache.to(device),
                      tables.to(device), torch.tensor(slots, dtype=torch.int64, device=device), cum(q_lens), cum(ctx),
-                     torch.tensor(ctx, dtype=torch.int32, device=device), torch.cat(refs), poisoned)
+                     torch.tensor(ctx, dtype=torch.int32, device=device), torch.cat(refs) if refs else torch.empty(0), poisoned)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -282,7 +282,8 @@ def calls(dtype):  # Qwen3-0.6B's sizes
     q, k = qkv[:, : 16 * 128].view(3, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(3, 8, 128)
     pos, rot = torch.zeros(3, dtype=torch.int64), RotaryEmbedding(128, 64, 1_000_000.0)
     v, pool = qkv[:, 24 * 128 :].view(3, 8, 128), torch.zeros(2, 4, 256, 8, 128, dtype=dtype)
-    qkv256, hw256, rot64 = torch.randn(3, 24 * 256, dtype=dtype), torch.ones(256, dtype=dtype), RotaryEmbedding(64, 64, 1e7)
+    qkv256, hw256 = torch.randn(3, 24 * 256, dtype=dtype), torch.ones(256, dtype=dtype)
+    rot64 = RotaryEmbedding(64, 64, 1e7)
     q256, k256 = qkv256[:, : 16 * 256].view(3, 16, 256), qkv256[:, 16 * 256 : 20 * 256].view(3, 4, 256)
     v256, pool256 = qkv256[:, 20 * 256 :].view(3, 4, 256), torch.zeros(2, 4, 256, 4, 256, dtype=dtype)
     return {"rms_norm": lambda: te.rms_norm(x, w, 1e-6), "add_rms_norm": lambda: te.add_rms_norm(x, x, w, 1e-6),

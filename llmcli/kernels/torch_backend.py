@@ -1,5 +1,9 @@
 """Reference paged attention in plain PyTorch: runs anywhere, the oracle for the fast backends.
 
+Each sequence gathers only the keys its queries can see (with a sliding window, the window's part of the
+cache) and attends through ``torch_attention.causal_attention``, whose memory does not grow with
+``q_len x k_len``.
+
 An FP8 cache (``torch.float8_e4m3fn``) holds ``value / scale`` saturated to e4m3's finite range (it has no
 infinity: an unclamped cast of a large value gives NaN) and is read back as ``fp8 * scale`` in float32; the
 scales are per layer, ``(k_scale, v_scale)``.

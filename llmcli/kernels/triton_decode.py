@@ -301,7 +301,8 @@ def paged_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=split,
         HEADS_FASTEST=tuning.heads_fastest, row_order_ptr=row_order, v_scale=float(kv_scales[1]), FP8=fp8,
-        window=window or 0, WINDOWED=window is not None, num_warps=tuning.num_warps, num_stages=decode_stages(tuning, k_cache.dtype),
+        window=window or 0, WINDOWED=window is not None,
+        num_warps=tuning.num_warps, num_stages=decode_stages(tuning, k_cache.dtype),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](

@@ -219,10 +219,11 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
     rmask = rdims < RHALF
     out_dtype = q_out_ptr.dtype.element_ty
     # cos/sin rounded to the dtype first (``cos_table[positions].to(q.dtype)``), shared by q's and k's heads
-    c1 = tl.load(cos_ptr + pos * cos_stride + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + pos * cos_stride + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + pos * sin_stride + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + pos * sin_stride + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    cos_row, sin_row = cos_ptr + pos * cos_stride, sin_ptr + pos * sin_stride
+    c1 = tl.load(cos_row + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     _norm_rotate_heads(q_ptr, q_out_ptr, qw_ptr, token * q_stride, token * (HQ * HEAD_DIM), q_head_stride,
                        c1, c2, s1, s2, eps, w_offset, HQ, BLOCK_HQ, HEAD_DIM, ROT, BLOCK_RHALF, PASS, BLOCK_PASS, NORM,
                        OFFSET)

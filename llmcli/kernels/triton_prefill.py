@@ -228,33 +228,26 @@ def _prefill_kernel(
             full_end = start
         else:
             full_end = tl.maximum((q_first // BLOCK_N) * BLOCK_N, start)
-        all_from = tl.cdiv(tl.maximum(last - window, 0), BLOCK_N) * BLOCK_N
-        mid = tl.minimum(tl.maximum(start, all_from), full_end)
+        mid = tl.minimum(tl.maximum(start, tl.cdiv(tl.maximum(last - window, 0), BLOCK_N) * BLOCK_N), full_end)
         for n0 in range(start, mid, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
                 k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True, 1.0, 1.0, False, True, window, lo)
-        for n0 in range(mid, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
-                k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
-        for n0 in range(full_end, last, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
-                k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True, 1.0, 1.0, False, True, window, lo)
     else:
+        lo = 0
+        mid = 0
         if ONE_LOOP:
             full_end = 0
         else:
             full_end = (q_first // BLOCK_N) * BLOCK_N
-            for n0 in range(0, full_end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(
-                    q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
-                    k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
-        for n0 in range(full_end, last, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
-                k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True)
+    for n0 in range(mid, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
+            k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
+    for n0 in range(full_end, last, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
+            k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True, 1.0, 1.0, False, WINDOWED, window, lo)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_off = qi * stride_ot + head * stride_oh
@@ -322,7 +315,8 @@ def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tenso
         out.stride(0), out.stride(1), scale * math.log2(math.e), float(kv_scales[0]), float(kv_scales[1]),
         window or 0, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         PAGED=paged is not None, QPT=t.block_m // group, num_warps=t.num_warps, num_stages=t.num_stages,
-        ONE_LOOP=t.one_loop, FP8=kc.dtype == torch.float8_e4m3fn, WINDOWED=window is not None, **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
+        ONE_LOOP=t.one_loop, FP8=kc.dtype == torch.float8_e4m3fn, WINDOWED=window is not None,
+        **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
     )
     return out
 
