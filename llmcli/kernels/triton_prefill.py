@@ -168,7 +168,6 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tok_base * stride_qt + row_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
 
-    last = tl.minimum(q_first + QPT, q_len)  # one past the tile's last query
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -186,7 +185,8 @@ def _prefill_kernel(
             # ``lo`` are seen by no row (skipped), keys from ``all_from`` by every row (no mask needed)
             lo = tl.maximum(prefix_len + q_first - window + 1, 0)
             start = (lo // BLOCK_N) * BLOCK_N
-            all_from = tl.cdiv(tl.maximum(prefix_len + last - window, 0), BLOCK_N) * BLOCK_N
+            last_q = tl.minimum(q_first + QPT, q_len)  # one past the tile's last query
+            all_from = tl.cdiv(tl.maximum(prefix_len + last_q - window, 0), BLOCK_N) * BLOCK_N
             mid = tl.minimum(tl.maximum(start, all_from), prefix_full)
             for n0 in range(start, mid, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
@@ -228,7 +228,8 @@ def _prefill_kernel(
             full_end = start
         else:
             full_end = tl.maximum((q_first // BLOCK_N) * BLOCK_N, start)
-        mid = tl.minimum(tl.maximum(start, tl.cdiv(tl.maximum(last - window, 0), BLOCK_N) * BLOCK_N), full_end)
+        last_q = tl.minimum(q_first + QPT, q_len)
+        mid = tl.minimum(tl.maximum(start, tl.cdiv(tl.maximum(last_q - window, 0), BLOCK_N) * BLOCK_N), full_end)
         for n0 in range(start, mid, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
@@ -244,6 +245,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
             k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
+    last = tl.minimum(q_first + QPT, q_len)  # one past the tile's last query
     for n0 in range(full_end, last, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
