@@ -86,14 +86,33 @@ class GraphInputs:
 class QKNormRotary:
     """The transform q and k still need before attention: per-head RMSNorm (``weight * (x / rms(x)).to(dtype)``;
     none when the weights are None), then the rotate-half rotary embedding at ``positions`` from the
-    ``[max_position, head_dim]`` cos/sin tables."""
+    ``[max_position, rotary_dim]`` cos/sin tables on the first ``rotary_dim`` dims of each head (partial rotary:
+    Qwen3.5's ``partial_rotary_factor``; the rest pass through normed only).
+
+    ``weight_offset`` != 0 is the zero-centred norm of Qwen3.5, Qwen3-Next and Gemma 3 (``1 + w``), computed as
+    transformers does: ``(x / rms(x) * (weight_offset + weight))`` in float32, rounded once."""
 
     positions: torch.Tensor  # [num_tokens] int64
     q_weight: torch.Tensor | None  # [head_dim]; None: no q/k norm
     k_weight: torch.Tensor | None  # [head_dim]
     eps: float
-    cos: torch.Tensor  # [max_position, head_dim] float32
+    cos: torch.Tensor  # [max_position, rotary_dim] float32
     sin: torch.Tensor
+    rotary_dim: int | None = None  # None: the tables' width (the whole head for most models)
+    weight_offset: float = 0.0
+
+
+def rotary_width(head_dim: int, cos: torch.Tensor, rotary_dim: int | None = None) -> int:
+    """How many leading dims of each head the rotary embedding turns: ``rotary_dim``, else the tables' width.
+
+    The tables must be exactly that wide (rotate-half pairs dim ``i`` with ``i + rotary_dim / 2``, so a table
+    built for the whole head cannot serve a partial rotary)."""
+    width = cos.shape[-1]
+    dim = width if rotary_dim is None else rotary_dim
+    if dim != width or dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} with cos/sin tables {width} wide and head_dim {head_dim}: the "
+                         f"tables must be rotary_dim wide, an even number of dims up to head_dim")
+    return dim
 
 
 class AttentionBackend(ABC):
@@ -127,12 +146,14 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor | None,
         qk_norm: QKNormRotary | None = None,
         kv_scales: KVScales = (1.0, 1.0),
+        window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store the new k/v in the cache, then attend. Runs once per layer.
 
         ``qk_norm`` comes only to a backend with ``fuses_qk_norm_rotary``: q and k are then still to be
         transformed by it, and the cache gets the transformed k (with v as it is). ``kv_scales``: the layer's
-        FP8 cache scales (see the module docstring)."""
+        FP8 cache scales (see the module docstring). ``window``: the layer's sliding window (transformers'
+        semantics: the query at position p sees the keys at p - window + 1 .. p; None: every earlier key)."""
 
     # -- CUDA-graph support (decode only) -------------------------------------
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,

@@ -2,7 +2,9 @@
 
 Used when ``flash_attn`` is importable (``pip install 'llmcli[flash]'``); its
 paged kernels want a KV block size that is a multiple of 256 (Config checks).
-New K/V go into the cache with llmcli's own Triton store kernel.
+New K/V go into the cache with llmcli's own Triton store kernel. A sliding window goes to flash-attn as
+``window_size=(window - 1, 0)``: its query ``i`` sees keys ``i + seqlen_k - seqlen_q - left .. + right``
+inclusive, so ``left = window - 1`` gives transformers' window of ``window`` keys ending at the query.
 """
 from __future__ import annotations
 
@@ -23,19 +25,21 @@ class FlashAttentionBackend(AttentionBackend):
 
         self._varlen, self._with_kvcache, self._store = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
 
-    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None):
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, window: int | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         assert qk_norm is None, "this backend does not fuse the q/k transform (fuses_qk_norm_rotary is False)"
+        # only a window is passed on: a call without one is the call it always was
+        local = {} if window is None else {"window_size": (window - 1, 0)}
         if k_cache is not None and k_cache.numel():
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.is_prefill:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                     block_table=meta.block_tables, softmax_scale=self.scale, causal=True)
+                                     block_table=meta.block_tables, softmax_scale=self.scale, causal=True, **local)
             return out.squeeze(1)
         if meta.has_prefix:  # keys of every chunk (prefix and itself) come from the paged cache
             return self._varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                                 meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
-                                block_table=meta.block_tables)
+                                block_table=meta.block_tables, **local)
         return self._varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
-                            softmax_scale=self.scale, causal=True)
+                            softmax_scale=self.scale, causal=True, **local)

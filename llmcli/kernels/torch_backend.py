@@ -1,5 +1,9 @@
 """Reference paged attention in plain PyTorch: runs anywhere, the oracle for the fast backends.
 
+Each sequence gathers only the keys its queries can see (with a sliding window, the window's part of the
+cache) and attends through ``torch_attention.causal_attention``, whose memory does not grow with
+``q_len x k_len``.
+
 An FP8 cache (``torch.float8_e4m3fn``) holds ``value / scale`` saturated to e4m3's finite range (it has no
 infinity: an unclamped cast of a large value gives NaN) and is read back as ``fp8 * scale`` in float32; the
 scales are per layer, ``(k_scale, v_scale)``.
@@ -7,9 +11,9 @@ scales are per layer, ``(k_scale, v_scale)``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from llmcli.kernels.backend import AttentionBackend, KVScales
+from llmcli.kernels.torch_attention import causal_attention
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448
@@ -39,35 +43,26 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def gather_kv_torch(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: float = 1.0,
-                    ) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence, as [length, num_kv_heads, head_dim] (FP8 dequantized)."""
+                    start: int = 0) -> torch.Tensor:
+    """Tokens ``start .. length - 1`` of one sequence, as [length - start, num_kv_heads, head_dim] (FP8
+    dequantized); only the blocks holding them are read."""
     block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]
-    return dequantize_kv(blocks.reshape(-1, *cache.shape[2:])[:length], scale)
+    first, end = start // block_size, (length + block_size - 1) // block_size
+    blocks = cache[block_table[first:end].long()]
+    skip = start - first * block_size
+    return dequantize_kv(blocks.reshape(-1, *cache.shape[2:])[skip : length - first * block_size], scale)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, H, D] against k/v [Lk, KH, D]; the queries are the last Lq of the Lk positions."""
-    q_len, num_heads, _ = q.shape
-    k_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    # query j sits at absolute position k_len - q_len + j and sees keys up to it
-    rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
-    mask = torch.arange(k_len, device=q.device)[None, :] <= rows
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-        attn_mask=mask, scale=scale,
-    )
-    return out.transpose(0, 1).to(q.dtype)
+def window_start(position: int, window: int | None) -> int:
+    """The first key position the query at ``position`` sees (0 without a window)."""
+    return 0 if window is None else max(0, position - window + 1)
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, kv_scales: KVScales = (1.0, 1.0)):
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, kv_scales: KVScales = (1.0, 1.0),
+                window: int | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         assert qk_norm is None, "this backend does not fuse the q/k transform (fuses_qk_norm_rotary is False)"
@@ -82,19 +77,21 @@ class TorchAttentionBackend(AttentionBackend):
                 lo, hi = cu_q[i], cu_q[i + 1]
                 keys, values = k[lo:hi], v[lo:hi]
                 prefix = k_len - (hi - lo)
-                if meta.has_prefix and prefix > 0:
-                    # the cached prefix from the cache, the chunk's own keys as computed (as the triton kernel
-                    # reads them: the same thing unless the cache is FP8)
+                first = window_start(prefix, window)  # the chunk's first query sees nothing before this
+                if meta.has_prefix and prefix > first:
+                    # the cached prefix (its part inside the window) from the cache, the chunk's own keys as
+                    # computed (as the triton kernel reads them: the same thing unless the cache is FP8)
                     table = meta.block_tables[i]
-                    keys = torch.cat([gather_kv_torch(k_cache, table, prefix, ks).float(), keys.float()])
-                    values = torch.cat([gather_kv_torch(v_cache, table, prefix, vs).float(), values.float()])
-                out[lo:hi] = causal_attention(q[lo:hi], keys, values, self.scale)
+                    keys = torch.cat([gather_kv_torch(k_cache, table, prefix, ks, first).float(), keys.float()])
+                    values = torch.cat([gather_kv_torch(v_cache, table, prefix, vs, first).float(), values.float()])
+                out[lo:hi] = causal_attention(q[lo:hi], keys, values, self.scale, window)
         else:
             for i, k_len in enumerate(lens):
                 if k_len == 0:  # padding row of a graph batch
                     out[i] = 0
                     continue
-                keys = gather_kv_torch(k_cache, meta.block_tables[i], k_len, ks)
-                values = gather_kv_torch(v_cache, meta.block_tables[i], k_len, vs)
-                out[i : i + 1] = causal_attention(q[i : i + 1], keys, values, self.scale)
+                first = window_start(k_len - 1, window)
+                keys = gather_kv_torch(k_cache, meta.block_tables[i], k_len, ks, first)
+                values = gather_kv_torch(v_cache, meta.block_tables[i], k_len, vs, first)
+                out[i : i + 1] = causal_attention(q[i : i + 1], keys, values, self.scale, window)
         return out

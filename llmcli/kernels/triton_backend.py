@@ -16,7 +16,7 @@ import torch
 from llmcli.kernels import triton_elementwise
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata, GraphInputs, KVScales, QKNormRotary
 from llmcli.kernels.triton_decode import (
-    DEFAULT_TUNING, DecodeTuning, choose_num_splits, paged_decode, scratch_numel,
+    DecodeTuning, choose_num_splits, default_tuning, paged_decode, scratch_numel,
 )
 from llmcli.kernels.triton_prefill import LARGE_TILES_FROM, LONG_TILES_FROM, prefill_paged, prefill_varlen
 from llmcli.kernels.triton_store import store_kv
@@ -42,7 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_splits = 1
         self.force_num_splits: int | None = None  # tests and benchmarks pin the split count with this
-        self.decode_tuning: DecodeTuning = DEFAULT_TUNING  # and the decode launch settings with this
+        self.decode_tuning: DecodeTuning = default_tuning(head_dim)  # and the decode launch settings with this
         self._num_sms: int | None = None
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
@@ -50,6 +50,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._rest_cu_q: torch.Tensor | None = None
         self._rest_lens: torch.Tensor | None = None
         self._rest_tables: torch.Tensor | None = None
+        # this step's decode rows and longest context, and the split count of each sliding window seen in it
+        self._decode_shape: tuple[int, int, torch.device] | None = None
+        self._window_splits: dict[int, int] = {}
 
     # -- per-step ----------------------------------------------------------------
     def _sms(self, device: torch.device) -> int:
@@ -84,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
             if metadata.num_decode:  # a mixed step: its decode rows go through the split-KV decode kernel
                 nd = metadata.num_decode
                 device = metadata.context_lens.device
+                self._set_decode_shape(nd, metadata.max_seqlen_k, device)
                 self.num_splits = self._splits_for(nd, metadata.max_seqlen_k, device)
                 self._ensure_scratch(nd, self.num_splits, device)
                 self._rest_cu_q = metadata.cu_seqlens_q[nd:] - nd
@@ -99,8 +103,25 @@ class TritonAttentionBackend(AttentionBackend):
             # not filled in by the caller: the table width bounds every context (a host-side shape)
             max_seqlen_k = metadata.block_tables.shape[1] * self.block_size
         device = metadata.context_lens.device
+        self._set_decode_shape(batch, max_seqlen_k, device)
         self.num_splits = self._splits_for(batch, max_seqlen_k, device)
         self._ensure_scratch(batch, self.num_splits, device)
+
+    def _set_decode_shape(self, batch: int, max_seqlen_k: int, device: torch.device) -> None:
+        self._decode_shape = (batch, max_seqlen_k, device)
+        self._window_splits = {}
+
+    def _decode_splits(self, window: int | None) -> int:
+        """The decode split count of a layer: a sliding-window layer splits only the window's keys (never more
+        splits than the step's full-attention layers, so the scratch sized in ``prepare`` holds them). Host ints
+        only, so a captured graph gets the same count every replay."""
+        if window is None or self._decode_shape is None:
+            return self.num_splits
+        if window not in self._window_splits:
+            batch, max_seqlen_k, device = self._decode_shape
+            self._window_splits[window] = min(self.num_splits,
+                                              self._splits_for(batch, min(max_seqlen_k, window), device))
+        return self._window_splits[window]
 
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
                            inputs: GraphInputs | None = None) -> None:
@@ -114,7 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
     writes_out = True  # forward(..., out=) writes a prefill or mixed step's attention where the caller says
 
     def forward(self, q, k, v, k_cache, v_cache, qk_norm: QKNormRotary | None = None,
-                out: torch.Tensor | None = None, kv_scales: KVScales = (1.0, 1.0)):
+                out: torch.Tensor | None = None, kv_scales: KVScales = (1.0, 1.0), window: int | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         has_cache = k_cache is not None and k_cache.numel()
@@ -123,46 +144,49 @@ class TritonAttentionBackend(AttentionBackend):
             te, n = triton_elementwise, qk_norm
             if has_cache:
                 q, k = te.qk_norm_rotary_store(q, k, v, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin,
-                                               k_cache, v_cache, meta.slot_mapping,
-                                               kv_scales=kv_scales)
+                                               k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales,
+                                               rotary_dim=n.rotary_dim, weight_offset=n.weight_offset)
             else:  # start-up's warm-up pass, before the pool exists
-                q, k = te.qk_norm_rotary(q, k, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin)
+                q, k = te.qk_norm_rotary(q, k, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin,
+                                         rotary_dim=n.rotary_dim, weight_offset=n.weight_offset)
         elif has_cache:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if meta.is_prefill and meta.num_decode:
-            return self._mixed(q, k, v, k_cache, v_cache, meta, out, kv_scales)
+            return self._mixed(q, k, v, k_cache, v_cache, meta, out, kv_scales, window)
         if meta.is_prefill:
             assert meta.cu_seqlens_q is not None
             if meta.has_prefix:
                 assert meta.block_tables is not None and k_cache is not None
                 return prefill_paged(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                      meta.context_lens, meta.max_seqlen_q, self.scale, out=out,
-                                     kv_scales=kv_scales)
-            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out)
+                                     kv_scales=kv_scales, window=window)
+            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out, window=window)
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
-                            num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse,
-                            tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales)
+                            num_splits=self._decode_splits(window), part_out=self._part_out, part_lse=self._part_lse,
+                            tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales,
+                            window=window)
 
     def _order(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The decode rows' launch order (longest first), where the launch settings take one."""
         return meta.row_order if self.decode_tuning.heads_fastest else None
 
     def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None,
-               kv_scales: KVScales = (1.0, 1.0)) -> torch.Tensor:
+               kv_scales: KVScales = (1.0, 1.0), window: int | None = None) -> torch.Tensor:
         """Decode rows (the first ``num_decode``) by the decode kernel, the prompt chunks after them by prefill."""
         nd = meta.num_decode
         out = torch.empty_like(q) if out is None else out
         assert meta.block_tables is not None and k_cache is not None
         paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
-                     num_splits=self.num_splits, part_out=self._part_out, part_lse=self._part_lse, out=out[:nd],
-                     tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales)
+                     num_splits=self._decode_splits(window), part_out=self._part_out, part_lse=self._part_lse,
+                     out=out[:nd], tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales,
+                     window=window)
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
                 prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,
                               self._rest_lens, meta.rest_max_seqlen_q, self.scale, out=out[nd:],
-                              kv_scales=kv_scales)
+                              kv_scales=kv_scales, window=window)
             else:
                 prefill_varlen(q[nd:], k[nd:], v[nd:], self._rest_cu_q, meta.rest_max_seqlen_q, self.scale,
-                               out=out[nd:])
+                               out=out[nd:], window=window)
         return out

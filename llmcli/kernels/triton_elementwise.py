@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from llmcli.kernels.backend import rotary_width
 from llmcli.kernels.triton_store import is_fp8, to_cache
 
 # Rows of an RMSNorm handled by one program: enough elements per program for wide loads and few programs.
@@ -133,13 +134,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_stride, c1, c2, s1, s2, eps,
-                       H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       NORM: tl.constexpr):
-    """RMSNorm (``NORM``; without it ``w_ptr`` is never read) then rotary of one token's ``H`` heads, the two
-    halves of each head kept apart (rotate-half); stores them at ``dst_row`` and returns the two halves, rounded
-    to the output dtype."""
-    HALF = HEAD_DIM // 2
+def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_stride, c1, c2, s1, s2, eps, w_offset,
+                       H: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
+                       OFFSET: tl.constexpr):
+    """RMSNorm (``NORM``; without it ``w_ptr`` is never read) then rotary of one token's ``H`` heads: the first
+    ``ROT`` dims rotated, their two halves kept apart (rotate-half), the other ``HEAD_DIM - ROT`` (partial rotary)
+    only normed. ``OFFSET``: the zero-centred norm, ``x / rms(x) * (w_offset + w)`` in float32, rounded once.
+    Stores them at ``dst_row`` and returns the rotated halves and the pass-through part (the first half again
+    when there is none), rounded to the output dtype."""
+    HALF = ROT // 2
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < H) & (dims[None, :] < HALF)
@@ -149,23 +153,48 @@ def _norm_rotate_heads(src_ptr, dst_ptr, w_ptr, src_row, dst_row, src_head_strid
     dtype = x1.dtype
     out_dtype = dst_ptr.dtype.element_ty
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    pdims = tl.arange(0, BLOCK_PASS)
+    pmask = (heads[:, None] < H) & (pdims[None, :] < PASS)
+    if PASS > 0:
+        fp = tl.load(src_ptr + src_row + heads[:, None] * src_head_stride + ROT + pdims[None, :], mask=pmask,
+                     other=0.0).to(tl.float32)
+    else:
+        fp = f1  # unused
     if NORM:
-        rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) * (1.0 / HEAD_DIM) + eps)[:, None]
+        sq = tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)
+        if PASS > 0:
+            sq += tl.sum(fp * fp, axis=1)
+        rstd = tl.math.rsqrt(sq * (1.0 / HEAD_DIM) + eps)[:, None]
         dmask = dims < HALF
         w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + dims, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype (this is
-        # where FP fusion would turn a product and the sum into one fma: the launch turns it off)
-        n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
-        n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
+        if OFFSET:  # (x / rms(x)) * (offset + w) in float32, as transformers' zero-centred norms, then rounded
+            n1 = (f1 * rstd * (w1 + w_offset)).to(out_dtype).to(tl.float32)
+            n2 = (f2 * rstd * (w2 + w_offset)).to(out_dtype).to(tl.float32)
+        else:
+            # the norm as rms_norm rounds it; then every rotary product and the sum in the (normed) dtype (this
+            # is where FP fusion would turn a product and the sum into one fma: the launch turns it off)
+            n1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(out_dtype).to(tl.float32)
+            n2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(out_dtype).to(tl.float32)
+        if PASS > 0:
+            wp = tl.load(w_ptr + ROT + pdims, mask=pdims < PASS, other=0.0).to(tl.float32)[None, :]
+            if OFFSET:
+                n_pass = (fp * rstd * (wp + w_offset)).to(out_dtype)
+            else:
+                n_pass = ((fp * rstd).to(dtype).to(tl.float32) * wp).to(out_dtype)
+        else:
+            n_pass = n1
     else:  # rotary only (Llama, Qwen2, Mistral): the inputs are already in the output dtype
         n1, n2 = f1, f2
+        n_pass = fp.to(out_dtype)
     o1 = ((n1 * c1).to(out_dtype).to(tl.float32) + (-n2 * s1).to(out_dtype).to(tl.float32)).to(out_dtype)
     o2 = ((n2 * c2).to(out_dtype).to(tl.float32) + (n1 * s2).to(out_dtype).to(tl.float32)).to(out_dtype)
     out_ptrs = dst_ptr + dst_row + heads[:, None] * HEAD_DIM + dims[None, :]
     tl.store(out_ptrs, o1, mask=mask)
     tl.store(out_ptrs + HALF, o2, mask=mask)
-    return o1, o2
+    if PASS > 0:
+        tl.store(dst_ptr + dst_row + heads[:, None] * HEAD_DIM + ROT + pdims[None, :], n_pass, mask=pmask)
+    return o1, o2, n_pass
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -176,32 +205,47 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_p
                            k_scale, v_scale,
                            HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HK: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr = False):
+                           BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr,
+                           BLOCK_RHALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                           OFFSET: tl.constexpr,
+                           FP8: tl.constexpr = False, w_offset=0.0):
+    # ROT: the rotated dims (HEAD_DIM, or fewer with partial rotary); BLOCK_RHALF covers half of them, BLOCK_HALF
+    # half the head (v's store), BLOCK_PASS the rest of the head
+    RHALF = ROT // 2
     HALF = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)
-    dmask = dims < HALF
+    rdims = tl.arange(0, BLOCK_RHALF)
+    rmask = rdims < RHALF
     out_dtype = q_out_ptr.dtype.element_ty
     # cos/sin rounded to the dtype first (``cos_table[positions].to(q.dtype)``), shared by q's and k's heads
-    c1 = tl.load(cos_ptr + pos * cos_stride + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + pos * cos_stride + HALF + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + pos * sin_stride + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + pos * sin_stride + HALF + dims, mask=dmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    cos_row, sin_row = cos_ptr + pos * cos_stride, sin_ptr + pos * sin_stride
+    c1 = tl.load(cos_row + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + RHALF + rdims, mask=rmask, other=0.0).to(out_dtype).to(tl.float32)[None, :]
     _norm_rotate_heads(q_ptr, q_out_ptr, qw_ptr, token * q_stride, token * (HQ * HEAD_DIM), q_head_stride,
-                       c1, c2, s1, s2, eps, HQ, BLOCK_HQ, HEAD_DIM, BLOCK_HALF, NORM)
-    k1, k2 = _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM), k_head_stride,
-                                c1, c2, s1, s2, eps, HK, BLOCK_HK, HEAD_DIM, BLOCK_HALF, NORM)
+                       c1, c2, s1, s2, eps, w_offset, HQ, BLOCK_HQ, HEAD_DIM, ROT, BLOCK_RHALF, PASS, BLOCK_PASS, NORM,
+                       OFFSET)
+    k1, k2, kp = _norm_rotate_heads(k_ptr, k_out_ptr, kw_ptr, token * k_stride, token * (HK * HEAD_DIM),
+                                    k_head_stride, c1, c2, s1, s2, eps, w_offset, HK, BLOCK_HK, HEAD_DIM, ROT,
+                                    BLOCK_RHALF, PASS, BLOCK_PASS, NORM, OFFSET)
     if STORE:  # what store_kv does with the rotated k and v: both into row ``slot`` of the paged caches
         slot = tl.load(slot_ptr + token).to(tl.int64)
         heads = tl.arange(0, BLOCK_HK)
-        mask = (heads[:, None] < tl.where(slot >= 0, HK, 0)) & (dims[None, :] < HALF)  # slot -1: stores nothing
+        live = heads[:, None] < tl.where(slot >= 0, HK, 0)  # slot -1: stores nothing
         blk = slot // BLOCK_SIZE
         row = slot % BLOCK_SIZE
-        k_dst = (k_cache_ptr + blk * kc_block_stride + row * kc_row_stride + heads[:, None] * kc_head_stride
-                 + dims[None, :])
-        tl.store(k_dst, to_cache(k1, k_scale, k_cache_ptr, FP8), mask=mask)
-        tl.store(k_dst + HALF, to_cache(k2, k_scale, k_cache_ptr, FP8), mask=mask)
+        k_dst = k_cache_ptr + blk * kc_block_stride + row * kc_row_stride + heads[:, None] * kc_head_stride
+        kmask = live & (rdims[None, :] < RHALF)
+        tl.store(k_dst + rdims[None, :], to_cache(k1, k_scale, k_cache_ptr, FP8), mask=kmask)
+        tl.store(k_dst + RHALF + rdims[None, :], to_cache(k2, k_scale, k_cache_ptr, FP8), mask=kmask)
+        if PASS > 0:
+            pdims = tl.arange(0, BLOCK_PASS)
+            tl.store(k_dst + ROT + pdims[None, :], to_cache(kp, k_scale, k_cache_ptr, FP8),
+                     mask=live & (pdims[None, :] < PASS))
+        dims = tl.arange(0, BLOCK_HALF)
+        mask = live & (dims[None, :] < HALF)
         v_src = v_ptr + token * v_stride + heads[:, None] * v_head_stride + dims[None, :]
         v_dst = (v_cache_ptr + blk * vc_block_stride + row * vc_row_stride + heads[:, None] * vc_head_stride
                  + dims[None, :])
@@ -217,15 +261,19 @@ def _head_rows(x: torch.Tensor) -> torch.Tensor:
 def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
                k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
-               kv_scales: tuple[float, float] = (1.0, 1.0)):
+               kv_scales: tuple[float, float] = (1.0, 1.0), rotary_dim: int | None = None,
+               weight_offset: float = 0.0):
     m, hq, d = q.shape
     hk = k.shape[1]
+    rot = rotary_width(d, cos, rotary_dim)
     q, k = _head_rows(q), _head_rows(k)
     norm = q_weight is not None
+    offset = norm and weight_offset != 0.0
     if not norm:  # rotary only: NORM=False compiles the weight loads away, any tensor will do
         q_weight, k_weight = q, k
-    q_dtype = torch.promote_types(q.dtype, q_weight.dtype)
-    k_dtype = torch.promote_types(k.dtype, k_weight.dtype)
+    # the zero-centred norm rounds to x's dtype (transformers' ``type_as(x)``), the other to the promoted one
+    q_dtype = q.dtype if offset else torch.promote_types(q.dtype, q_weight.dtype)
+    k_dtype = k.dtype if offset else torch.promote_types(k.dtype, k_weight.dtype)
     if q_dtype != k_dtype or q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype (got {q.dtype}/{q_weight.dtype} and {k.dtype}/{k_weight.dtype})")
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -253,24 +301,31 @@ def _launch_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weig
         float(kv_scales[0]), float(kv_scales[1]),
         HQ=hq, BLOCK_HQ=triton.next_power_of_2(hq), HK=hk, BLOCK_HK=triton.next_power_of_2(hk), HEAD_DIM=d,
         BLOCK_HALF=triton.next_power_of_2(d // 2), STORE=store is not None, BLOCK_SIZE=block_size, NORM=norm,
-        FP8=is_fp8(k_cache), num_warps=4, **_UNFUSED)
+        ROT=rot, BLOCK_RHALF=triton.next_power_of_2(rot // 2), PASS=d - rot,
+        BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)),
+        OFFSET=offset, FP8=is_fp8(k_cache), w_offset=float(weight_offset), num_warps=4, **_UNFUSED)
     return q_out, k_out
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
-                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   rotary_dim: int | None = None, weight_offset: float = 0.0):
     """Per-head RMSNorm of ``q`` [M, Hq, D] and ``k`` [M, Hk, D] (none when the weights are None), then neox-style
-    rotary at ``positions``.
+    rotary at ``positions`` on the first ``rotary_dim`` dims of each head.
 
     ``q`` and ``k`` may be strided views (of the fused qkv projection) as long as each head is contiguous;
-    the results are new contiguous tensors. ``cos``/``sin`` are the [max_position, D] tables."""
-    return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, None)
+    the results are new contiguous tensors. ``cos``/``sin`` are the [max_position, rotary_dim] tables
+    (``rotary_dim`` None: their width). ``weight_offset`` != 0: the zero-centred norm
+    (``layers.rotary.qk_norm_rotary``)."""
+    return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, None, rotary_dim=rotary_dim,
+                      weight_offset=weight_offset)
 
 
 def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)):
+                         slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
+                         rotary_dim: int | None = None, weight_offset: float = 0.0):
     """``qk_norm_rotary`` and then ``triton_store.store_kv(k_out, v, k_cache, v_cache, slot_mapping)``, in one kernel.
 
     The same q/k values as ``qk_norm_rotary`` (the same code computes them) and the same cache contents as the
@@ -278,4 +333,4 @@ def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     ``[num_blocks, block_size, Hk, D]`` caches, nothing where the slot is -1 (an FP8 cache: divided by
     ``kv_scales`` and saturated, as ``store_kv``). Returns ``(q_out, k_out)``."""
     return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, (v, k_cache, v_cache, slot_mapping),
-                      kv_scales)
+                      kv_scales, rotary_dim, weight_offset)

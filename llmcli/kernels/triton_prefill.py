@@ -61,7 +61,11 @@ LARGE = Tiles(128, 32, 8, 4, maxnreg=128)
 LONG_TILES_FROM = 4096
 LONG = Tiles(128, 128, 8, 3)
 SMALL = Tiles(64, 64, 4, 3)   # short chunks / mixed steps: more programs, less padding
-WIDE = Tiles(64, 32, 4, 2)    # float32 or head_dim 256: smaller K/V tiles so the pipeline fits
+WIDE = Tiles(64, 32, 4, 2)    # float32: smaller K/V tiles so the pipeline fits
+# head_dim 256 (Qwen3.5's full-attention layers, Gemma 3): a 64 x 256 float32 accumulator needs 8 warps to stay in
+# registers; compiled for sm_90 by Triton 3.9 it takes 64 KiB of shared memory and ~207 registers a thread, no
+# spills (4 warps: 255 and spills; 128 rows or 64-key tiles: spills). Not yet timed on a GPU.
+HEAD256 = Tiles(64, 32, 8, 2)
 
 
 @triton.jit
@@ -70,12 +74,15 @@ def _attend_tile(
     bt_row, stride_kb, stride_vb,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, MASKED: tl.constexpr, k_scale=1.0, v_scale=1.0, FP8: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False, window=0, k_lo=0,
 ):
     """Fold keys [n0, n0 + BLOCK_N) into the running (max, sum, acc) of one query tile.
 
     Key ``j`` is row ``j`` from ``k_base`` (packed, ``stride_k`` apart), or (paged) slot ``j % BLOCK_SIZE``
     of cache block ``bt_row[j // BLOCK_SIZE]`` (``stride_kb`` apart). Row offsets stay int32; only a
-    chunk's or a cache block's base is int64. ``MASKED`` applies the causal mask and ``j < k_len``.
+    chunk's or a cache block's base is int64. ``MASKED`` applies the causal mask and ``j < k_len``; with
+    ``WINDOWED`` also the sliding window (``j > q_pos - window``), and keys before ``k_lo`` (which no row of the
+    tile sees: their cache blocks may be gone) are not even loaded.
     """
     offs = tl.arange(0, BLOCK_N)
     pos = n0 + offs
@@ -88,7 +95,10 @@ def _attend_tile(
             k_ptrs = k_base + blk * stride_kb + (slot * stride_k)[:, None] + d[None, :]
             v_ptrs = v_base + blk * stride_vb + (slot * stride_v)[:, None] + d[None, :]
         else:
-            blks = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < k_len, other=0).to(tl.int64)
+            if WINDOWED:
+                blks = tl.load(bt_row + pos // BLOCK_SIZE, mask=(pos < k_len) & (pos >= k_lo), other=0).to(tl.int64)
+            else:
+                blks = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < k_len, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
             k_ptrs = k_base + (blks * stride_kb + slot * stride_k)[:, None] + d[None, :]
             v_ptrs = v_base + (blks * stride_vb + slot * stride_v)[:, None] + d[None, :]
@@ -97,6 +107,8 @@ def _attend_tile(
         v_ptrs = v_base + (pos * stride_v)[:, None] + d[None, :]
     if MASKED:
         in_range = pos < k_len
+        if WINDOWED:
+            in_range = in_range & (pos >= k_lo)
         k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
     else:
@@ -108,6 +120,8 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k))  # raw scores in fp32; the scale (with log2(e) for exp2) is folded in below
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < k_len)
+        if WINDOWED:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         # a row whose every key so far is masked keeps m == -inf; shift it by 0 to avoid inf - inf
@@ -128,11 +142,12 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    stride_bt, stride_ot, stride_oh, qk_scale, k_scale, v_scale,
+    stride_bt, stride_ot, stride_oh, qk_scale, k_scale, v_scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
     QPT: tl.constexpr,  # queries per tile: BLOCK_M // GROUP
     ONE_LOOP: tl.constexpr, FP8: tl.constexpr,
+    WINDOWED: tl.constexpr,  # a sliding window of ``window`` keys: tiles wholly before it are skipped
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -165,33 +180,76 @@ def _prefill_kernel(
         kc_base = kc_ptr + kvh * stride_kch
         vc_base = vc_ptr + kvh * stride_vch
         prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
-        for n0 in range(0, prefix_full, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, qi, prefix_len, qk_scale, kc_base, vc_base, stride_kcs, stride_vcs,
-                bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, k_scale, v_scale, FP8)
-        if prefix_full < prefix_len:  # the prefix's last, partial key tile: masked to the prefix
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, prefix_full, qi + prefix_len, prefix_len, qk_scale, kc_base, vc_base,
-                stride_kcs, stride_vcs, bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True,
-                k_scale, v_scale, FP8)
+        if WINDOWED:
+            # in positions of the sequence (the tile's queries are prefix_len + [q_first, last)): keys before
+            # ``lo`` are seen by no row (skipped), keys from ``all_from`` by every row (no mask needed)
+            lo = tl.maximum(prefix_len + q_first - window + 1, 0)
+            start = (lo // BLOCK_N) * BLOCK_N
+            last_q = tl.minimum(q_first + QPT, q_len)  # one past the tile's last query
+            all_from = tl.cdiv(tl.maximum(prefix_len + last_q - window, 0), BLOCK_N) * BLOCK_N
+            mid = tl.minimum(tl.maximum(start, all_from), prefix_full)
+            for n0 in range(start, mid, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, n0, qi + prefix_len, prefix_len, qk_scale, kc_base, vc_base, stride_kcs,
+                    stride_vcs, bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True,
+                    k_scale, v_scale, FP8, True, window, lo)
+            for n0 in range(tl.maximum(mid, start), prefix_full, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, n0, qi, prefix_len, qk_scale, kc_base, vc_base, stride_kcs, stride_vcs,
+                    bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, k_scale, v_scale,
+                    FP8)
+            if (prefix_full < prefix_len) & (lo < prefix_len):  # the last, partial tile, if the window reaches it
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, prefix_full, qi + prefix_len, prefix_len, qk_scale, kc_base, vc_base,
+                    stride_kcs, stride_vcs, bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+                    True, k_scale, v_scale, FP8, True, window, lo)
+        else:
+            for n0 in range(0, prefix_full, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, n0, qi, prefix_len, qk_scale, kc_base, vc_base, stride_kcs, stride_vcs,
+                    bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, k_scale, v_scale,
+                    FP8)
+            if prefix_full < prefix_len:  # the prefix's last, partial key tile: masked to the prefix
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, prefix_full, qi + prefix_len, prefix_len, qk_scale, kc_base, vc_base,
+                    stride_kcs, stride_vcs, bt_row, stride_kcb, stride_vcb, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+                    True, k_scale, v_scale, FP8)
 
     # the chunk's own keys, in chunk coordinates: those before the tile's first query are visible to all its
     # rows (no mask); the diagonal tiles after them get the causal mask (ONE_LOOP: every tile does)
     k_base = k_ptr + tok_base * stride_kt + kvh * stride_kh
     v_base = v_ptr + tok_base * stride_vt + kvh * stride_vh
-    if ONE_LOOP:
-        full_end = 0
-    else:
-        full_end = (q_first // BLOCK_N) * BLOCK_N
-        for n0 in range(0, full_end, BLOCK_N):
+    if WINDOWED:
+        # as for the prefix: skip the tiles before the first query's window, no mask where every row sees the
+        # keys (inside the last query's window and before the first query), the mask on the rest
+        lo = tl.maximum(q_first - window + 1, 0)
+        start = (lo // BLOCK_N) * BLOCK_N
+        if ONE_LOOP:
+            full_end = start
+        else:
+            full_end = tl.maximum((q_first // BLOCK_N) * BLOCK_N, start)
+        last_q = tl.minimum(q_first + QPT, q_len)
+        mid = tl.minimum(tl.maximum(start, tl.cdiv(tl.maximum(last_q - window, 0), BLOCK_N) * BLOCK_N), full_end)
+        for n0 in range(start, mid, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
-                k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
+                k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True, 1.0, 1.0, False, True, window, lo)
+    else:
+        lo = 0
+        mid = 0
+        if ONE_LOOP:
+            full_end = 0
+        else:
+            full_end = (q_first // BLOCK_N) * BLOCK_N
+    for n0 in range(mid, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
+            k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, False)
     last = tl.minimum(q_first + QPT, q_len)  # one past the tile's last query
     for n0 in range(full_end, last, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
-            k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True)
+            k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True, 1.0, 1.0, False, WINDOWED, window, lo)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_off = qi * stride_ot + head * stride_oh
@@ -200,8 +258,10 @@ def _prefill_kernel(
 
 
 def _tiles(head_dim: int, elem_size: int, max_seqlen_q: int, group: int) -> Tiles:
-    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LONG/LARGE/SMALL/WIDE above)."""
-    if elem_size > 2 or head_dim > 128:
+    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LONG/LARGE/SMALL/WIDE/HEAD256 above)."""
+    if head_dim > 128:
+        tiles = HEAD256
+    elif elem_size > 2:
         tiles = WIDE
     elif max_seqlen_q >= LONG_TILES_FROM:
         tiles = LONG
@@ -221,11 +281,14 @@ def _check(q: torch.Tensor, head_dim: int) -> None:
 
 def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
             k: torch.Tensor, v: torch.Tensor, paged: tuple | None, scale: float, tiles: Tiles | None,
-            kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+            kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None) -> torch.Tensor:
     """Shared set-up of both prefill modes: output, tiles, grid (KV heads x chunks x query tiles), launch.
 
-    ``paged`` is ``(k_cache, v_cache, block_tables, context_lens)`` or None; ``kv_scales`` its FP8 scales.
+    ``paged`` is ``(k_cache, v_cache, block_tables, context_lens)`` or None; ``kv_scales`` its FP8 scales;
+    ``window`` the sliding window in keys (None: full causal attention).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 key, got {window}")
     num_tokens, num_heads, head_dim = q.shape
     _check(q, head_dim)
     assert k.stride(-1) == 1 and v.stride(-1) == 1
@@ -252,35 +315,39 @@ def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tenso
         q, k, v, kc, vc, tables, cu_seqlens_q, ctx_lens, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache_strides,
         out.stride(0), out.stride(1), scale * math.log2(math.e), float(kv_scales[0]), float(kv_scales[1]),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        window or 0, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         PAGED=paged is not None, QPT=t.block_m // group, num_warps=t.num_warps, num_stages=t.num_stages,
-        ONE_LOOP=t.one_loop, FP8=kc.dtype == torch.float8_e4m3fn, **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
+        ONE_LOOP=t.one_loop, FP8=kc.dtype == torch.float8_e4m3fn, WINDOWED=window is not None,
+        **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
     )
     return out
 
 
 def prefill_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-    scale: float, out: torch.Tensor | None = None, tiles: Tiles | None = None,
+    scale: float, out: torch.Tensor | None = None, tiles: Tiles | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each packed chunk over itself; q [T, H, D], k/v [T, KH, D].
 
-    ``tiles`` overrides the launch shape (benchmarks sweep it); by default it follows ``_tiles``.
+    ``tiles`` overrides the launch shape (benchmarks sweep it); by default it follows ``_tiles``. ``window``: each
+    query sees only the ``window`` keys ending at its own position.
     """
-    return _launch(q, out, cu_seqlens_q, max_seqlen_q, k, v, None, scale, tiles)
+    return _launch(q, out, cu_seqlens_q, max_seqlen_q, k, v, None, scale, tiles, window=window)
 
 
 def prefill_paged(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int,
     scale: float, out: torch.Tensor | None = None, tiles: Tiles | None = None,
-    kv_scales: tuple[float, float] = (1.0, 1.0),
+    kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each chunk over its cached prefix plus itself.
 
     The prefix (the first ``context_lens[i] - q_len`` positions) is read from the paged cache, the
     chunk's own keys from ``k``/``v`` (the step's new K/V, also just stored in the cache). ``kv_scales``:
-    the (k, v) scales of an FP8 cache.
+    the (k, v) scales of an FP8 cache. ``window``: each query sees only the ``window`` keys ending at its own
+    position; key tiles wholly before a query tile's window are skipped (a long context costs only the window)
+    and never read, so their cache blocks may already be reused.
     """
     return _launch(q, out, cu_seqlens_q, max_seqlen_q, k, v, (k_cache, v_cache, block_tables, context_lens),
-                   scale, tiles, kv_scales)
+                   scale, tiles, kv_scales, window)

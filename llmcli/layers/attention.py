@@ -7,7 +7,8 @@ transform and its KV store in one kernel, the very kernel ``qk_norm_rotary`` wou
 the same bits; everywhere else this layer runs ``qk_norm_rotary`` first and the backend stores as usual.
 
 With an FP8 KV cache the layer also holds its cache's scales (``kv_scales``: the checkpoint's ``k_scale`` /
-``v_scale``, else 1.0) and hands them to the backend with every call.
+``v_scale``, else 1.0) and hands them to the backend with every call; a sliding-window layer (Gemma 3's local
+layers, Mistral with ``sliding_window``) holds its window and hands it over as ``window``.
 """
 from __future__ import annotations
 
@@ -22,10 +23,16 @@ from llmcli.layers.rotary import qk_norm_rotary
 class Attention(nn.Module):
     """Holds this layer's KV-cache views (attached by the model runner) and calls the backend."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: this layer's window in keys (the query at position p sees keys p - window + 1 ..
+        p, as transformers' sliding-window masks); None: full causal attention."""
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
+        self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: tuple[float, float] = (1.0, 1.0)  # of an FP8 cache; the loader sets a checkpoint's
@@ -35,10 +42,13 @@ class Attention(nn.Module):
         """``qk_norm``: the transform q and k still need (None: they are final)."""
         # only an FP8 cache has scales to pass: the other backends' (and stand-ins') signatures stay as they are
         fp8 = self.k_cache is not None and self.k_cache.dtype == torch.float8_e4m3fn
-        scales = {"kv_scales": self.kv_scales} if fp8 else {}
+        extra = {"kv_scales": self.kv_scales} if fp8 else {}
+        if self.sliding_window is not None:  # passed only when set, as the scales: full layers call as before
+            extra["window"] = self.sliding_window
         if qk_norm is not None:
             if self.backend.fuses_qk_norm_rotary and triton_kernels_on(q):
-                return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm, **scales)
-            q, k = qk_norm_rotary(q, k, qk_norm.positions, qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps,
-                                  qk_norm.cos, qk_norm.sin)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, **scales)
+                return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm, **extra)
+            n = qk_norm
+            q, k = qk_norm_rotary(q, k, n.positions, n.q_weight, n.k_weight, n.eps, n.cos, n.sin,
+                                  rotary_dim=n.rotary_dim, weight_offset=n.weight_offset)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, **extra)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmcli.kernels.backend import rotary_width
 from llmcli.layers.compile import compile_on_cuda, triton_on_cuda
 from llmcli.layers.norm import rms_norm
 
@@ -28,17 +29,38 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def _zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """``x / rms(x) * (offset + weight)`` in float32, rounded once to x's dtype (transformers' Qwen3.5, Qwen3-Next
+    and Gemma 3 norms, whose weights are stored as ``weight - 1``)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (offset + weight.float())).to(x.dtype)
+
+
 @triton_on_cuda("qk_norm_rotary")
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
-                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   rotary_dim: int | None = None, weight_offset: float = 0.0):
     """Per-head RMSNorm of q and k (skipped when the weights are None: Llama, Qwen2, Mistral), then the rotary
     embedding: one kernel on CUDA rather than three (kernels/triton_elementwise.py; a decode step launches hundreds
     of tiny ones), the eager reference here. The triton attention backend runs the same kernel with its KV store
-    fused in (layers/attention.py)."""
+    fused in (layers/attention.py).
+
+    ``rotary_dim``: the rotary turns only the first ``rotary_dim`` dims of each head (partial rotary; the
+    ``[max_position, rotary_dim]`` tables; None: their width), the rest pass through. ``weight_offset`` != 0:
+    the zero-centred norm ``x / rms(x) * (weight_offset + weight)`` (``_zero_centred_rms_norm``)."""
     if q_weight is not None:
-        q = rms_norm.__wrapped__(q, q_weight, eps)
-        k = rms_norm.__wrapped__(k, k_weight, eps)
-    return apply_rotary.__wrapped__(positions, q, k, cos, sin)
+        if weight_offset:
+            q = _zero_centred_rms_norm(q, q_weight, eps, weight_offset)
+            k = _zero_centred_rms_norm(k, k_weight, eps, weight_offset)
+        else:
+            q = rms_norm.__wrapped__(q, q_weight, eps)
+            k = rms_norm.__wrapped__(k, k_weight, eps)
+    rot = rotary_width(q.shape[-1], cos, rotary_dim)
+    if rot == q.shape[-1]:
+        return apply_rotary.__wrapped__(positions, q, k, cos, sin)
+    q_rot, k_rot = apply_rotary.__wrapped__(positions, q[..., :rot], k[..., :rot], cos, sin)
+    return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
 
 
 class UnsupportedRopeError(ValueError):
