@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))
 
 from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
 from benchmarks.harness.ceilings import DTYPES, measure_ceilings  # noqa: E402
@@ -62,7 +61,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a tiny random Qwen3 (temp dir), 8 requests of 8..32 tokens, small ceilings: a smoke test")
     g.add_argument("--time-budget", type=float, default=540.0,
                    help="seconds for the whole script; transformers stops at it (its tok/s then a lower bound)")
-    g.add_argument("--json-out", default=None, help="JSON path (default: $OUT/bench.json when OUT is set)")
     w = ap.add_argument_group("workload (llmcli bench's default)")
     add_workload_args(w)
     e = ap.add_argument_group("llmcli")
@@ -118,7 +116,7 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = os.environ.get("OUT")
-    json_path = Path(args.json_out) if args.json_out else (Path(out_dir) / "bench.json" if out_dir else None)
+    json_path = Path(out_dir) / "bench.json" if out_dir else None
     report = Report(json_path)
     deadline = START + args.time_budget
     logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")  # other loggers stay at WARNING

@@ -33,9 +33,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for path in (REPO, REPO / "tests"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from benchmarks.harness.cli_process import CLI, GpuWatch, gpu_memory_mib, watch_command  # noqa: E402
 from benchmarks.harness.output import fmt_f, md_table  # noqa: E402
@@ -44,6 +42,7 @@ from benchmarks.harness.workload import (  # noqa: E402
 from processes import env, wait_gone  # noqa: E402
 
 ALL_PARTS = ("one-gpu", "dp", "tp-vs-dp", "ray")
+RUN_TIMEOUT_S = 300.0  # per llmcli generate
 
 
 @dataclass
@@ -103,9 +102,9 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
     cmd = [sys.executable, "-c", CLI, "generate", str(jsonl), "-o", str(out), "--model", model, *flags]
     with tempfile.TemporaryFile("w+") as err, GpuWatch() as watch:
         proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        seen, timed_out, run.seconds = watch_command(proc, args.run_timeout)
+        seen, timed_out, run.seconds = watch_command(proc, RUN_TIMEOUT_S)
         run.exit_status = proc.returncode
-        run.message = f"no exit within {args.run_timeout:.0f} s (--run-timeout): killed" if timed_out else ""
+        run.message = f"no exit within {RUN_TIMEOUT_S:.0f} s: killed" if timed_out else ""
         err.seek(0)
         stderr = err.read()
     run.processes_left = wait_gone(list(seen), 15)
@@ -162,8 +161,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 and a small workload")
     ap.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny, one-gpu")
     add_workload_args(ap)
-    ap.add_argument("--engine-args", default="", help="extra llmcli engine flags, one string")
-    ap.add_argument("--run-timeout", type=float, default=300, help="seconds per llmcli generate")
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.tiny, args.parts = "cpu", True, args.parts or ["one-gpu"]
@@ -172,10 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             ("max_output", 48)):
             if getattr(args, name) == ap.get_default(name):
                 setattr(args, name, value)
-    args.engine_flags = args.engine_args.split()
-    if args.device == "cpu":  # a small KV pool, two sequences at a time: a tiny model's run in seconds
-        args.engine_flags = ["--num-kvcache-blocks", "128", "--kvcache-block-size", "16", "--max-num-seqs", "2",
-                             *args.engine_flags]
+    # on a CPU a small KV pool, two sequences at a time: a tiny model's run in seconds
+    args.engine_flags = ["--num-kvcache-blocks", "128", "--kvcache-block-size", "16", "--max-num-seqs", "2"] \
+        if args.device == "cpu" else []
     return args
 
 

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))
 
 from benchmarks.harness.output import md_table  # noqa: E402
 from llmcli.config import Config  # noqa: E402

@@ -46,7 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default=None, choices=list(DTYPES))
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny random Qwen3, small windows")
-    ap.add_argument("--json-out", default=None, help="JSON path (default: $OUT/step_gaps.json when OUT is set)")
     add_workload_args(ap)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -183,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     models = [write_tiny_config()] if args.smoke else [resolve_model(m) for m in args.models]
     out_dir = os.environ.get("OUT")
-    json_path = Path(args.json_out) if args.json_out else (Path(out_dir) / "step_gaps.json" if out_dir else None)
+    json_path = Path(out_dir) / "step_gaps.json" if out_dir else None
     results, failures = [], 0
     ceilings = measure_ceilings(args.device, tiny=args.smoke)
     with tempfile.TemporaryDirectory(prefix="llmcli-gaps-") as tmp:

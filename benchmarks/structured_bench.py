@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from llmcli import SamplingParams, StructuredOutputsParams  # noqa: E402
 from llmcli.cli.bench import Workload, make_requests  # noqa: E402
