@@ -1,19 +1,7 @@
 #!/usr/bin/env python
 """llmcli against HuggingFace transformers' own continuous batching, in one process, on one GPU.
 
-The machine's ceilings (copy bandwidth, matmul rate), ``llmcli bench``'s default workload on each model (dummy
-weights) through llmcli and, on the first model, transformers; llmcli's decode step at batch 256 (wall, device,
-host, kernel groups); the workload's physical bound and each engine's share of it. Every section is guarded (a
-failure prints FAILED and the rest runs on); one Markdown table at the end, every number as JSON in
-``$OUT/bench.json`` (rewritten after each section). benchmarks/README.md says what each step measures; the parts
-live in benchmarks/harness/, one job a module.
-
-    python benchmarks/bench_vs_hf.py                          # the real benchmark (GPU): both models
-    python benchmarks/bench_vs_hf.py --models configs/Qwen3-0.6B                # split in two: 0.6B + transformers
-    python benchmarks/bench_vs_hf.py --models configs/Qwen3-8B --skip-hf        #   then 8B, llmcli only
-    python benchmarks/bench_vs_hf.py --smoke                  # seconds on a CPU: a tiny random Qwen3
-
-Exit status 0 when every section passed, 1 when any printed FAILED.
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 

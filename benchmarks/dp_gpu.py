@@ -1,21 +1,6 @@
 """Data parallelism on GPUs (issue #17): ``llmcli generate`` with replicas, on the default workload as JSONL.
 
-Every run is the real command (``llmcli generate IN -o OUT --load-format dummy --include-token-ids``, the
-``llmcli`` logger at INFO so that each replica's pid, GPUs and share of the work are on stderr), while
-``nvidia-smi`` samples each GPU's memory. Parts (``--parts``; the default depends on the GPUs visible):
-
-- ``one-gpu`` (the default with one GPU): the plain engine, then ``-dp 1`` through the data-parallel pool
-  (``LLMCLI_DP_FORCE_POOL=1``: the replica is a process of its own behind the driver), on Qwen3-0.6B.
-- ``dp``: DP=1 (plain engine) vs DP=2 for each of ``--models``.
-- ``tp-vs-dp``: DP=2 x TP=1 vs DP=1 x TP=2 on the last of ``--models``.
-- ``ray``: DP=2 with ``--distributed-backend ray`` (a local Ray instance the command starts), if Ray imports.
-
-On two or more GPUs the default is ``dp tp-vs-dp ray``. Prints one table last; writes ``$OUT/dp.json`` when
-OUT is set; exit status 1 when a run failed a check. (``-dp`` above the visible GPUs: tests/test_dp_placement.py;
-a replica killed mid-run: tests/test_data_parallel.py.)
-
-    python benchmarks/dp_gpu.py                  # one H200: the one-gpu part (~2 min); two H200s: issue #17's matrix
-    python benchmarks/dp_gpu.py --smoke          # CPU, a tiny random Qwen3: one-gpu (~1 min; --parts one-gpu dp)
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 

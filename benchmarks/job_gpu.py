@@ -1,13 +1,6 @@
 """The whole job, not just the engine: `llmcli generate` wall time against the engine alone, in one GPU run.
 
-Two jobs (issue 12): ``label`` (20,000 text records, ``configs/bench-label-20k.toml``) and ``bench`` (the
-default bench workload as JSONL), each through the CLI (a subprocess, wall clock) and the API (a subprocess:
-``LLM(...)``, then ``generate`` on token ids), ``--repeat`` times alternating; the table reports the last round.
-CLI overhead = CLI wall - API start-up - API generate. Dummy weights, a full-size synthetic tokenizer
-(``synth_tokenizer.py``).
-
-    python benchmarks/job_gpu.py --smoke          # CPU: the tiny model, small counts
-    python benchmarks/job_gpu.py                  # one H200: Qwen3-0.6B, ~5 minutes
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """What logprobs=5 costs: the default bench workload through the Python API, with and without logprobs.
 
-    python3 benchmarks/logprobs_cost.py                      # GPU: Qwen3-0.6B dummy weights, 256 requests
-    python3 benchmarks/logprobs_cost.py --smoke              # CPU: the bundled tiny model, a few requests
-
-The workload is `llmcli bench`'s default (256 requests, prompt and output lengths uniform in
-[100, 1024], random token ids, EOS ignored, temperature 0.6). Each setting runs twice, alternating,
-after a warm-up that compiles every variant; the table reports the better run of each. The issue's
-bar: logprobs=5 keeps at least 90% of the throughput.
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Tensor parallelism on GPUs (issue #5): TP=2 vs TP=1 greedy agreement in bf16, and Qwen3-8B throughput at TP=1/2.
 
-Needs a machine with at least two GPUs (device kind nvidia-h200-x2). Part 1 writes a random-weight
-Qwen3-0.6B checkpoint (published config) so that both runs share
-the same weights — with ``--load-format dummy`` each rank would draw its own shard. Part 2 runs
-``llmcli bench`` (the default workload, dummy weights) for Qwen3-8B at each TP size in a subprocess.
-Prints one table; writes ``$OUT/tp.json`` when OUT is set. (A rank killed or interrupted mid-run: the CPU
-tests, tests/test_tensor_parallel.py and tests/test_cli_reliability.py.)
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
