@@ -1,19 +1,7 @@
 #!/usr/bin/env python
 """llmcli against HuggingFace transformers' own continuous batching, in one process, on one GPU.
 
-The machine's ceilings (copy bandwidth, matmul rate), ``llmcli bench``'s default workload on each model (dummy
-weights) through llmcli and, on the first model, transformers; llmcli's decode step at batch 256 (wall, device,
-host, kernel groups); the workload's physical bound and each engine's share of it. Every section is guarded (a
-failure prints FAILED and the rest runs on); one Markdown table at the end, every number as JSON in
-``$OUT/bench.json`` (rewritten after each section). benchmarks/README.md says what each step measures; the parts
-live in benchmarks/harness/, one job a module.
-
-    python benchmarks/bench_vs_hf.py                          # the real benchmark (GPU): both models
-    python benchmarks/bench_vs_hf.py --models configs/Qwen3-0.6B                # split in two: 0.6B + transformers
-    python benchmarks/bench_vs_hf.py --models configs/Qwen3-8B --skip-hf        #   then 8B, llmcli only
-    python benchmarks/bench_vs_hf.py --smoke                  # seconds on a CPU: a tiny random Qwen3
-
-Exit status 0 when every section passed, 1 when any printed FAILED.
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -34,8 +22,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))
 
 from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
 from benchmarks.harness.ceilings import DTYPES, measure_ceilings  # noqa: E402
@@ -62,7 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a tiny random Qwen3 (temp dir), 8 requests of 8..32 tokens, small ceilings: a smoke test")
     g.add_argument("--time-budget", type=float, default=540.0,
                    help="seconds for the whole script; transformers stops at it (its tok/s then a lower bound)")
-    g.add_argument("--json-out", default=None, help="JSON path (default: $OUT/bench.json when OUT is set)")
     w = ap.add_argument_group("workload (llmcli bench's default)")
     add_workload_args(w)
     e = ap.add_argument_group("llmcli")
@@ -118,7 +104,7 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = os.environ.get("OUT")
-    json_path = Path(args.json_out) if args.json_out else (Path(out_dir) / "bench.json" if out_dir else None)
+    json_path = Path(out_dir) / "bench.json" if out_dir else None
     report = Report(json_path)
     deadline = START + args.time_budget
     logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")  # other loggers stay at WARNING

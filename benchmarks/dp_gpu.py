@@ -1,21 +1,6 @@
 """Data parallelism on GPUs (issue #17): ``llmcli generate`` with replicas, on the default workload as JSONL.
 
-Every run is the real command (``llmcli generate IN -o OUT --load-format dummy --include-token-ids``, the
-``llmcli`` logger at INFO so that each replica's pid, GPUs and share of the work are on stderr), while
-``nvidia-smi`` samples each GPU's memory. Parts (``--parts``; the default depends on the GPUs visible):
-
-- ``one-gpu`` (the default with one GPU): the plain engine, then ``-dp 1`` through the data-parallel pool
-  (``LLMCLI_DP_FORCE_POOL=1``: the replica is a process of its own behind the driver), on Qwen3-0.6B.
-- ``dp``: DP=1 (plain engine) vs DP=2 for each of ``--models``.
-- ``tp-vs-dp``: DP=2 x TP=1 vs DP=1 x TP=2 on the last of ``--models``.
-- ``ray``: DP=2 with ``--distributed-backend ray`` (a local Ray instance the command starts), if Ray imports.
-
-On two or more GPUs the default is ``dp tp-vs-dp ray``. Prints one table last; writes ``$OUT/dp.json`` when
-OUT is set; exit status 1 when a run failed a check. (``-dp`` above the visible GPUs: tests/test_dp_placement.py;
-a replica killed mid-run: tests/test_data_parallel.py.)
-
-    python benchmarks/dp_gpu.py                  # one H200: the one-gpu part (~2 min); two H200s: issue #17's matrix
-    python benchmarks/dp_gpu.py --smoke          # CPU, a tiny random Qwen3: one-gpu (~1 min; --parts one-gpu dp)
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -33,9 +18,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for path in (REPO, REPO / "tests"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from benchmarks.harness.cli_process import CLI, GpuWatch, gpu_memory_mib, watch_command  # noqa: E402
 from benchmarks.harness.output import fmt_f, md_table  # noqa: E402
@@ -44,6 +27,7 @@ from benchmarks.harness.workload import (  # noqa: E402
 from processes import env, wait_gone  # noqa: E402
 
 ALL_PARTS = ("one-gpu", "dp", "tp-vs-dp", "ray")
+RUN_TIMEOUT_S = 300.0  # per llmcli generate
 
 
 @dataclass
@@ -103,9 +87,9 @@ def generate(label: str, args: argparse.Namespace, model: str, jsonl: Path, fold
     cmd = [sys.executable, "-c", CLI, "generate", str(jsonl), "-o", str(out), "--model", model, *flags]
     with tempfile.TemporaryFile("w+") as err, GpuWatch() as watch:
         proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        seen, timed_out, run.seconds = watch_command(proc, args.run_timeout)
+        seen, timed_out, run.seconds = watch_command(proc, RUN_TIMEOUT_S)
         run.exit_status = proc.returncode
-        run.message = f"no exit within {args.run_timeout:.0f} s (--run-timeout): killed" if timed_out else ""
+        run.message = f"no exit within {RUN_TIMEOUT_S:.0f} s: killed" if timed_out else ""
         err.seek(0)
         stderr = err.read()
     run.processes_left = wait_gone(list(seen), 15)
@@ -162,8 +146,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 and a small workload")
     ap.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny, one-gpu")
     add_workload_args(ap)
-    ap.add_argument("--engine-args", default="", help="extra llmcli engine flags, one string")
-    ap.add_argument("--run-timeout", type=float, default=300, help="seconds per llmcli generate")
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.tiny, args.parts = "cpu", True, args.parts or ["one-gpu"]
@@ -172,10 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             ("max_output", 48)):
             if getattr(args, name) == ap.get_default(name):
                 setattr(args, name, value)
-    args.engine_flags = args.engine_args.split()
-    if args.device == "cpu":  # a small KV pool, two sequences at a time: a tiny model's run in seconds
-        args.engine_flags = ["--num-kvcache-blocks", "128", "--kvcache-block-size", "16", "--max-num-seqs", "2",
-                             *args.engine_flags]
+    # on a CPU a small KV pool, two sequences at a time: a tiny model's run in seconds
+    args.engine_flags = ["--num-kvcache-blocks", "128", "--kvcache-block-size", "16", "--max-num-seqs", "2"] \
+        if args.device == "cpu" else []
     return args
 
 

@@ -1,12 +1,7 @@
 #!/usr/bin/env python
 """Host time per decode step at batch 256, on a CPU: the engine's own loop around a stub forward.
 
-Everything but the model's forward (canned logits) runs as in a bench run, so the model's compute does not hide
-the host's work; the step timer's phases in ms per decode step at a steady batch (benchmarks/README.md).
-``graph+sample`` is the default decode path on CUDA (``sample_in_graph``); ``graph`` is it without.
-
-    python benchmarks/host_step_cpu.py                  # 256 sequences, 300 timed decode steps
-    python benchmarks/host_step_cpu.py --batch 64 --steps 100 --temperature 0
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))
 
 from benchmarks.harness.output import md_table  # noqa: E402
 from llmcli.config import Config  # noqa: E402

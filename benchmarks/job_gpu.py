@@ -1,13 +1,6 @@
 """The whole job, not just the engine: `llmcli generate` wall time against the engine alone, in one GPU run.
 
-Two jobs (issue 12): ``label`` (20,000 text records, ``configs/bench-label-20k.toml``) and ``bench`` (the
-default bench workload as JSONL), each through the CLI (a subprocess, wall clock) and the API (a subprocess:
-``LLM(...)``, then ``generate`` on token ids), ``--repeat`` times alternating; the table reports the last round.
-CLI overhead = CLI wall - API start-up - API generate. Dummy weights, a full-size synthetic tokenizer
-(``synth_tokenizer.py``).
-
-    python benchmarks/job_gpu.py --smoke          # CPU: the tiny model, small counts
-    python benchmarks/job_gpu.py                  # one H200: Qwen3-0.6B, ~5 minutes
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -24,10 +17,8 @@ from pathlib import Path
 
 import orjson
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 from benchmarks.harness.cli_process import run_child  # noqa: E402
 from benchmarks.harness.workload import write_requests_jsonl  # noqa: E402
 from llmcli.cli.bench import Workload, make_requests  # noqa: E402
@@ -101,22 +92,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, small counts")
     ap.add_argument("--config", default=str(REPO / "configs" / "Qwen3-0.6B"), help="model config folder")
-    ap.add_argument("--records", type=int, default=20_000, help="records of the labelling job")
-    ap.add_argument("--bench-records", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--jobs", default="label,bench", help="label, bench or both")
-    ap.add_argument("--prepare-only", action="store_true", help="write the model folder and the inputs, then stop")
-    ap.add_argument("--work", default=None, help="folder for the model copy and the inputs (default: a temp dir)")
     args = ap.parse_args()
     engine: dict = {"load_format": "dummy"}
-    bench_len = (100, 1024)
+    records, bench_records, bench_len = 20_000, 256, (100, 1024)  # the issue's label job; bench's default
     if args.smoke:
-        args.config = str(REPO / "examples" / "tiny-qwen3")
-        args.records, args.bench_records, args.repeat = min(args.records, 16), min(args.bench_records, 4), 1
+        args.config, args.repeat = str(REPO / "examples" / "tiny-qwen3"), 1
+        records, bench_records, bench_len = 16, 4, (16, 64)
         engine.update(device="cpu", max_model_len=2048)
-        bench_len = (16, 64)
-    work = Path(args.work or tempfile.mkdtemp(prefix="llmcli-job-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="llmcli-job-"))
     t = time.perf_counter()
     vocab = json.loads((Path(args.config) / "config.json").read_text())["vocab_size"]
     model = write_model_dir(args.config, work / "model", vocab_size=None if not args.smoke else vocab)
@@ -124,17 +109,14 @@ def main() -> None:
           flush=True)
     jobs = {}
     if "label" in args.jobs:
-        write_label_job(work / "label.jsonl", args.records)
+        write_label_job(work / "label.jsonl", records)
         label_sampling = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
         jobs["label"] = (work / "label.jsonl", ["--config", str(REPO / "configs" / "bench-label-20k.toml")],
                          label_sampling)
     if "bench" in args.jobs:
-        write_bench_job(work / "bench.jsonl", args.bench_records, vocab, bench_len)
+        write_bench_job(work / "bench.jsonl", bench_records, vocab, bench_len)
         jobs["bench"] = (work / "bench.jsonl", ["--temperature", "0.6", "--ignore-eos"],
                          {"temperature": 0.6, "ignore_eos": True})
-    if args.prepare_only:
-        print(f"inputs in {work}: {', '.join(str(j[0]) for j in jobs.values())}; model folder {model}")
-        return
     print(f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM')}", flush=True)
     rows = []
     for name, (inp, flags, sampling) in jobs.items():

@@ -1,12 +1,6 @@
 """What logprobs=5 costs: the default bench workload through the Python API, with and without logprobs.
 
-    python3 benchmarks/logprobs_cost.py                      # GPU: Qwen3-0.6B dummy weights, 256 requests
-    python3 benchmarks/logprobs_cost.py --smoke              # CPU: the bundled tiny model, a few requests
-
-The workload is `llmcli bench`'s default (256 requests, prompt and output lengths uniform in
-[100, 1024], random token ids, EOS ignored, temperature 0.6). Each setting runs twice, alternating,
-after a warm-up that compiles every variant; the table reports the better run of each. The issue's
-bar: logprobs=5 keeps at least 90% of the throughput.
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -37,6 +31,7 @@ def run(llm: LLM, requests: list[tuple[list[int], int]], logprobs: int | None) -
     return elapsed, tokens
 
 
+LOGPROBS, REPEATS = 5, 2  # the issue's k; runs of each setting, alternating
 BUILD_S: list[float] = []
 PHASES: dict[bool, list[dict]] = {False: [], True: []}  # per run: the step timer's decode row
 
@@ -45,8 +40,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: configs/Qwen3-0.6B (dummy), or the tiny model with --smoke")
     ap.add_argument("--smoke", action="store_true", help="CPU, the bundled tiny model, 8 short requests")
-    ap.add_argument("--logprobs", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     if args.smoke:
         model = args.model or "examples/tiny-qwen3"
@@ -62,24 +55,24 @@ def main() -> None:
     warm = make_requests(Workload(num_prompts=4, input_len=(16, 16), output_len=(4, 4), seed=1),
                          config.hf_config.vocab_size, set(config.eos_token_ids))
     run(llm, warm, None)
-    run(llm, warm, args.logprobs)
+    run(llm, warm, LOGPROBS)
     results: dict[str, list[tuple[float, int]]] = {"off": [], "on": []}
-    for _ in range(args.repeats):
+    for _ in range(REPEATS):
         results["off"].append(run(llm, requests, None))
-        results["on"].append(run(llm, requests, args.logprobs))
+        results["on"].append(run(llm, requests, LOGPROBS))
     best = {key: max(tokens / elapsed for elapsed, tokens in runs) for key, runs in results.items()}
     ratio = best["on"] / best["off"]
     print(f"\nlogprobs cost: {model} on {config.device} ({config.torch_dtype}), {workload.num_prompts} requests, "
           f"{sum(t for _, t in results['off'][:1])} output tokens per run")
-    print("| setting | output tok/s (best of %d) | runs (s) |" % args.repeats)
+    print("| setting | output tok/s (best of %d) | runs (s) |" % REPEATS)
     print("| --- | --- | --- |")
-    for key, label in (("off", "no logprobs"), ("on", f"logprobs={args.logprobs}")):
+    for key, label in (("off", "no logprobs"), ("on", f"logprobs={LOGPROBS}")):
         print(f"| {label} | {best[key]:,.0f} | {', '.join(f'{e:.2f}' for e, _ in results[key])} |")
     built = min(BUILD_S[1:] or BUILD_S)
     print(f"| reading every logprob back as vLLM-shaped dicts (after the run) | {built:.2f} s | |")
     # host time per decode step (the launches return at once, so the sum is what the loop spends on the host
     # besides waiting for the device); from the last run of each setting
-    for key, label in ((False, "no logprobs"), (True, f"logprobs={args.logprobs}")):
+    for key, label in ((False, "no logprobs"), (True, f"logprobs={LOGPROBS}")):
         row = PHASES[key][-1]
         phases = ", ".join(f"{name} {row.get(name + '_ms', 0):.3f}" for name in ("prepare", "forward", "sample",
                                                                                  "wait", "postprocess"))

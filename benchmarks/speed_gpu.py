@@ -1,22 +1,7 @@
 #!/usr/bin/env python
 """The speed presets: llmcli's default workload and the prefill-heavy preset, against the physical bound.
 
-For each model one engine per variant: ``base`` (the defaults), ``name=value`` (any engine setting, e.g.
-``sample_in_graph=false``, ``quantization=fp8`` or ``kv_cache_dtype=fp8``; ``name`` alone is ``name=true``;
-``sampling=qwen3-defaults`` or ``sampling=mixed`` is the workload's sampling, as ``llmcli bench --sampling``),
-several joined with ``+``. Each engine first reproduces the base engine's greedy tokens on 16 short requests (a
-setting that breaks the maths shows before its speed is believed), then times the default workload with
-``mixed_steps`` off and on (first engine of a model; off on the others) and, on a 0.6B model's first engine, the
-prefill-heavy preset (``configs/bench-prefill-heavy.toml``, ~40 s a run) off and on. Per run: output tok/s,
-ratio to the base engine, share of the physical bound (FP8 weights and KV at one byte), host ms per decode step
-at batch 256, share of decode steps where the device waited for the host. ``--preset`` names what the retired
-one-question scripts measured (``PRESETS``; benchmarks/RESULTS.md, "Scripts retired").
-
-    python benchmarks/speed_gpu.py                                          # one H200, ~5 min (--time-budget 280)
-    python benchmarks/speed_gpu.py --models configs/Qwen3-0.6B --variants base   # default + prefill-heavy, ~2.5 min
-    python benchmarks/speed_gpu.py --preset fp8                             # FP8 KV on 0.6B, FP8 weights on 8B
-    python benchmarks/speed_gpu.py --preset blocks                          # KV blocks of 64 (default) vs 256
-    python benchmarks/speed_gpu.py --smoke                                  # CPU, tiny random model (seconds)
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 

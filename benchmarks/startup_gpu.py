@@ -1,17 +1,7 @@
 #!/usr/bin/env python
 """Engine start-up from process start (issue 12: Qwen3-0.6B <= 10 s warm, <= 20 s fresh; Qwen3-8B <= 15 s warm).
 
-Each run is a fresh ``python -c`` process that imports llmcli, builds ``LLM(...)`` (dummy weights) and
-exits; the parent times it from the moment it launches the process to the moment the engine is ready,
-so interpreter start and imports count. Reported per run: that figure, the imports alone, ``LLM()``
-alone, the engine's phases, the number of decode graphs, and which heavy modules the process imported.
-Run it first on a fresh machine: the first run of each model is then the cold start.
-
-    python benchmarks/startup_gpu.py --smoke                 # CPU, tiny model
-    python benchmarks/startup_gpu.py                         # one H200, ~4 min: see --runs
-
-A run spec is ``MODEL[@GRAPH_SIZES][+cold][+serial]:COUNT``: ``+cold`` gives the run empty Triton and Inductor
-cache folders (a cold compile on a warm machine), ``+serial`` sets LLMCLI_SIDE_COMPILE=0 (no worker threads).
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 #!/usr/bin/env python3
 """Where the device idles during the default workload's decode: the engine's own steps, profiled in windows.
 
-The default workload (``llmcli bench``'s) runs through the engine as it is, CUDA graphs and the overlapped step
-loop included. At the decode steps named by ``--at`` (counted from the first decode step), ``--steps`` steps are
-timed twice: first without the profiler (the engine's wall per step), then under ``torch.profiler``, whose trace
-keeps every kernel a graph replay runs. From the trace (``harness/device_idle.py``): the device's busy and idle
-time per step, its gaps by size, which kernels the idle time sits between, and how long the host waited for the
-device (a host that waits is ahead of the device; one that never waits is what the device waits for).
-
-It answers one question of issue #27: the ~1.2-1.3 ms per decode step that call G1 found outside any kernel
-(graph step against the eager kernels' sum). Gaps between the kernels of a graph, or between steps, or neither.
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -46,7 +38,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default=None, choices=list(DTYPES))
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny random Qwen3, small windows")
-    ap.add_argument("--json-out", default=None, help="JSON path (default: $OUT/step_gaps.json when OUT is set)")
     add_workload_args(ap)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -183,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     models = [write_tiny_config()] if args.smoke else [resolve_model(m) for m in args.models]
     out_dir = os.environ.get("OUT")
-    json_path = Path(args.json_out) if args.json_out else (Path(out_dir) / "step_gaps.json" if out_dir else None)
+    json_path = Path(out_dir) / "step_gaps.json" if out_dir else None
     results, failures = [], 0
     ceilings = measure_ceilings(args.device, tiny=args.smoke)
     with tempfile.TemporaryDirectory(prefix="llmcli-gaps-") as tmp:

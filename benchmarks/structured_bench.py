@@ -1,19 +1,7 @@
 #!/usr/bin/env python
 """What structured outputs cost: the bench workload unconstrained, under one JSON schema, and under 64 schemas.
 
-The workload is ``llmcli bench``'s (random prompt ids, lengths uniform in [100, 1024] in and out, temperature
-0.6, seed 0) on dummy weights. Constrained requests follow a schema whose array needs 1000 items, so every
-request, like the unconstrained ones (EOS ignored), generates exactly its output length and the three runs
-produce the same number of tokens. Reported: output tokens/s and its ratio to the unconstrained run, the
-grammar compile times (per distinct schema, on the compiler's threads, and the one-off tokenizer tables),
-and the engine's step timer for decode steps: ``wait`` (the host waiting for the device: large when the host
-is hidden behind the device), ``mask`` (filling token bitmasks on the host) and the host total.
-
-Dummy weights have no tokenizer (nor has the GPU machine offline): a byte-level BPE one of Qwen3's size is built
-first (benchmarks/synth_tokenizer.py, seconds).
-
-    python benchmarks/structured_bench.py                    # GPU: Qwen3-0.6B, 256 requests
-    python benchmarks/structured_bench.py --device cpu --smoke   # a CPU smoke run on the tiny model
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -26,8 +14,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from llmcli import SamplingParams, StructuredOutputsParams  # noqa: E402
 from llmcli.cli.bench import Workload, make_requests  # noqa: E402

@@ -1,11 +1,6 @@
 """Tensor parallelism on GPUs (issue #5): TP=2 vs TP=1 greedy agreement in bf16, and Qwen3-8B throughput at TP=1/2.
 
-Needs a machine with at least two GPUs (device kind nvidia-h200-x2). Part 1 writes a random-weight
-Qwen3-0.6B checkpoint (published config) so that both runs share
-the same weights — with ``--load-format dummy`` each rank would draw its own shard. Part 2 runs
-``llmcli bench`` (the default workload, dummy weights) for Qwen3-8B at each TP size in a subprocess.
-Prints one table; writes ``$OUT/tp.json`` when OUT is set. (A rank killed or interrupted mid-run: the CPU
-tests, tests/test_tensor_parallel.py and tests/test_cli_reliability.py.)
+What it measures, its options and how to run it: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -22,6 +17,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the GPU tests' checkpoint writer and greedy comparisons
+
+BENCH_MODEL = str(REPO / "configs" / "Qwen3-8B")
 
 import torch  # noqa: E402
 from greedy_compare import agreement  # noqa: E402
@@ -48,13 +45,13 @@ def greedy(path: Path, prompts: list[list[int]], tp: int, new_tokens: int,
         torch.cuda.empty_cache()
 
 
-def bench(model: str, tp: int, extra: list[str], timeout_s: float) -> dict:
+def bench(model: str, tp: int, timeout_s: float = 240) -> dict:
     cmd = [sys.executable, "-m", "llmcli", "bench", "--model", model, "--load-format", "dummy",
-           "--tensor-parallel-size", str(tp), "--json", *extra]
+           "--tensor-parallel-size", str(tp), "--json"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout_s:.0f} s (--bench-timeout)"}
+        return {"error": f"no result within {timeout_s:.0f} s"}
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout)
@@ -65,11 +62,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--bench-model", default=str(REPO / "configs" / "Qwen3-8B"))
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--bench-args", default="", help="extra llmcli bench flags, one string")
-    parser.add_argument("--bench-timeout", type=float, default=240, help="seconds per llmcli bench run")
     parser.add_argument("--stack-dump-after", type=float, default=0,
                         help="print every thread's stack after this many seconds (to see where a hang sits)")
     args = parser.parse_args()
@@ -100,18 +94,18 @@ def main() -> None:
     if not args.skip_bench:
         report["bench"] = {}
         for tp in args.tp:
-            print(f"llmcli bench {Path(args.bench_model).name} at TP={tp}", flush=True)
-            report["bench"][tp] = bench(args.bench_model, tp, args.bench_args.split(), args.bench_timeout)
+            print(f"llmcli bench {Path(BENCH_MODEL).name} at TP={tp}", flush=True)
+            report["bench"][tp] = bench(BENCH_MODEL, tp)
         print("\n| model | TP | output tok/s | total tok/s | requests/s | TTFT p50 ms | TPOT p50 ms | decode steps "
               "| decode step ms: host launch / wait for tokens |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for tp, r in report["bench"].items():
             if "error" in r:
-                print(f"| {Path(args.bench_model).name} | {tp} | FAILED: {r['error']} | | | | | | |")
+                print(f"| {Path(BENCH_MODEL).name} | {tp} | FAILED: {r['error']} | | | | | | |")
                 continue
             d = (r.get("step_timer") or {}).get("decode", {})
             launch = sum(d.get(f"{phase}_ms", 0.0) for phase in ("prepare", "forward", "sample"))
-            print(f"| {Path(args.bench_model).name} | {tp} | {r['output_tokens_per_s']:,.0f} | "
+            print(f"| {Path(BENCH_MODEL).name} | {tp} | {r['output_tokens_per_s']:,.0f} | "
                   f"{r['total_tokens_per_s']:,.0f} | {r['requests_per_s']:.2f} | {r['ttft_ms']['p50']:.0f} | "
                   f"{r['tpot_ms']['p50']:.1f} | {d.get('steps', 0):,} | {launch:.2f} / {d.get('wait_ms', 0.0):.2f} |")
     if os.environ.get("OUT"):

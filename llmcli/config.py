@@ -26,8 +26,9 @@ MAX_KV_CACHE_GIB = float(1 << 20)
 # Tokens per KV block when kvcache_block_size is left unset. The prefix cache shares whole blocks, so a shared
 # instruction shorter than a block is never shared: 64 shares 192 of a 200-token one (256 shares none), and
 # costs nothing measurable on decode (H200, 2026-12-03, issue 45: Qwen3-8B 9,584 vs 9,591 output tok/s at 256).
+# A backend may need another (its ``default_block_size``; flash-attn: 256) and rules of its own
+# (``block_size_problem``): the backend classes own both, read here through ``kernels.backend_class``.
 DEFAULT_KVCACHE_BLOCK_SIZE = 64
-FLASH_ATTN_BLOCK_SIZE = 256  # flash_attn's paged kernels take multiples of 256 only
 
 log = logging.getLogger("llmcli")
 
@@ -101,8 +102,11 @@ def fastest_backend(capability: tuple[int, int], head_dim: int, flash_available:
                     block_size: int | None) -> str:
     """'triton' or 'flash-attn' for a GPU of ``capability`` and a model of ``head_dim`` (``block_size`` None:
     unset, so the backend may choose its own)."""
+    from llmcli.kernels import backend_class
+
     choice = MEASURED_BACKENDS.get((capability[0], head_dim), UNMEASURED_BACKEND)
-    if choice == "flash-attn" and (not flash_available or (block_size is not None and block_size % 256)):
+    if choice == "flash-attn" and (not flash_available or (
+            block_size is not None and backend_class(choice).block_size_problem(block_size))):
         return "triton"
     return choice
 
@@ -272,18 +276,18 @@ class Config:
         return fastest_backend(torch.cuda.get_device_capability(), head_dim, flash, self.kvcache_block_size)
 
     def _check_block_size(self) -> None:
-        if self.kvcache_block_size is None:  # unset: the backend's own size
-            self.kvcache_block_size = DEFAULT_KVCACHE_BLOCK_SIZE
-            if self.attention_backend == "flash-attn":
-                self.kvcache_block_size = FLASH_ATTN_BLOCK_SIZE
-                _say_once(f"the flash-attn backend uses KV blocks of {FLASH_ATTN_BLOCK_SIZE} tokens (its kernels "
-                          f"take multiples of 256); other backends default to {DEFAULT_KVCACHE_BLOCK_SIZE}, which "
+        from llmcli.kernels import backend_class
+
+        backend = backend_class(self.attention_backend)
+        if self.kvcache_block_size is None:  # unset: the backend's own size, else the engine's
+            self.kvcache_block_size = backend.default_block_size or DEFAULT_KVCACHE_BLOCK_SIZE
+            if backend.default_block_size:
+                _say_once(f"the {backend.name} backend uses KV blocks of {backend.default_block_size} tokens (its "
+                          f"kernels need them); other backends default to {DEFAULT_KVCACHE_BLOCK_SIZE}, which "
                           "shares shorter prompt prefixes")
-        bs = self.kvcache_block_size
-        if self.attention_backend == "flash-attn" and bs % 256:
-            raise self._fail("kvcache_block_size", "the flash-attn backend needs a multiple of 256")
-        if self.attention_backend == "triton" and (bs & (bs - 1) or not 16 <= bs <= 256):
-            raise self._fail("kvcache_block_size", "the triton backend needs a power of two from 16 to 256")
+        problem = backend.block_size_problem(self.kvcache_block_size)
+        if problem:
+            raise self._fail("kvcache_block_size", problem)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size

@@ -117,6 +117,9 @@ class SamplingParams:
     error: banning it would need the previous tokens). ``truncate_prompt_tokens=k`` keeps
     the last k prompt tokens (-1: as many as leave room for one generated token).
     ``detokenize=False``: completions carry token ids and an empty ``text`` (vLLM's meaning).
+    ``skip_reading_prefix_cache=True`` computes the whole prompt even where the prefix cache holds it (its
+    blocks are still cached for others); None, the default, skips it only with ``prompt_logprobs``, whose
+    cached positions would have no logits (so False with ``prompt_logprobs`` is an error).
     """
 
     temperature: float | None = None
@@ -143,6 +146,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True  # False: completions' text stays "" (token ids only), as in vLLM
+    skip_reading_prefix_cache: bool | None = None
     unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -190,6 +194,11 @@ class SamplingParams:
     def has_token_bias(self) -> bool:
         """Whether the request changes logits token by token (logit_bias, allowed_token_ids, bad_words)."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether the request may start from prompt blocks the prefix cache holds."""
+        return not self.skip_reading_prefix_cache and self.prompt_logprobs is None
 
     @property
     def has_penalties(self) -> bool:
@@ -265,6 +274,11 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens) or (
                 self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for what max_model_len allows")
+        if not (self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool)):
+            raise bad("skip_reading_prefix_cache", "must be true, false or None")
+        if self.skip_reading_prefix_cache is False and self.prompt_logprobs is not None:
+            raise bad("skip_reading_prefix_cache", "cannot be False with prompt_logprobs: a cached prompt "
+                                                   "position has no logits (leave it None)")
         if not isinstance(self.detokenize, bool):
             raise bad("detokenize", "must be true or false")
         if not self.detokenize and self.stop:

@@ -162,3 +162,10 @@ def test_workers_plan_drops_what_only_sampling_reads(mixed):
         assert np.array_equal(getattr(sent, name), getattr(plan, name)), name
     assert sent.blocks == plan.blocks
     assert PENDING_TOKEN not in plan.tokens.tolist()
+    # prompt logprobs: the workers' logits take part in each chunk's gather, so the rows travel (only they)
+    scored = scheduler(mixed=mixed)
+    request(scored, 5, prompt_logprobs=1, logprobs=1, repetition_penalty=1.2)
+    plan, _ = step(scored)
+    sent = plan.for_workers().extras
+    assert sent.prompt_rows == plan.extras.prompt_rows == [0, 1, 2, 3]
+    assert sent.prompt_targets == sent.lp_rows == sent.pen_rows == []

@@ -343,21 +343,20 @@ def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, tiny_checkpoint,
 
 
 def test_tp2_logprobs_and_penalties_match_tp1(tp_model):
-    """Rank 0 alone applies penalties and computes logprobs (from the gathered logits); prompt_logprobs
-    would need every rank's help and is refused with a clear error."""
-    from llmcli.engine.sequence import RequestRejected
-
+    """Rank 0 alone applies penalties and computes logprobs (from the gathered logits); prompt logprobs need every
+    rank in each chunk's gather: with a 320-token step budget the first prefill step holds 300+ prompt positions,
+    two logit chunks (layers/logprobs.py PROMPT_CHUNK), the long prompt's rest the next; they equal one rank's."""
     prompts = random_prompts([4, 30, 70], seed=24)
+    scored_prompts = random_prompts([5, 40, 300], seed=25)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3,
                             repetition_penalty=1.5, frequency_penalty=-0.5)
-    results = {}
+    scored = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    results, prompt_results = {}, {}
     for tp in (1, 2):
-        llm = make_llm(tp_model, tp)
+        llm = make_llm(tp_model, tp, max_num_batched_tokens=320)
         try:
             results[tp] = llm.generate(prompts, params)
-            if tp == 2:
-                with pytest.raises(RequestRejected, match="prompt_logprobs is not supported with tensor"):
-                    llm.generate(prompts[:1], SamplingParams(max_tokens=2, prompt_logprobs=1))
+            prompt_results[tp] = llm.generate(scored_prompts, scored)
         finally:
             llm.shutdown()
     for one, two in zip(results[1], results[2]):
@@ -365,6 +364,12 @@ def test_tp2_logprobs_and_penalties_match_tp1(tp_model):
         for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
             assert list(a) == list(b)
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    for prompt, one, two in zip(scored_prompts, prompt_results[1], prompt_results[2]):
+        assert one.prompt_logprobs[0] is None and two.prompt_logprobs[0] is None
+        assert len(two.prompt_logprobs) == len(prompt)
+        for j, (a, b) in enumerate(zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]), start=1):
+            assert prompt[j] in b and list(a) == list(b), (j, list(a), list(b))
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
 
 
 # --------------------------------------------------------------------------

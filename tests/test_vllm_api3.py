@@ -97,6 +97,24 @@ def test_num_cached_tokens_counts_prefix_cache_hits(llm):
     assert second.num_cached_tokens == second.metrics.num_cached_prompt_tokens
 
 
+def test_skip_reading_prefix_cache_computes_the_whole_prompt(llm):
+    """vLLM's per-request switch: the cached prompt is computed again (and the tokens stay those of the cold run);
+    None skips it only with prompt_logprobs; False there is an error, since cached positions have no logits."""
+    prompt = list(range(7, 7 + 40))
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    cold = llm.generate([prompt], greedy)[0]
+    skipped = llm.generate([prompt], greedy.replace(skip_reading_prefix_cache=True))[0]
+    warm = llm.generate([prompt], greedy)[0]
+    assert (cold.num_cached_tokens, skipped.num_cached_tokens, warm.num_cached_tokens) == (0, 0, 32)
+    assert skipped.outputs[0].token_ids == cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    scored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    assert scored.num_cached_tokens == 0 and all(p is not None for p in scored.prompt_logprobs[1:])
+    with pytest.raises(SamplingParamsError, match="skip_reading_prefix_cache: cannot be False with prompt_logprobs"):
+        SamplingParams(prompt_logprobs=1, skip_reading_prefix_cache=False)
+    with pytest.raises(SamplingParamsError, match="skip_reading_prefix_cache: must be true, false or None"):
+        SamplingParams(skip_reading_prefix_cache=1)
+
+
 def _record(obj):
     import orjson
 

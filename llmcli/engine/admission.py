@@ -5,7 +5,7 @@ from typing import Any
 
 from llmcli.config import Config
 from llmcli.engine.prompt_encoding import encode_texts
-from llmcli.engine.sequence import RequestRejected
+from llmcli.engine.sequence import PoolTooSmall, RequestRejected
 from llmcli.sampling_params import SamplingParams
 
 
@@ -21,9 +21,6 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
     vocab = config.hf_config.vocab_size
     if max(token_ids) >= vocab or min(token_ids) < 0:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for this model")
-    if params.prompt_logprobs is not None and config.tensor_parallel_size > 1:
-        raise RequestRejected("prompt_logprobs is not supported with tensor parallelism yet "
-                              "(logprobs of generated tokens are)")
     for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
@@ -31,9 +28,9 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
     longest = min(n + (params.max_tokens or limit), limit)
     bs, pool = config.kvcache_block_size, num_blocks
     if pool is not None and (longest + bs - 1) // bs > pool:
-        raise RequestRejected(f"the request may grow to {longest} tokens, which needs "
-                              f"{(longest + bs - 1) // bs} KV blocks, but the whole pool has {pool}; "
-                              "lower max_tokens or give the cache more memory")
+        raise PoolTooSmall(f"the request may grow to {longest} tokens, which needs "
+                           f"{(longest + bs - 1) // bs} KV blocks, but the whole pool has {pool}; "
+                           "lower max_tokens or give the cache more memory")
 
 
 def encode_prompt(tokenizer: Any | None, prompt: str | list[int], model: str) -> list[int]:

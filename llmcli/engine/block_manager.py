@@ -86,9 +86,10 @@ class BlockManager:
         seq.table_id = next(self._table_ids)
         seq.decode_until = 0
         bs = self.block_size
-        # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt.
+        # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt,
+        # as one that asks to skip the cache (skip_reading_prefix_cache) does.
         prev, cached = 0, 0
-        hit_possible = self.enable_prefix_caching and seq.params.prompt_logprobs is None
+        hit_possible = self.enable_prefix_caching and seq.params.reads_prefix_cache
         for i in range(seq.num_blocks):
             # A block holding the last token is never reused: one token must be computed to sample from.
             if hit_possible and (i + 1) * bs < seq.num_tokens:

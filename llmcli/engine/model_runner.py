@@ -23,6 +23,7 @@ from llmcli.engine.step_inputs import DecodeArrays, StepInputs, decode_arrays, p
 from llmcli.engine.uploader import Uploader
 from llmcli.kernels import make_backend
 from llmcli.layers.logit_bias import BiasTables
+from llmcli.layers.logprobs import worker_prompt_logits
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler
 from llmcli.layers.token_mask import apply_token_bitmask
@@ -264,6 +265,9 @@ class ModelRunner:
                 token_ids = None
                 if extras is not None:  # a prompt chunk that samples nothing may still want prompt logprobs
                     extras.compute_logprobs(None, None, hidden, self.model.compute_logits)
+                elif self.rank != 0 and plan.extras is not None:  # rank 0's prompt logits gather from this rank
+                    rows = self.uploader.upload(torch.int64, plan.extras.prompt_rows)[0]
+                    worker_prompt_logits(hidden[rows], self.model.compute_logits)
             else:
                 raw = logits
                 if extras is not None:

@@ -16,6 +16,10 @@ class RequestRejected(ValueError):
     """A request that can never run (too long for the model or for the KV pool)."""
 
 
+class PoolTooSmall(RequestRejected):
+    """A request that may grow past the whole KV pool: more cache memory (or fewer tokens) is the fix."""
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()

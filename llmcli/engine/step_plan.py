@@ -107,8 +107,11 @@ class StepPlan:
         return len(self.rows) if not self.is_prefill else int(self.samples.sum())
 
     def for_workers(self) -> "StepPlan":
-        """The plan as the other tensor-parallel ranks need it: nothing that only sampling reads."""
+        """The plan as the other tensor-parallel ranks need it: nothing that only sampling reads. Prompt
+        logprobs' rows stay: their logits are gathered from every rank, chunk by chunk."""
         if self.extras is None and not self.new_rows:
             return self
+        prompt = self.extras.prompt_rows if self.extras is not None else None
         return StepPlan(self.is_prefill, self.rows, self.computed, self.scheduled, self.pending, self.samples,
-                        self.tokens, [], self.blocks, self.freed, self.follows, None)
+                        self.tokens, [], self.blocks, self.freed, self.follows,
+                        ExtrasPlan(prompt_rows=prompt) if prompt else None)

@@ -123,6 +123,14 @@ class AttentionBackend(ABC):
     fuses_qk_norm_rotary: bool = False
     # Chunk lengths that between them reach every compiled prefill variant; the runner runs each at start-up.
     prefill_variant_lengths: tuple[int, ...] = (16,)
+    # KV block size when the user leaves it unset; None: the engine's default (config.DEFAULT_KVCACHE_BLOCK_SIZE).
+    default_block_size: int | None = None
+
+    @classmethod
+    def block_size_problem(cls, block_size: int) -> str | None:
+        """Why this backend cannot page with ``block_size``-token KV blocks, or None: it can. Config asks at
+        validation, before anything is built."""
+        return None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         self.num_heads = num_heads

@@ -1,7 +1,7 @@
 """The ``flash-attn`` attention backend: the flash_attn package's varlen and paged-KV kernels.
 
 Used when ``flash_attn`` is importable (``pip install 'llmcli[flash]'``); its
-paged kernels want a KV block size that is a multiple of 256 (Config checks).
+paged kernels want a KV block size that is a multiple of 256 (``block_size_problem``, which Config asks).
 New K/V go into the cache with llmcli's own Triton store kernel. A sliding window goes to flash-attn as
 ``window_size=(window - 1, 0)``: its query ``i`` sees keys ``i + seqlen_k - seqlen_q - left .. + right``
 inclusive, so ``left = window - 1`` gives transformers' window of ``window`` keys ending at the query.
@@ -13,6 +13,11 @@ from llmcli.kernels.backend import AttentionBackend
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
+    default_block_size = 256  # its paged kernels take multiples of 256 only
+
+    @classmethod
+    def block_size_problem(cls, block_size: int) -> str | None:
+        return "the flash-attn backend needs a multiple of 256" if block_size % 256 else None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)

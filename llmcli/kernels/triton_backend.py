@@ -34,6 +34,13 @@ class TritonAttentionBackend(AttentionBackend):
     fuses_qk_norm_rotary = True
     prefill_variant_lengths = (16, LARGE_TILES_FROM, LONG_TILES_FROM)
 
+    @classmethod
+    def block_size_problem(cls, block_size: int) -> str | None:
+        # the decode and prefill kernels tile a block as one power-of-two range of rows
+        if block_size & (block_size - 1) or not 16 <= block_size <= 256:
+            return "the triton backend needs a power of two from 16 to 256"
+        return None
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         if head_dim & (head_dim - 1) or head_dim < 16:

@@ -50,8 +50,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Token
     return TokenLogprobs(chosen, ranks, top_ids, top_logprobs)
 
 
+PROMPT_CHUNK = 256  # rows of prompt logits at a time; every tensor-parallel rank cuts the same chunks
+
+
 def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits,
-                           chunk: int = 256) -> TokenLogprobs:
+                           chunk: int = PROMPT_CHUNK) -> TokenLogprobs:
     """``token_logprobs`` over many rows of hidden states, ``chunk`` rows of logits at a time (prompts).
 
     A chunk's logits stay below what start-up measured for the sampler (``max_num_seqs`` rows), so a long
@@ -60,3 +63,10 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, k: int, 
              for i in range(0, hidden.shape[0], chunk)]
     return TokenLogprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in
                            ("logprobs", "ranks", "top_ids", "top_logprobs")))
+
+
+def worker_prompt_logits(hidden: torch.Tensor, compute_logits, chunk: int = PROMPT_CHUNK) -> None:
+    """A tensor-parallel worker's part of ``chunked_token_logprobs``: the same ``compute_logits`` calls, chunk
+    for chunk (each gathers every rank's vocabulary shard on rank 0), with nothing kept."""
+    for i in range(0, hidden.shape[0], chunk):
+        compute_logits(hidden[i:i + chunk])

@@ -134,7 +134,7 @@ def report_errors(console: Console, source: str, bad: list[InputRecord], cap: in
 def check_pool(ahead: list[tuple[int, Any]], engine: Any) -> list[InputRecord]:
     """Requests that can never fit the KV pool are known once start-up has sized it (the engine's own rule);
     the records prepared ahead are checked now, the rest when admitted."""
-    from llmcli.engine.sequence import RequestRejected
+    from llmcli.engine.sequence import PoolTooSmall, RequestRejected
 
     too_big = []
     for i, (position, item) in enumerate(ahead):
@@ -145,7 +145,9 @@ def check_pool(ahead: list[tuple[int, Any]], engine: Any) -> list[InputRecord]:
                 engine.check_fits(item.prompt_token_ids, params)
         except RequestRejected as exc:
             rec = item.record
-            rec.fail(too_big_field(engine, item), f"{exc} (--num-kvcache-blocks / --gpu-memory-utilization)")
+            # only the pool's rule is fixed by a bigger cache (and blames the prompt or max_tokens)
+            hint = " (--num-kvcache-blocks / --gpu-memory-utilization)" if isinstance(exc, PoolTooSmall) else ""
+            rec.fail(too_big_field(engine, item), f"{exc}{hint}")
             ahead[i] = (position, rec)
             too_big.append(rec)
     return too_big
