@@ -61,6 +61,9 @@ class AttentionMetadata:
     # decode rows (a decode step's, a mixed step's first num_decode): int64, the rows longest context first, in
     # which order a backend may launch their work (None: as they come). Padding rows of a graph come last.
     row_order: torch.Tensor | None = None
+    # int64 [batch]: each entry's block-table row, which is also its slot in the linear-attention state pool
+    # (layers/gated_delta_net.py); None where the runner has no rows to give (no linear layers read it)
+    rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -47,8 +47,10 @@ def gather_kv_torch(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return dequantize_kv(blocks.reshape(-1, *cache.shape[2:])[:length], scale)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, H, D] against k/v [Lk, KH, D]; the queries are the last Lq of the Lk positions."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """q [Lq, H, D] against k/v [Lk, KH, D]; the queries are the last Lq of the Lk positions. ``window``: a query
+    at position p sees keys at positions > p - window only (transformers' sliding window)."""
     q_len, num_heads, _ = q.shape
     k_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -56,7 +58,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     v = v.repeat_interleave(group, dim=1)
     # query j sits at absolute position k_len - q_len + j and sees keys up to it
     rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
-    mask = torch.arange(k_len, device=q.device)[None, :] <= rows
+    keys = torch.arange(k_len, device=q.device)[None, :]
+    mask = keys <= rows
+    if window is not None:
+        mask &= keys > rows - window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
         attn_mask=mask, scale=scale,
@@ -67,7 +72,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, kv_scales: KVScales = (1.0, 1.0)):
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, kv_scales: KVScales = (1.0, 1.0),
+                window: int | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         assert qk_norm is None, "this backend does not fuse the q/k transform (fuses_qk_norm_rotary is False)"
@@ -88,7 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
                     table = meta.block_tables[i]
                     keys = torch.cat([gather_kv_torch(k_cache, table, prefix, ks).float(), keys.float()])
                     values = torch.cat([gather_kv_torch(v_cache, table, prefix, vs).float(), values.float()])
-                out[lo:hi] = causal_attention(q[lo:hi], keys, values, self.scale)
+                out[lo:hi] = causal_attention(q[lo:hi], keys, values, self.scale, window)
         else:
             for i, k_len in enumerate(lens):
                 if k_len == 0:  # padding row of a graph batch
@@ -96,5 +102,5 @@ class TorchAttentionBackend(AttentionBackend):
                     continue
                 keys = gather_kv_torch(k_cache, meta.block_tables[i], k_len, ks)
                 values = gather_kv_torch(v_cache, meta.block_tables[i], k_len, vs)
-                out[i : i + 1] = causal_attention(q[i : i + 1], keys, values, self.scale)
+                out[i : i + 1] = causal_attention(q[i : i + 1], keys, values, self.scale, window)
         return out

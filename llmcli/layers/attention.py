@@ -22,10 +22,12 @@ from llmcli.layers.rotary import qk_norm_rotary
 class Attention(nn.Module):
     """Holds this layer's KV-cache views (attached by the model runner) and calls the backend."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
+        self.sliding_window = sliding_window  # a query sees the last ``sliding_window`` keys (None: all)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: tuple[float, float] = (1.0, 1.0)  # of an FP8 cache; the loader sets a checkpoint's
@@ -36,6 +38,8 @@ class Attention(nn.Module):
         # only an FP8 cache has scales to pass: the other backends' (and stand-ins') signatures stay as they are
         fp8 = self.k_cache is not None and self.k_cache.dtype == torch.float8_e4m3fn
         scales = {"kv_scales": self.kv_scales} if fp8 else {}
+        if self.sliding_window is not None:
+            scales["window"] = self.sliding_window
         if qk_norm is not None:
             if self.backend.fuses_qk_norm_rotary and triton_kernels_on(q):
                 return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm, **scales)
