@@ -145,21 +145,24 @@ class GatedDeltaNet(nn.Module):
         cu = meta.cu_seqlens_q.tolist()
         lens = meta.context_lens.tolist()
         rows = meta.rows.tolist()
+        pool = self.conv_state is not None  # none yet in the start-up warm-up: nothing read or kept
         out = mixed.new_empty(mixed.shape[0], self.hv, self.dv)
         for i, row in enumerate(rows):
             lo, hi = cu[i], cu[i + 1]
-            fresh = lens[i] == hi - lo  # no computed prefix: the state starts from zero
-            conv, ssm = self.conv_state[row], self.ssm_state[row]
-            x, new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh else conv)
+            fresh = not pool or lens[i] == hi - lo  # no computed prefix: the state starts from zero
+            x, new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh else self.conv_state[row])
             q, k, v = self._split_heads(x)
-            o, new_ssm = gated_delta_rule_chunked(q, k, v, g[lo:hi], beta[lo:hi], None if fresh else ssm)
+            o, new_ssm = gated_delta_rule_chunked(q, k, v, g[lo:hi], beta[lo:hi],
+                                                  None if fresh else self.ssm_state[row])
             out[lo:hi] = o
-            conv.copy_(new_conv)
-            ssm.copy_(new_ssm)
+            if pool:
+                self.conv_state[row].copy_(new_conv)
+                self.ssm_state[row].copy_(new_ssm)
         return out
 
     def _decode(self, mixed, g, beta, weight, rows, lens) -> torch.Tensor:
         """One token per row, batched (padding rows of a graph batch have length 0 and a scratch slot)."""
+        rows = torch.remainder(rows, self.ssm_state.shape[0])  # a graph's padding rows (-1): the scratch slot
         conv, ssm = self.conv_state[rows], self.ssm_state[rows]
         x, conv = causal_conv1d_step(mixed, weight, conv)
         q, k, v = self._split_heads(x)
