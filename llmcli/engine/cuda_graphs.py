@@ -124,6 +124,8 @@ class DecodeGraphs:
         self.tokens = torch.zeros(max(top, config.max_num_seqs), dtype=torch.int64, device=device)
         backend.init_graph_buffers(top, max_blocks, device)
         backend._graph_slots, backend._graph_lens, backend._graph_order = self.i64[_SLOTS], lens, self.i64[_ORDER]
+        backend._graph_rows = self.i64[_TABLE_ROWS]  # also the linear-attention state slots
+        self.i64[_TABLE_ROWS].fill_(-1)
         self.i64[_ORDER].copy_(torch.arange(top))  # a permutation from the start (capture launches every row)
         self.f32[_TOP_PS].fill_(1.0)  # top-p off in every row until a step says otherwise
         self.ring = StagingRing() if device.type == "cuda" else None
@@ -245,6 +247,7 @@ class DecodeGraphs:
         host_i64[:, n:bs] = 0
         host_i64[_SLOTS, n:bs] = -1
         host_i64[_PENDING, n:bs] = -1
+        host_i64[_TABLE_ROWS, n:bs] = -1  # the state pool's scratch slot (the block-table gather reads :n)
         host_i64[_ORDER, n:bs] = np.arange(n, bs)  # after the real rows (longest first), as the shortest
         host_lens[:n] = lens
         host_lens[n:bs] = 0

@@ -75,7 +75,7 @@ def prepare_prefill(seqs: list[Sequence], uploader: Uploader, tables: BlockTable
     num_decode = n if bool(one_token.all()) else int(np.argmin(one_token))  # the leading run of decode rows
     order = longest_first(ends[:num_decode]) if num_decode else []
     ids_t, pos_t, slots_t, rows_t, pend_t, table_rows_t, order_t = uploader.upload(
-        torch.int64, input_ids, positions, slots, sample_rows, pending_rows, rows if has_prefix else [], order)
+        torch.int64, input_ids, positions, slots, sample_rows, pending_rows, rows, order)
     lens_t, cu_q_t, cu_k_t = uploader.upload(torch.int32, ends, cu_q, cu_k)
     metadata = AttentionMetadata(
         is_prefill=True,
@@ -91,6 +91,7 @@ def prepare_prefill(seqs: list[Sequence], uploader: Uploader, tables: BlockTable
         rest_max_seqlen_q=int(counts[num_decode:].max()) if num_decode < n else 0,
         rest_has_prefix=bool(starts[num_decode:].any()),
         row_order=order_t if num_decode else None,
+        rows=table_rows_t,
     )
     return StepInputs(ids_t, pos_t, metadata, rows_t, sampled, pend_t if len(pending_rows) else None)
 
@@ -197,6 +198,7 @@ def prepare_decode(seqs: list[Sequence], uploader: Uploader, tables: BlockTables
         block_tables=tables.gather(rows_t),
         max_seqlen_k=int(lens.max()),
         row_order=order_t,
+        rows=rows_t,
     )
     return StepInputs(ids_t, pos_t, metadata, None, list(seqs), pend_t if any_pending else None)
 

@@ -129,6 +129,7 @@ class AttentionBackend(ABC):
         self._graph_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self._graph_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._graph_order = torch.arange(max_batch_size, dtype=torch.int64, device=device)
+        self._graph_rows = torch.full((max_batch_size,), -1, dtype=torch.int64, device=device)
 
     def prepare_for_capture(self, batch_size: int) -> None:
         """Point the metadata at the static buffers for a graph of ``batch_size`` sequences."""
@@ -139,6 +140,7 @@ class AttentionBackend(ABC):
             block_tables=self._graph_tables[:batch_size],
             max_seqlen_k=self._graph_tables.shape[1] * self.block_size,
             row_order=self._graph_order[:batch_size],
+            rows=self._graph_rows[:batch_size],
         ))
 
     def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
@@ -148,6 +150,9 @@ class AttentionBackend(ABC):
         self._graph_lens[:batch_size].zero_()
         self._graph_slots[:n].copy_(metadata.slot_mapping, non_blocking=True)
         self._graph_lens[:n].copy_(metadata.context_lens, non_blocking=True)
+        self._graph_rows[:batch_size].fill_(-1)  # padding rows: the state pool's scratch slot
+        if metadata.rows is not None:
+            self._graph_rows[:n].copy_(metadata.rows, non_blocking=True)
         assert metadata.block_tables is not None
         width = metadata.block_tables.shape[1]
         self._graph_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
