@@ -1,0 +1,126 @@
+"""The layer kinds of 2026's models against transformers (fp32 greedy, CPU, tiny random checkpoints written by
+transformers): Gemma 3 (local/global layers, two rope bases), Mistral with a sliding window, Qwen3.5, Qwen3.5-MoE
+and Qwen3-Next (Gated DeltaNet layers with a per-sequence state in the engine's state pool).
+
+Prompts run several windows long (the tiny windows are 24 keys); chunked prefill with a budget below the
+window and below a DeltaNet chunk; preemption, which must recompute a hybrid sequence's state from scratch;
+block sizes 16 and 64. The torch gated delta rule is checked against transformers' own torch fallbacks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_engine_vs_hf import check_against_hf, random_prompts, run_factory  # noqa: F401 (a fixture)
+
+NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next")
+HYBRID = ("qwen3.5", "qwen3.5-moe", "qwen3-next")
+LENGTHS = [1, 9, 24, 25, 70, 130]  # around and several times the 24-key window; past a 64-token DeltaNet chunk
+MAX_NEW = 16
+
+
+@pytest.fixture(params=NEW_FAMILIES)
+def new_family(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_long_prompts_at_two_block_sizes(new_family, hf_oracle, run_factory, block_size):
+    prompts = random_prompts(LENGTHS, seed=400)
+    run = run_factory(new_family, kvcache_block_size=block_size, num_kvcache_blocks=4096 // block_size,
+                      max_model_len=256)
+    check_against_hf(run, hf_oracle, prompts, max_new=MAX_NEW)
+
+
+def test_chunked_prefill_and_preemption(new_family, hf_oracle, run_factory):
+    """Chunks of 20 tokens (below the window and the DeltaNet chunk) and a pool too small for every sequence
+    at once: sequences are preempted and recomputed (a hybrid's state restarts from zero)."""
+    prompts = random_prompts([50, 75, 99, 120, 8, 64], seed=410)
+    run = run_factory(new_family, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
+                      max_num_batched_tokens=20)
+    check_against_hf(run, hf_oracle, prompts, max_new=40)
+    assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_models_compute_every_prompt_token(family, tiny_checkpoint, hf_oracle, run_factory):
+    """No prefix hit may skip tokens whose linear-attention state is nowhere: a repeated prompt is recomputed
+    (and still right), and the memory report counts the state pool."""
+    model = tiny_checkpoint(family)
+    prompt = random_prompts([80], seed=420)
+    run = run_factory(model, kvcache_block_size=16)
+    check_against_hf(run, hf_oracle, prompt, max_new=4)
+    check_against_hf(run, hf_oracle, prompt, max_new=4)
+    assert run.llm.engine.stats.prefix_cache_hit_tokens == 0
+    report = run.llm.engine.model_runner.memory_report
+    assert report.state_pool_bytes > 0 and any("state pool" in note for note in report.notes)
+
+
+def test_gemma3_and_mistral_need_no_max_model_len_cap(tiny_checkpoint):
+    """A sliding window no longer forces max_model_len down to it (it was refused before)."""
+    from transformers import AutoConfig
+
+    from llmcli.models import check_model_config
+
+    for family in ("gemma3", "mistral-window"):
+        check_model_config(AutoConfig.from_pretrained(tiny_checkpoint(family)), 4096)
+
+
+# --------------------------------------------------------------------------
+# the kernels against transformers' torch fallbacks
+# --------------------------------------------------------------------------
+def _inputs(length: int, hk: int = 2, hv: int = 4, dk: int = 16, dv: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(length, hk, dk, generator=g) for _ in range(2))
+    v = torch.randn(length, hv, dv, generator=g)
+    decay = -torch.rand(length, hv, generator=g) * 0.5
+    beta = torch.rand(length, hv, generator=g)
+    state = torch.randn(hv, dk, dv, generator=g) * 0.3
+    return q, k, v, decay, beta, state
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_gated_delta_rule_matches_transformers(length, with_state):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from llmcli.kernels.gated_delta_torch import gated_delta_rule_chunked
+
+    q, k, v, decay, beta, state = _inputs(length)
+    init = state if with_state else None
+    want, want_state = torch_chunk_gated_delta_rule(
+        q[None], k[None], v[None], g=decay[None], beta=beta[None], initial_state=None if init is None else init[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got, got_state = gated_delta_rule_chunked(q, k, v, decay, beta, init, chunk=32)
+    torch.testing.assert_close(got, want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state[0], rtol=1e-4, atol=1e-5)
+
+
+def test_recurrent_step_and_chunks_continue_each_other():
+    """Prefill in two chunks, then decode token by token from the carried state = transformers' recurrent form
+    over the whole sequence; the conv1d with a carried state = one convolution over the whole sequence."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    from llmcli.kernels.gated_delta_torch import (causal_conv1d, causal_conv1d_step, gated_delta_rule_chunked,
+                                                  gated_delta_rule_step)
+
+    q, k, v, decay, beta, _ = _inputs(40, seed=1)
+    want, want_state = torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g=decay[None], beta=beta[None],
+                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    a, s = gated_delta_rule_chunked(q[:17], k[:17], v[:17], decay[:17], beta[:17], None, chunk=8)
+    b, s = gated_delta_rule_chunked(q[17:30], k[17:30], v[17:30], decay[17:30], beta[17:30], s, chunk=8)
+    outs = [a, b]
+    for t in range(30, 40):
+        o, s = gated_delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], s[None])
+        outs.append(o)
+        s = s[0]
+    torch.testing.assert_close(torch.cat(outs), want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s, want_state[0], rtol=1e-4, atol=1e-5)
+
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(30, 12, generator=g), torch.randn(12, 4, generator=g)
+    whole = torch.nn.functional.silu(torch.nn.functional.conv1d(x.t()[None], w[:, None], padding=3, groups=12)[0, :, :30]).t()
+    first, state = causal_conv1d(x[:11], w, None)
+    second, state = causal_conv1d(x[11:29], w, state)
+    last, _ = causal_conv1d_step(x[29:], w, state[None])
+    torch.testing.assert_close(torch.cat([first, second, last]), whole, rtol=1e-5, atol=1e-6)
