@@ -124,3 +124,45 @@ def test_recurrent_step_and_chunks_continue_each_other():
     second, state = causal_conv1d(x[11:29], w, state)
     last, _ = causal_conv1d_step(x[29:], w, state[None])
     torch.testing.assert_close(torch.cat([first, second, last]), whole, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# multimodal checkpoints, language model only
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3.5-vl", "gemma3-vl"])
+def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, hf_oracle, run_factory, monkeypatch,
+                                                       caplog):
+    """A Qwen3.5 / Gemma 3 checkpoint with its vision tower: the text decoder gives transformers' tokens, the
+    vision tensors are never read, and start-up says so once."""
+    import llmcli.models.loader as loader
+
+    model = tiny_checkpoint(family)
+    read: list[str] = []
+    real_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.file.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    with caplog.at_level("WARNING", logger="llmcli"):
+        run = run_factory(model, kvcache_block_size=16, max_model_len=256)
+    check_against_hf(run, hf_oracle, random_prompts([3, 40, 90], seed=430), max_new=MAX_NEW)
+    assert read and not [n for n in read if "vis" in n or "multi_modal" in n], read
+    assert any(n.startswith(("model.language_model.", "language_model.")) for n in read)
+    told = [r.getMessage() for r in caplog.records if "language model only" in r.getMessage()]
+    assert len(told) == 1, told  # each checkpoint is written for this test only: its first start-up says it

@@ -162,6 +162,8 @@ class Family:
     bos: str | None = None  # the token the tokenizer puts before a plain text (its chat template writes its own)
     # config.json entries removed after writing, as published checkpoints leave them out (head_dim: derived)
     unwritten: tuple[str, ...] = ()
+    # a multimodal wrapper: the family's values become its text_config beside this (tiny) vision_config
+    vision_config: dict | None = None
 
 
 HYBRID = {"head_dim": 16, "num_hidden_layers": 4,
@@ -170,6 +172,11 @@ HYBRID = {"head_dim": 16, "num_hidden_layers": 4,
           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
           "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5,
                               "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+GEMMA3 = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "query_pre_attn_scalar": 24,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+          "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                              "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}
 HYBRID_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 48}
 
@@ -214,12 +221,7 @@ FAMILIES: dict[str, Family] = {
     # Gemma 3 text: local layers with a 24-key window and their own rope base around a global one, a query
     # scale that is not head_dim ** -0.5, GeGLU, zero-centred norms (jittered off zero); untied, as tied ones with
     # the sqrt(hidden) embedding scale make a tiny random model repeat its input
-    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM",
-                     {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "query_pre_attn_scalar": 24,
-                      "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-                      "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
-                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(GEMMA3)),
     # Qwen3.5: Gated DeltaNet layers (2 key heads grouping 4 value heads) around a gated full-attention layer
     # with a half-head rotary; Qwen3.5-MoE and Qwen3-Next with the shared expert (Next: one dense layer)
     "qwen3.5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(HYBRID)),
@@ -228,6 +230,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3-next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM",
                          {**HYBRID, **HYBRID_MOE, "norm_topk_prob": True, "decoder_sparse_step": 1,
                           "mlp_only_layers": [1]}),
+    # the multimodal wrappers of Qwen3.5 and Gemma 3 (a one-block vision tower llmcli must skip)
+    "qwen3.5-vl": Family("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(HYBRID),
+                         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                                        "out_hidden_size": 64}),
+    "gemma3-vl": Family("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA3),
+                        vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
                       tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
@@ -308,7 +317,13 @@ def write_tiny_model(
     values.update(config_overrides)
     if values.get("rope_parameters"):
         values.pop("rope_theta")
-    config = getattr(transformers, spec.config_class)(**values)
+    if spec.vision_config is not None:
+        text = {k: v for k, v in values.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        config = getattr(transformers, spec.config_class)(
+            text_config=text, vision_config=dict(spec.vision_config),
+            tie_word_embeddings=values["tie_word_embeddings"], eos_token_id=eos_id, pad_token_id=pad_id)
+    else:
+        config = getattr(transformers, spec.config_class)(**values)
     config.architectures = [spec.model_class]
 
     state = torch.random.get_rng_state()

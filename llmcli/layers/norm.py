@@ -45,6 +45,7 @@ class ZeroCentredRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps)
         self.gain = gain
         self.weight.weight_loader = self.weight_loader
+        self.weight.dummy_value = gain  # load_format='dummy': w = 0
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Load ``w`` as ``(1 + w) * gain``, computed in float32, then cast."""

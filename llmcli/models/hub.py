@@ -42,10 +42,13 @@ def resolve_model_path(model: str, need_weights: bool = True) -> Path:
 def load_hf_config(model_path: Path) -> Any:
     from transformers import AutoConfig
 
+    from llmcli.models.multimodal import text_only_config
+
     try:
-        return AutoConfig.from_pretrained(str(model_path))
+        config = AutoConfig.from_pretrained(str(model_path))
     except Exception as exc:
         raise ModelNotFoundError(f"{model_path}/config.json could not be read: {exc}") from None
+    return text_only_config(config, str(model_path))
 
 
 def supported_positions(hf_config: Any, max_model_len: int | None) -> int | None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from llmcli.layers.quantization.fp8 import QuantConfig, QuantizationError
 from llmcli.layers.quantization.loading import Fp8Checkpoint
+from llmcli.models.multimodal import language_model_name
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -83,8 +84,10 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
         raise CheckpointError(f"checkpoint in {model_path}: {exc}") from None
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or fp8.consumes(name):
+            for stored in f.keys():
+                name = language_model_name(stored)  # a multimodal checkpoint's language-model names, or None
+                if name is None or name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") \
+                        or fp8.consumes(stored):
                     continue
                 target, shard = stacked.get(name) or _target(name, mapping)
                 param = params.get(target)
@@ -92,7 +95,7 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
                     unexpected.append(name)
                     continue
                 try:
-                    tensor = fp8.values(name, f.get_tensor(name), target)
+                    tensor = fp8.values(stored, f.get_tensor(stored), target)
                 except QuantizationError as exc:
                     raise CheckpointError(f"{file.name}: {exc}") from None
                 loader = getattr(param, "weight_loader", None)
@@ -124,6 +127,6 @@ def load_dummy(model: nn.Module, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" in name:
-            param.fill_(1.0)
+            param.fill_(getattr(param, "dummy_value", 1.0))  # a zero-centred norm's gain at w = 0
         else:
             param.normal_(0.0, 0.02, generator=gen)
