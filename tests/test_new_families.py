@@ -66,6 +66,27 @@ def test_gemma3_and_mistral_need_no_max_model_len_cap(tiny_checkpoint):
         check_model_config(AutoConfig.from_pretrained(tiny_checkpoint(family)), 4096)
 
 
+# published sizes (configs/): the text model llmcli builds has the parameter count the model card gives
+PUBLISHED = {"Qwen3.5-9B": 8.95e9, "Qwen3.6-27B": 26.9e9, "Qwen3.6-35B-A3B": 34.7e9, "gemma-3-12b-it": 11.77e9,
+             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_build_the_published_sizes(name):
+    from pathlib import Path
+
+    from llmcli.kernels.torch_backend import TorchAttentionBackend
+    from llmcli.models import check_model_config, model_class
+    from llmcli.models.hub import load_hf_config
+
+    config = load_hf_config(Path(__file__).resolve().parent.parent / "configs" / name)
+    check_model_config(config, 32768)
+    with torch.device("meta"):
+        model = model_class(config)(config, TorchAttentionBackend(1, 1, 1, 1.0, 16), 32768)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / PUBLISHED[name] - 1) < 0.01, f"{name}: {count / 1e9:.2f}B parameters"
+
+
 # --------------------------------------------------------------------------
 # the kernels against transformers' torch fallbacks
 # --------------------------------------------------------------------------
