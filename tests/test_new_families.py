@@ -8,6 +8,8 @@ block sizes 16 and 64. The torch gated delta rule is checked against transformer
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -187,3 +189,28 @@ def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, 
     assert any(n.startswith(("model.language_model.", "language_model.")) for n in read)
     told = [r.getMessage() for r in caplog.records if "language model only" in r.getMessage()]
     assert len(told) == 1, told  # each checkpoint is written for this test only: its first start-up says it
+
+
+# --------------------------------------------------------------------------
+# tensor parallelism: linear-attention heads (and the shared expert) split over 2 CPU ranks
+# --------------------------------------------------------------------------
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3"])
+def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
+    """Qwen3.5's separate and Qwen3-Next's per-key-head fused projections reach each rank's heads; the
+    state pool holds each rank's heads; Gemma 3's two rotaries and window per rank."""
+    from llmcli import LLM
+
+    from test_engine_vs_hf import assert_same_tokens, greedy
+
+    model = tiny_checkpoint(family)
+    prompts = random_prompts([1, 30, 90], seed=440)
+    llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
+              num_kvcache_blocks=64, max_num_batched_tokens=40, max_num_seqs=8, max_model_len=256,
+              enforce_eager=True)
+    try:
+        outs = llm.generate(prompts, greedy(MAX_NEW))
+    finally:
+        llm.shutdown()
+    want = hf_oracle.greedy(model, prompts, MAX_NEW)
+    assert_same_tokens(hf_oracle, model, prompts, outs, want, f"TP=2 {family}")
