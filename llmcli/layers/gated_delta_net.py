@@ -16,6 +16,7 @@ slots of the one fused ``in_proj`` through the weight loader.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from llmcli.layers.norm import gated_rms_norm
 from llmcli.parallel import tp_rank, tp_size
 
 SLOTS = ("q", "k", "v", "z", "b", "a")
+GDN_BACKENDS = ("auto", "torch", "fla")
 
 
 @dataclass(frozen=True)
@@ -141,22 +143,39 @@ class GatedDeltaNet(nn.Module):
         return q.reshape(-1, self.hk, self.dk), k.reshape(-1, self.hk, self.dk), v.reshape(-1, self.hv, self.dv)
 
     def _chunks(self, mixed, g, beta, weight, meta) -> torch.Tensor:
-        """Each chunk of a varlen step on its own (prompt chunks and, in a mixed step, decode rows)."""
+        """Each chunk of a varlen step (prompt chunks and, in a mixed step, decode rows): the conv per chunk, then
+        the delta rule per chunk (torch) or over the whole varlen batch at once (fla on CUDA)."""
         cu = meta.cu_seqlens_q.tolist()
         lens = meta.context_lens.tolist()
         rows = meta.rows.tolist()
         pool = self.conv_state is not None  # none yet in the start-up warm-up: nothing read or kept
-        out = mixed.new_empty(mixed.shape[0], self.hv, self.dv)
+        fresh = [not pool or lens[i] == cu[i + 1] - cu[i] for i in range(len(rows))]  # no computed prefix: zeros
+        x = torch.empty_like(mixed)
         for i, row in enumerate(rows):
             lo, hi = cu[i], cu[i + 1]
-            fresh = not pool or lens[i] == hi - lo  # no computed prefix: the state starts from zero
-            x, new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh else self.conv_state[row])
-            q, k, v = self._split_heads(x)
-            o, new_ssm = gated_delta_rule_chunked(q, k, v, g[lo:hi], beta[lo:hi],
-                                                  None if fresh else self.ssm_state[row])
-            out[lo:hi] = o
+            x[lo:hi], new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh[i] else self.conv_state[row])
             if pool:
                 self.conv_state[row].copy_(new_conv)
+        q, k, v = self._split_heads(x)
+        if use_fla(mixed):
+            from llmcli.kernels.gated_delta_fla import chunked_varlen  # CUDA only: fla queries the driver
+
+            if pool:
+                index = torch.remainder(meta.rows, self.ssm_state.shape[0])
+                initial = self.ssm_state[index].float()
+                initial[torch.tensor(fresh, device=initial.device)] = 0.0
+            else:
+                initial = q.new_zeros(len(rows), self.hv, self.dk, self.dv, dtype=torch.float32)
+            out, final = chunked_varlen(q, k, v, g, beta, initial, meta.cu_seqlens_q)
+            if pool:
+                self.ssm_state.index_copy_(0, index, final.to(self.ssm_state.dtype))
+            return out
+        out = v.new_empty(v.shape)
+        for i, row in enumerate(rows):
+            lo, hi = cu[i], cu[i + 1]
+            out[lo:hi], new_ssm = gated_delta_rule_chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
+                                                           None if fresh[i] else self.ssm_state[row])
+            if pool:
                 self.ssm_state[row].copy_(new_ssm)
         return out
 
@@ -166,7 +185,20 @@ class GatedDeltaNet(nn.Module):
         conv, ssm = self.conv_state[rows], self.ssm_state[rows]
         x, conv = causal_conv1d_step(mixed, weight, conv)
         q, k, v = self._split_heads(x)
-        out, ssm = gated_delta_rule_step(q, k, v, g, beta, ssm)
+        if use_fla(mixed):
+            from llmcli.kernels.gated_delta_fla import recurrent_step
+
+            out, ssm = recurrent_step(q, k, v, g, beta, ssm)
+        else:
+            out, ssm = gated_delta_rule_step(q, k, v, g, beta, ssm)
         self.conv_state.index_copy_(0, rows, conv.to(self.conv_state.dtype))
         self.ssm_state.index_copy_(0, rows, ssm.to(self.ssm_state.dtype))
         return out
+
+
+def use_fla(x: torch.Tensor) -> bool:
+    """fla-core's kernels on CUDA (``LLMCLI_GDN=torch`` keeps the torch reference there too)."""
+    mode = os.environ.get("LLMCLI_GDN", "auto") or "auto"
+    if mode not in GDN_BACKENDS:
+        raise ValueError(f"LLMCLI_GDN={mode!r}: expected one of {', '.join(GDN_BACKENDS)}")
+    return x.is_cuda and mode != "torch"
