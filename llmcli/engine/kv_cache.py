@@ -29,9 +29,13 @@ class KVCacheAllocationError(RuntimeError):
 
 def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        model: nn.Module | None = None) -> int:
-    """Over the attention layers of ``model`` (a hybrid's linear layers keep no KV), else every layer."""
-    layers = sum(isinstance(m, Attention) for m in model.modules()) if model is not None \
-        else hf_config.num_hidden_layers
+    """Over the attention layers of ``model``, else of config.json's ``layer_types`` (a hybrid's linear layers
+    keep no KV)."""
+    if model is not None:
+        layers = sum(isinstance(m, Attention) for m in model.modules())
+    else:
+        kinds = getattr(hf_config, "layer_types", None) or ()
+        layers = hf_config.num_hidden_layers - sum(kind == "linear_attention" for kind in kinds)
     return 2 * layers * num_kv_heads * head_dim * dtype.itemsize
 
 
