@@ -28,6 +28,7 @@ from llmcli.kernels.gated_delta_torch import (causal_conv1d, causal_conv1d_step,
                                               gated_delta_rule_step)
 from llmcli.layers.linear import RowParallelLinear
 from llmcli.layers.norm import gated_rms_norm
+from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import tp_rank, tp_size
 
 SLOTS = ("q", "k", "v", "z", "b", "a")
@@ -84,6 +85,10 @@ class GatedDeltaNet(nn.Module):
 
     def load_in_proj(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         spec = self.spec
+        key, value, hv = spec.num_k_heads * spec.head_k_dim, spec.num_v_heads * spec.head_v_dim, spec.num_v_heads
+        rows = {"qkv": 2 * key + value, "qkvz": 2 * key + 2 * value, "ba": 2 * hv, "q": key, "k": key, "v": value,
+                "z": value, "b": hv, "a": hv}[shard]
+        expect_shape(loaded, (rows, param.shape[1]))
         parts: dict[str, torch.Tensor]
         if shard == "qkv":
             key = spec.num_k_heads * spec.head_k_dim
@@ -108,12 +113,14 @@ class GatedDeltaNet(nn.Module):
     def load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         spec = self.spec
         key, value = spec.num_k_heads * spec.head_k_dim, spec.num_v_heads * spec.head_v_dim
+        expect_shape(loaded, (2 * key + value, 1, spec.conv_kernel))
         q, k, v = loaded.split([key, key, value])
         mine = [self._rank_part(q, spec.num_k_heads), self._rank_part(k, spec.num_k_heads),
                 self._rank_part(v, spec.num_v_heads)]
         param.data.copy_(torch.cat(mine))
 
     def load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, (self.spec.num_v_heads,))
         param.data.copy_(self._rank_part(loaded, self.spec.num_v_heads))
 
     # -- state -----------------------------------------------------------------

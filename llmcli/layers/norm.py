@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcli.layers.compile import triton_on_cuda
+from llmcli.layers.weight_shape import expect_shape
 
 
 @triton_on_cuda("rms_norm")
@@ -49,6 +50,7 @@ class ZeroCentredRMSNorm(RMSNorm):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Load ``w`` as ``(1 + w) * gain``, computed in float32, then cast."""
+        expect_shape(loaded, param.shape)
         param.data.copy_((loaded.float() + 1.0) * self.gain)
 
 

@@ -122,14 +122,6 @@ def rotary_dim(config: Any, head_dim: int) -> int:
     return int(head_dim * factor)
 
 
-def apply_partial_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary over the first ``cos.shape[-1]`` dims of each head, the others as they are."""
-    rot = cos.shape[-1]
-    q_rot, k_rot = apply_rotary(positions, q[..., :rot], k[..., :rot], cos, sin)
-    return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
-
-
 def _yarn(inv_freq: torch.Tensor, dim: int, base: float, p: dict, max_position_embeddings: int):
     """YaRN's blend of interpolated and extrapolated frequencies and its attention factor, as transformers computes
     them (modeling_rope_utils._compute_yarn_parameters)."""

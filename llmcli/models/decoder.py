@@ -19,8 +19,8 @@ from llmcli.layers.attention import Attention
 from llmcli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmcli.layers.gated_delta_net import GatedDeltaNet, GatedDeltaNetSpec
 from llmcli.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from llmcli.layers.norm import RMSNorm, ZeroCentredRMSNorm, rms_norm
-from llmcli.layers.rotary import RopeSettings, RotaryEmbedding, apply_partial_rotary, rope_settings
+from llmcli.layers.norm import RMSNorm, ZeroCentredRMSNorm
+from llmcli.layers.rotary import RopeSettings, RotaryEmbedding, rope_settings
 
 
 def head_dim_of(config: Any) -> int:
@@ -120,7 +120,7 @@ class DecoderAttention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.eps = spec.rms_norm_eps
         self.rotary = rotary
-        self.partial_rotary = spec.rotary_dim is not None and spec.rotary_dim < spec.head_dim
+        self.rotary_dim = spec.rotary_dim if spec.rotary_dim is not None and spec.rotary_dim < spec.head_dim else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim, backend, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -132,16 +132,13 @@ class DecoderAttention(nn.Module):
             q = q.reshape(-1, q_size)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        if self.partial_rotary:  # the fused kernels turn whole heads: transform here, attend on final q/k
-            if q_w is not None:
-                q, k = rms_norm(q, q_w, self.eps), rms_norm(k, k_w, self.eps)
-            q, k = apply_partial_rotary(positions, q, k, self.rotary.cos, self.rotary.sin)
-            out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        else:
-            # the q/k transform (optional per-head norm, then rotary) goes with the attention call: the triton
-            # backend fuses it with its KV store (one kernel; layers/attention.py), the others get it applied first
-            transform = QKNormRotary(positions, q_w, k_w, self.eps, self.rotary.cos, self.rotary.sin)
-            out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), transform)
+        # the q/k transform (optional per-head norm, then rotary, partial where rotary_dim < head_dim) goes with the
+        # attention call: the triton backend fuses it with its KV store (one kernel; layers/attention.py), the
+        # others get it applied first. A zero-centred norm's 1 + w (and a query scale) is in its stored gain
+        # (ZeroCentredRMSNorm), so the transform's weight_offset stays 0.
+        transform = QKNormRotary(positions, q_w, k_w, self.eps, self.rotary.cos, self.rotary.sin,
+                                 rotary_dim=self.rotary_dim)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), transform)
         out = out.flatten(1, 2)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(-1, q_size))

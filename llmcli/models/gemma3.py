@@ -11,6 +11,8 @@ from llmcli.models.decoder import DecoderForCausalLM, DecoderSpec, UnsupportedMo
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
+    hidden_acts = ("gelu_pytorch_tanh",)  # GeGLU (config_checks reads config.json's hidden_activation against it)
+
     @classmethod
     def spec(cls, config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "attention_bias", False))
