@@ -214,3 +214,54 @@ def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
         llm.shutdown()
     want = hf_oracle.greedy(model, prompts, MAX_NEW)
     assert_same_tokens(hf_oracle, model, prompts, outs, want, f"TP=2 {family}")
+
+
+def test_hybrid_memory_report_counts_the_state_pool_and_attention_layers_only(tiny_checkpoint, run_factory):
+    """The probe's numbers from config.json's sizes: KV per token over the full-attention layers alone, and
+    (max_num_seqs + 2) state slots (one per block-table row a running sequence may hold, one spare, one scratch
+    for graph padding rows) of conv state in the model dtype and a float32 recurrent state per linear layer."""
+    import json
+
+    cfg = json.loads((tiny_checkpoint("qwen3.5") / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    run = run_factory(tiny_checkpoint("qwen3.5"), kvcache_block_size=16, max_num_seqs=6)
+    report = run.llm.engine.model_runner.memory_report
+    kinds = cfg["layer_types"]
+    full, linear = kinds.count("full_attention"), kinds.count("linear_attention")
+    itemsize = 4  # the oracle runs fp32
+    assert report.kv_bytes_per_token == 2 * full * cfg["num_key_value_heads"] * cfg["head_dim"] * itemsize
+    key, value = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"], \
+        cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    conv = (2 * key + value) * (cfg["linear_conv_kernel_dim"] - 1) * itemsize
+    ssm = cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4
+    assert report.state_pool_bytes == (6 + 2) * linear * (conv + ssm)
+
+
+@pytest.mark.parametrize("tensor,damage", [
+    ("A_log", lambda t: t[:1].contiguous()),
+    ("conv1d.weight", lambda t: t[:, :, :2].contiguous()),
+    ("in_proj_qkv.weight", lambda t: t[:-16].contiguous()),
+    ("in_proj_b.weight", lambda t: torch.cat([t, t])),
+])
+def test_mis_shaped_linear_attention_tensor_is_refused_naming_it(tiny_checkpoint, tmp_path, tensor, damage):
+    from test_model_checks import _copy, _edit_tensors, _llm, _replace
+
+    from llmcli.models.loader import CheckpointError
+
+    name = f"model.layers.0.linear_attn.{tensor}"
+    folder = _edit_tensors(_copy(tiny_checkpoint("qwen3.5"), tmp_path), _replace(name, damage))
+    with pytest.raises(CheckpointError, match=rf"size mismatch for {name.replace('.', '[.]')}: shape .* the model "
+                                              r"expects \("):
+        _llm(folder)
+
+
+def test_gemma3_activation_is_checked_under_its_own_field(tiny_checkpoint, tmp_path):
+    from test_model_checks import _copy, _edit_config, _llm
+
+    from llmcli.models.config_checks import ModelConfigError
+
+    folder = _copy(tiny_checkpoint("gemma3"), tmp_path)
+    _edit_config(folder, lambda cfg: cfg.update(hidden_activation="relu"))
+    with pytest.raises(ModelConfigError, match=r"hidden_activation='relu' is not what this model runs; .*"
+                                               r"gelu_pytorch_tanh"):
+        _llm(folder)
