@@ -592,6 +592,20 @@ def test_decode_graph_path_matches_hf(tiny_model, hf_oracle, run_factory, monkey
 
 
 
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_gated_delta.py covers CUDA")
+def test_decode_graph_path_carries_linear_attention_state(tiny_checkpoint, hf_oracle, run_factory):
+    """A hybrid model (Qwen3.5) through the decode graphs: each row's state slot is its block-table row from
+    the staged inputs, the padding row's (-1) the scratch slot, which no real sequence ever reads."""
+    model = tiny_checkpoint("qwen3.5")
+    run = run_factory(model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
+                      max_num_batched_tokens=64)
+    runner = run.llm.engine.model_runner
+    runner.graphs = eager_decode_graphs(runner, False)
+    prompts = random_prompts([45, 9, 30], seed=406)  # 3 rows in the graph of 4
+    check_against_hf(run, hf_oracle, prompts, max_new=8)
+    assert run.llm.engine.step_timer.steps["decode"] >= 7
+
+
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
 @pytest.mark.parametrize("mixed_steps", [False, True])
 def test_graph_step_after_a_step_wider_than_the_graphs(tiny_model, hf_oracle, run_factory, monkeypatch, mixed_steps):

@@ -162,7 +162,23 @@ class Family:
     bos: str | None = None  # the token the tokenizer puts before a plain text (its chat template writes its own)
     # config.json entries removed after writing, as published checkpoints leave them out (head_dim: derived)
     unwritten: tuple[str, ...] = ()
+    # a multimodal wrapper: the family's values become its text_config beside this (tiny) vision_config
+    vision_config: dict | None = None
 
+
+HYBRID = {"head_dim": 16, "num_hidden_layers": 4,
+          "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5,
+                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+GEMMA3 = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "query_pre_attn_scalar": 24,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+          "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                              "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}
+HYBRID_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 48}
 
 FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM",
@@ -197,6 +213,30 @@ FAMILIES: dict[str, Family] = {
                              {"head_dim": 16, "attention_bias": False, "use_sliding_window": False,
                               "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 32,
                               "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 2}),
+    # Mistral 7B v0.1-style: every layer a sliding window (24 keys), so that test prompts run several windows long
+    "mistral-window": Family("MistralConfig", "MistralForCausalLM",
+                             {"head_dim": None, "sliding_window": 24, "num_key_value_heads": 1, "bos_token_id": 1},
+                             tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
+                             chat_template=MISTRAL_CHAT_TEMPLATE, bos="<s>", unwritten=("head_dim",)),
+    # Gemma 3 text: local layers with a 24-key window and their own rope base around a global one, a query
+    # scale that is not head_dim ** -0.5, GeGLU, zero-centred norms (jittered off zero); untied, as tied ones with
+    # the sqrt(hidden) embedding scale make a tiny random model repeat its input
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(GEMMA3)),
+    # Qwen3.5: Gated DeltaNet layers (2 key heads grouping 4 value heads) around a gated full-attention layer
+    # with a half-head rotary; Qwen3.5-MoE and Qwen3-Next with the shared expert (Next: one dense layer)
+    "qwen3.5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(HYBRID)),
+    "qwen3.5-moe": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                          {**HYBRID, "intermediate_size": None, **HYBRID_MOE}),
+    "qwen3-next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                         {**HYBRID, **HYBRID_MOE, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                          "mlp_only_layers": [1]}),
+    # the multimodal wrappers of Qwen3.5 and Gemma 3 (a one-block vision tower llmcli must skip)
+    "qwen3.5-vl": Family("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(HYBRID),
+                         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                                        "out_hidden_size": 64}),
+    "gemma3-vl": Family("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA3),
+                        vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
                       tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
@@ -268,6 +308,8 @@ def write_tiny_model(
         pad_token_id=pad_id,
     )
     values.update(spec.config)
+    if values.get("intermediate_size", 0) is None:  # a config without a dense MLP (every layer's is MoE)
+        del values["intermediate_size"]
     if "max_window_layers" in values:
         values["max_window_layers"] = num_hidden_layers
     if tie_word_embeddings is not None:
@@ -275,7 +317,13 @@ def write_tiny_model(
     values.update(config_overrides)
     if values.get("rope_parameters"):
         values.pop("rope_theta")
-    config = getattr(transformers, spec.config_class)(**values)
+    if spec.vision_config is not None:
+        text = {k: v for k, v in values.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        config = getattr(transformers, spec.config_class)(
+            text_config=text, vision_config=dict(spec.vision_config),
+            tie_word_embeddings=values["tie_word_embeddings"], eos_token_id=eos_id, pad_token_id=pad_id)
+    else:
+        config = getattr(transformers, spec.config_class)(**values)
     config.architectures = [spec.model_class]
 
     state = torch.random.get_rng_state()
@@ -288,6 +336,8 @@ def write_tiny_model(
                 # that is dropped or applied to the wrong tensor shows up.
                 if name.endswith("norm.weight"):
                     param.mul_(1.0 + 0.1 * torch.randn_like(param))
+                    if not param.any():  # a zero-centred norm (gain 1 + w) starts at w = 0
+                        param.normal_(0.0, 0.1)
                 elif name.endswith(".bias"):
                     param.normal_(0.0, initializer_range)
     finally:

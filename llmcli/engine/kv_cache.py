@@ -27,8 +27,16 @@ class KVCacheAllocationError(RuntimeError):
     """The planned KV pool could not be allocated (the device or host has less memory than asked for)."""
 
 
-def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
+def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       model: nn.Module | None = None) -> int:
+    """Over the attention layers of ``model``, else of config.json's ``layer_types`` (a hybrid's linear layers
+    keep no KV)."""
+    if model is not None:
+        layers = sum(isinstance(m, Attention) for m in model.modules())
+    else:
+        kinds = getattr(hf_config, "layer_types", None) or ()
+        layers = hf_config.num_hidden_layers - sum(kind == "linear_attention" for kind in kinds)
+    return 2 * layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 def device_name(device: torch.device) -> str:
@@ -36,8 +44,9 @@ def device_name(device: torch.device) -> str:
 
 
 def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_bytes: int,
-                  activation_peak: int) -> MemoryReport:
-    """Decide the number of blocks: the explicit count, else the memory budget that is left."""
+                  activation_peak: int, state_pool_bytes: int = 0) -> MemoryReport:
+    """Decide the number of blocks: the explicit count, else the memory budget that is left (after the
+    linear-attention state pool's ``state_pool_bytes``)."""
     bs = config.kvcache_block_size
     per_block = per_token * bs
     notes: list[str] = []
@@ -48,13 +57,14 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         if config.kv_cache_memory_gib is not None:
             available = int(config.kv_cache_memory_gib * GIB)
         else:
-            available = budget - in_use - activation_peak
+            available = budget - in_use - activation_peak - state_pool_bytes
         other = max(0, in_use - weights_bytes)
     else:
         total = _host_memory()
         wanted = config.max_num_seqs * config.max_model_len * per_token
         available = int(config.kv_cache_memory_gib * GIB) if config.kv_cache_memory_gib else min(
             int(CPU_DEFAULT_KV_GIB * GIB), wanted)
+        available = max(0, available - state_pool_bytes)
         budget, other = available, 0
     num_blocks = config.num_kvcache_blocks or max(0, available // per_block)
     if config.num_kvcache_blocks:
@@ -72,13 +82,17 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         notes.append(f"no KV block fits: {short / GIB:.2f} GiB more is needed for a single block of "
                      f"{per_block / 2**20:.1f} MiB; change {knob}")
     cache_tokens = num_blocks * bs
+    if state_pool_bytes:
+        notes.append(f"linear-attention state pool: {state_pool_bytes / GIB:.3f} GiB ({config.max_num_seqs} "
+                     "sequences' conv and recurrent states); prefix caching is off for this hybrid model")
     return MemoryReport(
         device=str(device), device_name=device_name(device), total_bytes=total, budget_bytes=budget,
         weights_bytes=weights_bytes, activation_peak_bytes=activation_peak, cuda_graph_bytes=0,
         other_bytes=other, kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, block_size=bs,
         num_blocks=num_blocks, cache_tokens=cache_tokens, max_model_len=config.max_model_len,
         max_concurrent_full_seqs=cache_tokens / config.max_model_len, dtype=str(config.torch_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), notes=notes,
+        kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), state_pool_bytes=state_pool_bytes,
+        notes=notes,
     )
 
 

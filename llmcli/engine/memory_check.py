@@ -77,7 +77,7 @@ def host_need(config: Config) -> HostNeed:
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     experts = getattr(hf, "num_experts_per_tok", 0) or 0
-    mlp = (getattr(hf, "moe_intermediate_size", 0) or 0) * experts or hf.intermediate_size
+    mlp = (getattr(hf, "moe_intermediate_size", 0) or 0) * experts or getattr(hf, "intermediate_size", 0) or 0
     # per token of a prefill step: the residual stream and a normed copy, q/k/v, the attention output, gate/up
     # and their product (a floor: temporaries come and go)
     per_token = size * (3 * hf.hidden_size + (2 * heads + 2 * kv_heads) * head_dim + 3 * mlp)
@@ -106,7 +106,7 @@ def _weight_bytes(config: Config) -> int:
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     head_dim = getattr(hf, "head_dim", None) or hidden // heads
     attention = hidden * (2 * heads + 2 * kv_heads) * head_dim
-    dense = 3 * hidden * hf.intermediate_size
+    dense = 3 * hidden * (getattr(hf, "intermediate_size", 0) or 0)  # none in an all-MoE config (Qwen3.5-MoE)
     experts = getattr(hf, "num_experts", 0) or 0
     sparse = experts * 3 * hidden * (getattr(hf, "moe_intermediate_size", 0) or 0) + hidden * experts
     dense_only = set(getattr(hf, "mlp_only_layers", None) or ())

@@ -14,6 +14,7 @@ from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.row_table import RowTable
+from llmcli.engine.state_pool import allocate_state_pool, linear_layers, state_bytes_per_slot
 from llmcli.engine.sampling_extras import StepExtras, StepLogprobs, upload_extras
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_plan import StepPlan
@@ -117,9 +118,12 @@ class ModelRunner:
         try:
             with clock.phase("probe"):
                 activation_peak = measure_activation_peak(self)
-                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype)
+                per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
+                                               self.model)
+                # one state slot per sequence that may run at once (its block-table row), plus a scratch slot
+                state_bytes = state_bytes_per_slot(self.model, config.torch_dtype) * (config.max_num_seqs + 2)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
-                                                   activation_peak)
+                                                   activation_peak, state_bytes)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
             if self.num_blocks == 0:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
@@ -127,6 +131,8 @@ class ModelRunner:
                 self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
                                                   self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
                                                   self.device)
+                self.state_pool = allocate_state_pool(self.model, config.max_num_seqs + 1, config.torch_dtype,
+                                                      self.device)
             if self.device.type == "cuda":
                 with clock.phase("compile"):
                     compile_variants(self)
@@ -345,6 +351,9 @@ class ModelRunner:
             self.graphs.release()
         self.graphs = None
         self.kv_cache = None
+        self.state_pool = None
+        for layer in linear_layers(self.model):
+            layer.conv_state = layer.ssm_state = None
         for param in self.model.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if self.device.type == "cuda":

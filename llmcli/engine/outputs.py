@@ -164,6 +164,7 @@ class MemoryReport:
     max_concurrent_full_seqs: float
     dtype: str
     kv_cache_dtype: str = ""  # the KV pool's element type (float8_e4m3fn with kv_cache_dtype='fp8')
+    state_pool_bytes: int = 0  # the linear-attention layers' state pool (hybrid models), beside the KV pool
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

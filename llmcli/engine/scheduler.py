@@ -9,6 +9,7 @@ from llmcli.engine.block_manager import BlockManager
 from llmcli.engine.outputs import EngineStats
 from llmcli.engine.plan_builder import PlanBuilder
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmcli.engine.state_pool import has_linear_layers
 from llmcli.engine.step_plan import StepPlan
 
 
@@ -39,7 +40,10 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.mixed_steps = config.mixed_steps
-        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        # a prefix hit skips tokens whose linear-attention state no slot holds (state snapshots at block
+        # boundaries would make hits possible: not built yet), so hybrid models compute every prompt token
+        caching = config.enable_prefix_caching and not has_linear_layers(config.hf_config)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching)
         self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()

@@ -40,6 +40,8 @@ def prefill_metadata(runner: WarmupTarget, q_lens: list[int], k_lens: list[int],
         block_tables=None if tables is None else torch.tensor(tables, dtype=torch.int32, device=dev),
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
         has_prefix=tables is not None,
+        rows=torch.full((len(q_lens),), -1, dtype=torch.int64, device=dev),  # the state pool's scratch slot
+        has_initial_state=torch.tensor([k > q for q, k in zip(q_lens, k_lens)], dtype=torch.bool, device=dev),
     )
 
 

@@ -1,4 +1,5 @@
-"""SiLU(gate) * up over a fused gate/up projection."""
+"""SiLU(gate) * up over a fused gate/up projection (SwiGLU), and GELU(gate, tanh approximation) * up (GeGLU:
+Gemma's ``gelu_pytorch_tanh``)."""
 from __future__ import annotations
 
 import torch
@@ -17,3 +18,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeluTanhAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)
+
+
+ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The gate-times-up module of config.json's ``hidden_act`` / ``hidden_activation``."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"config.json hidden_act={name!r} is not supported; llmcli supports {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]()

@@ -87,3 +87,21 @@ class StackedExperts(nn.Module):
         else:  # [I, H]: this rank's rows, into the gate or the up half
             offset = 0 if slot == "gate_proj" else n
             param.data[expert].narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
+
+
+class SharedExpertMoeBlock(nn.Module):
+    """Sparse experts beside one always-on shared expert whose output a sigmoid gate scales (Qwen3-Next,
+    Qwen3.5-MoE): ``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``. The shared expert is a
+    dense gated MLP (tensor-parallel like any); the one-row gate is replicated."""
+
+    def __init__(self, sparse: SparseMoeBlock, shared_expert: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.gate, self.experts = sparse.gate, sparse.experts  # the checkpoint's names: mlp.gate, mlp.experts.N
+        self.sparse = [sparse]  # held outside the module tree so its parameters keep the names above
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return self.sparse[0](x) + shared

@@ -1,10 +1,13 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; its zero-centred form (Gemma, Qwen3.5/Next:
+the checkpoint stores ``w`` and the norm multiplies by ``1 + w``) and the gated form of linear-attention layers."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmcli.layers.compile import triton_on_cuda
+from llmcli.layers.weight_shape import expect_shape
 
 
 @triton_on_cuda("rms_norm")
@@ -32,3 +35,28 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """An RMSNorm whose checkpoint weight ``w`` means a gain of ``1 + w``: the gain is stored (the loader adds the
+    one), so the forward and its CUDA kernels are the plain RMSNorm's; dummy weights (norms at 1) mean w = 0.
+    ``gain``: a constant folded into the stored gain (a query's softmax scale, through its per-head norm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, gain: float = 1.0) -> None:
+        super().__init__(hidden_size, eps)
+        self.gain = gain
+        self.weight.weight_loader = self.weight_loader
+        self.weight.dummy_value = gain  # load_format='dummy': w = 0
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Load ``w`` as ``(1 + w) * gain``, computed in float32, then cast."""
+        expect_shape(loaded, param.shape)
+        param.data.copy_((loaded.float() + 1.0) * self.gain)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x) * silu(gate)`` per head (the output norm of a Gated DeltaNet layer): the norm in
+    float32, rounded to x's dtype before the gain, the gate in float32."""
+    dtype = x.dtype
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * normed.to(dtype)) * F.silu(gate.float())).to(dtype)

@@ -83,14 +83,19 @@ class RopeSettings:
         return max_position_embeddings
 
 
-def rope_settings(config: Any) -> RopeSettings:
+def rope_settings(config: Any, layer_type: str | None = None) -> RopeSettings:
     """The rotary settings of ``config``; raises ``UnsupportedRopeError`` naming the field for other scalings.
 
     transformers 5 writes ``rope_parameters`` (``rope_theta`` and the scaling entries in one dict, no top-level
     ``rope_theta``); transformers 4 wrote top-level ``rope_theta`` and ``rope_scaling`` (``type`` or ``rope_type``).
+    Models with a rotary per layer kind (Gemma 3) key ``rope_parameters`` by ``layer_type``.
     """
     params = dict(getattr(config, "rope_parameters", None) or {})
     field_name = "rope_parameters"
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params, field_name = dict(params[layer_type]), f"rope_parameters.{layer_type}"
+    elif "full_attention" in params and isinstance(params["full_attention"], dict):
+        params, field_name = dict(params["full_attention"]), "rope_parameters.full_attention"
     if not params.get("rope_type") and not params.get("type"):
         legacy = getattr(config, "rope_scaling", None)
         if legacy:
@@ -107,6 +112,14 @@ def rope_settings(config: Any) -> RopeSettings:
     if kind in ("linear", "llama3") and params.get("factor") is None:
         raise UnsupportedRopeError(f"config.json {field_name} of type {kind!r} gives no factor")
     return RopeSettings(float(theta), kind, params)
+
+
+def rotary_dim(config: Any, head_dim: int) -> int:
+    """How many leading dims of each head the rotary turns: ``partial_rotary_factor`` (Qwen3.5/Next: 0.25) of
+    head_dim, from rope_parameters or the top level; the rest pass through."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim * factor)
 
 
 def _yarn(inv_freq: torch.Tensor, dim: int, base: float, p: dict, max_position_embeddings: int):

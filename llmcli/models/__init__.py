@@ -8,10 +8,12 @@ from torch import nn
 from llmcli.kernels.backend import AttentionBackend
 from llmcli.layers.rotary import rope_settings
 from llmcli.models.decoder import DecoderForCausalLM, UnsupportedModelError, head_dim_of
+from llmcli.models.gemma3 import Gemma3ForCausalLM
 from llmcli.models.llama import LlamaForCausalLM
 from llmcli.models.mistral import MistralForCausalLM
 from llmcli.models.qwen2 import Qwen2ForCausalLM
 from llmcli.models.qwen3 import Qwen3ForCausalLM
+from llmcli.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from llmcli.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
@@ -20,6 +22,10 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY", "UnsupportedModelError", "build_model", "check_model_config", "head_dim_of",

@@ -81,9 +81,11 @@ def check_config_values(config: Any, raw: dict, path: Path, hidden_acts: tuple[s
     eps = getattr(config, "rms_norm_eps", None)
     if eps is not None and (not _is_number(eps) or not math.isfinite(eps) or eps <= 0):
         raise fail("rms_norm_eps", "must be a small positive number, e.g. 1e-06")
-    act = getattr(config, "hidden_act", None)
+    # Gemma names its MLP's activation hidden_activation (and leaves hidden_act unset)
+    act_field = "hidden_activation" if getattr(config, "hidden_activation", None) is not None else "hidden_act"
+    act = getattr(config, act_field, None)
     if hidden_acts is not None and act is not None and act not in hidden_acts:
-        raise fail("hidden_act", f"is not what this model runs; llmcli implements {', '.join(hidden_acts)} here")
+        raise fail(act_field, f"is not what this model runs; llmcli implements {', '.join(hidden_acts)} here")
     _check_experts(config, fail)
     _check_rope(config, path)
 

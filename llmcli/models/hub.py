@@ -66,6 +66,7 @@ def load_hf_config(model_path: Path) -> Any:
     from transformers import AutoConfig
 
     from llmcli.models.config_checks import check_config_file, check_config_values
+    from llmcli.models.multimodal import text_only_config
 
     path = model_path / "config.json"
     raw = read_json(path, ModelNotFoundError)
@@ -74,6 +75,8 @@ def load_hf_config(model_path: Path) -> Any:
         config = AutoConfig.from_pretrained(str(model_path))
     except Exception as exc:
         raise ModelNotFoundError(f"{model_path}/config.json could not be read: {exc}") from None
+    # a multimodal wrapper's language model (text_config) is what runs, so its values are the ones checked
+    config = text_only_config(config, str(model_path))
     check_config_values(config, raw, path, _hidden_acts(config))
     return config
 

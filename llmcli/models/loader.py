@@ -14,6 +14,7 @@ from llmcli.layers.quantization.fp8 import QuantConfig, QuantizationError
 from llmcli.layers.quantization.loading import Fp8Checkpoint
 from llmcli.layers.weight_shape import WeightShapeError, expect_shape
 from llmcli.models.model_files import check_readable_file, os_reason, read_json
+from llmcli.models.multimodal import language_model_name
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_NAME = "model.safetensors.index.json"
@@ -125,15 +126,17 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
         raise CheckpointError(f"checkpoint in {model_path} is damaged or unreadable: {exc}") from None
     for file in files:
         with open_weights(file) as f:
-            for name in f.keys():
-                if name in stored_in:
-                    raise CheckpointError(f"tensor {name} is stored twice, in {stored_in[name].name} and {file.name}; "
-                                          "a checkpoint holds each tensor once")
-                stored_in[name] = file
-                if weight_map.get(name, file.name) != file.name:
-                    raise CheckpointError(f"{INDEX_NAME} puts tensor {name} in {weight_map[name]}, but it is stored "
-                                          f"in {file.name}")
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or fp8.consumes(name):
+            for stored in f.keys():
+                if stored in stored_in:
+                    raise CheckpointError(f"tensor {stored} is stored twice, in {stored_in[stored].name} and "
+                                          f"{file.name}; a checkpoint holds each tensor once")
+                stored_in[stored] = file
+                if weight_map.get(stored, file.name) != file.name:
+                    raise CheckpointError(f"{INDEX_NAME} puts tensor {stored} in {weight_map[stored]}, but it is "
+                                          f"stored in {file.name}")
+                name = language_model_name(stored)  # a multimodal checkpoint's language-model names, or None
+                if name is None or name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") \
+                        or fp8.consumes(stored):
                     continue
                 target, shard = stacked.get(name) or _target(name, mapping)
                 param = params.get(target)
@@ -141,7 +144,7 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
                     unexpected.append(name)
                     continue
                 try:
-                    tensor = fp8.values(name, f.get_tensor(name), target)
+                    tensor = fp8.values(stored, f.get_tensor(stored), target)
                 except QuantizationError as exc:
                     raise CheckpointError(f"{file.name}: {exc}") from None
                 except SafetensorError as exc:
@@ -181,6 +184,6 @@ def load_dummy(model: nn.Module, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" in name:
-            param.fill_(1.0)
+            param.fill_(getattr(param, "dummy_value", 1.0))  # a zero-centred norm's gain at w = 0
         else:
             param.normal_(0.0, 0.02, generator=gen)

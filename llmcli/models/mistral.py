@@ -1,6 +1,5 @@
-"""Mistral (``MistralForCausalLM``, v0.3-style configs with ``sliding_window: null``): the shared decoder, no
-biases, no q/k norm. A non-null sliding window shorter than max_model_len is refused
-(decoder.check_no_sliding_window): llmcli never runs it as full attention silently."""
+"""Mistral (``MistralForCausalLM``): the shared decoder, no biases, no q/k norm. A ``sliding_window`` (Mistral 7B
+v0.1: 4096) makes every layer a sliding-window layer; v0.3-style configs have ``sliding_window: null``."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,4 +10,12 @@ from llmcli.models.decoder import DecoderForCausalLM, DecoderSpec
 class MistralForCausalLM(DecoderForCausalLM):
     @classmethod
     def spec(cls, config: Any) -> DecoderSpec:
-        return DecoderSpec.from_config(config)
+        window = getattr(config, "sliding_window", None)
+        if not window:
+            return DecoderSpec.from_config(config)
+        return DecoderSpec.from_config(config, layer_types=("sliding_attention",) * config.num_hidden_layers,
+                                       sliding_window=window)
+
+    @classmethod
+    def check(cls, config: Any, max_model_len: int) -> None:
+        """Every config runs exactly: the window is applied, not refused."""

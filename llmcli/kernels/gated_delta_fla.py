@@ -1,0 +1,37 @@
+"""The gated delta rule on CUDA through fla-core (flash-linear-attention's Triton ops): the chunked form over a
+varlen batch with per-sequence initial and final states (prefill), the fused recurrent form (decode). Imported
+on CUDA only (fla queries the GPU driver at import). Same conventions as ``gated_delta_torch``: q/k
+L2-normalised inside the kernel, q scaled by head_k_dim ** -0.5, states [N, Hv, Dk, Dv] in float32.
+"""
+from __future__ import annotations
+
+import torch
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _value_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    group = hv // q.shape[-2]
+    if group == 1:
+        return q, k
+    return q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
+
+
+def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   initial: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q/k [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv] of the chunks ``cu_seqlens`` cuts; initial [N, Hv, Dk, Dv]
+    -> (out [T, Hv, Dv], final states [N, Hv, Dk, Dv])."""
+    q, k = _value_heads(q, k, v.shape[-2])
+    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
+                                        initial_state=initial.float(), output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+    return out[0], final
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: q/k [B, Hk, Dk], v [B, Hv, Dv], g/beta [B, Hv], state [B, Hv, Dk, Dv]."""
+    q, k = _value_heads(q, k, v.shape[-2])
+    out, final = fused_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None].float(),
+                                                  beta[:, None].to(q.dtype), initial_state=state.float(),
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out[:, 0], final

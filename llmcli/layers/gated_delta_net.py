@@ -1,0 +1,217 @@
+"""The Gated DeltaNet layer (linear attention of Qwen3.5 / Qwen3.6 / Qwen3-Next): a recurrent state per sequence
+instead of a KV cache.
+
+in_proj -> q, k, v (through a causal depthwise conv1d + SiLU whose last K-1 inputs are carried), z (the output
+gate), b (beta = sigmoid(b)) and a (decay g = -exp(A_log) * softplus(a + dt_bias)) -> the gated delta rule over
+the recurrent state -> per-head RMSNorm gated by silu(z) -> out_proj.
+
+Per-sequence state lives in a pool (``conv_state`` [rows, C, K-1], ``ssm_state`` [rows, Hv, Dk, Dv]) that the
+engine attaches, one slot per block-table row (``AttentionMetadata.rows``); a chunk starts from a zero state
+when it has no computed prefix (``AttentionMetadata.has_initial_state`` false), else from its slot. Tensor
+parallelism splits the key and value heads (and the conv channels with them) across ranks; out_proj sums the partials.
+
+Checkpoint layouts: Qwen3.5 has ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next fuses
+them per key head (``in_proj_qkvz``: [q, k, v-group, z-group] per key head; ``in_proj_ba``). Each reaches its
+slots of the one fused ``in_proj`` through the weight loader.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmcli.kernels.backend import AttentionBackend
+from llmcli.kernels.gated_delta_torch import (causal_conv1d, causal_conv1d_step, gated_delta_rule_chunked,
+                                              gated_delta_rule_step)
+from llmcli.layers.linear import RowParallelLinear
+from llmcli.layers.norm import gated_rms_norm
+from llmcli.layers.weight_shape import expect_shape
+from llmcli.parallel import tp_rank, tp_size
+
+SLOTS = ("q", "k", "v", "z", "b", "a")
+GDN_BACKENDS = ("auto", "torch", "fla")
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    state_dtype: torch.dtype | None = None  # the recurrent state's dtype (None: float32)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, spec: GatedDeltaNetSpec, eps: float,
+                 backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        for name, n in (("linear_num_key_heads", spec.num_k_heads), ("linear_num_value_heads", spec.num_v_heads)):
+            if n % self.tp_size:
+                raise ValueError(f"{name} ({n}) is not divisible by tensor_parallel_size ({self.tp_size})")
+        self.spec = spec
+        self.hk, self.hv = spec.num_k_heads // self.tp_size, spec.num_v_heads // self.tp_size
+        self.dk, self.dv = spec.head_k_dim, spec.head_v_dim
+        key, value = self.hk * self.dk, self.hv * self.dv
+        self.sizes = (key, key, value, value, self.hv, self.hv)  # this rank's q, k, v, z, b, a
+        self.conv_dim = 2 * key + value
+        self.in_proj = nn.Module()  # named like a linear layer's weight, for the loader's fused names
+        self.in_proj.weight = nn.Parameter(torch.empty(sum(self.sizes), hidden_size), requires_grad=False)
+        self.in_proj.weight.weight_loader = self.load_in_proj
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, spec.conv_kernel), requires_grad=False)
+        self.conv1d.weight.weight_loader = self.load_conv
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        for p in (self.dt_bias, self.A_log):
+            p.weight_loader = self.load_heads
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)
+        self.eps = eps
+        self.out_proj = RowParallelLinear(spec.num_v_heads * self.dv, hidden_size)
+        self.backend = backend  # the step's metadata (rows, lengths) comes through it
+        self.conv_state: torch.Tensor | None = None  # [rows, conv_dim, K-1], attached by the engine
+        self.ssm_state: torch.Tensor | None = None  # [rows, hv, dk, dv]
+
+    # -- loading ---------------------------------------------------------------
+    def _rank_part(self, t: torch.Tensor, total_heads: int) -> torch.Tensor:
+        """This rank's heads of ``t`` (rows grouped by head, ``total_heads`` of them)."""
+        per = t.shape[0] // total_heads * (total_heads // self.tp_size)
+        return t.narrow(0, self.tp_rank * per, per)
+
+    def load_in_proj(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        spec = self.spec
+        key, value, hv = spec.num_k_heads * spec.head_k_dim, spec.num_v_heads * spec.head_v_dim, spec.num_v_heads
+        rows = {"qkv": 2 * key + value, "qkvz": 2 * key + 2 * value, "ba": 2 * hv, "q": key, "k": key, "v": value,
+                "z": value, "b": hv, "a": hv}[shard]
+        expect_shape(loaded, (rows, param.shape[1]))
+        parts: dict[str, torch.Tensor]
+        if shard == "qkv":
+            key = spec.num_k_heads * spec.head_k_dim
+            parts = dict(zip("qkv", loaded.split([key, key, spec.num_v_heads * spec.head_v_dim])))
+        elif shard == "qkvz":  # per key head: q, k, then its group's v and z heads
+            group = spec.num_v_heads // spec.num_k_heads
+            per_head = loaded.view(spec.num_k_heads, -1, loaded.shape[-1])
+            q, k, v, z = per_head.split([spec.head_k_dim, spec.head_k_dim, group * spec.head_v_dim,
+                                         group * spec.head_v_dim], dim=1)
+            parts = {n: t.reshape(-1, loaded.shape[-1]) for n, t in zip("qkvz", (q, k, v, z))}
+        elif shard == "ba":
+            group = spec.num_v_heads // spec.num_k_heads
+            b, a = loaded.view(spec.num_k_heads, 2 * group, -1).split(group, dim=1)
+            parts = {"b": b.reshape(-1, loaded.shape[-1]), "a": a.reshape(-1, loaded.shape[-1])}
+        else:
+            parts = {shard: loaded}
+        for name, tensor in parts.items():
+            slot = SLOTS.index(name)
+            heads = spec.num_k_heads if name in "qk" else spec.num_v_heads
+            param.data.narrow(0, sum(self.sizes[:slot]), self.sizes[slot]).copy_(self._rank_part(tensor, heads))
+
+    def load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        spec = self.spec
+        key, value = spec.num_k_heads * spec.head_k_dim, spec.num_v_heads * spec.head_v_dim
+        expect_shape(loaded, (2 * key + value, 1, spec.conv_kernel))
+        q, k, v = loaded.split([key, key, value])
+        mine = [self._rank_part(q, spec.num_k_heads), self._rank_part(k, spec.num_k_heads),
+                self._rank_part(v, spec.num_v_heads)]
+        param.data.copy_(torch.cat(mine))
+
+    def load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, (self.spec.num_v_heads,))
+        param.data.copy_(self._rank_part(loaded, self.spec.num_v_heads))
+
+    # -- state -----------------------------------------------------------------
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per slot: the conv state's and the recurrent state's shapes."""
+        return (self.conv_dim, self.spec.conv_kernel - 1), (self.hv, self.dk, self.dv)
+
+    # -- forward ---------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        meta = self.backend.metadata if self.backend is not None else None
+        assert meta is not None and meta.rows is not None, "a linear-attention layer needs the step's rows"
+        q, k, v, z, b, a = F.linear(hidden, self.in_proj.weight).split(self.sizes, dim=-1)
+        mixed = torch.cat([q, k, v], dim=-1)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        weight = self.conv1d.weight[:, 0]
+        if meta.is_prefill:
+            out = self._chunks(mixed, g, beta, weight, meta)
+        else:
+            out = self._decode(mixed, g, beta, weight, meta.rows, meta.context_lens)
+        out = gated_rms_norm(out, z.reshape(-1, self.hv, self.dv), self.norm.weight, self.eps)
+        return self.out_proj(out.reshape(hidden.shape[0], -1))
+
+    def _split_heads(self, mixed: torch.Tensor):
+        key = self.hk * self.dk
+        q, k, v = mixed.split([key, key, self.hv * self.dv], dim=-1)
+        return q.reshape(-1, self.hk, self.dk), k.reshape(-1, self.hk, self.dk), v.reshape(-1, self.hv, self.dv)
+
+    def _chunks(self, mixed, g, beta, weight, meta) -> torch.Tensor:
+        """Each chunk of a varlen step (prompt chunks and, in a mixed step, decode rows): the conv per chunk, then
+        the delta rule per chunk (torch) or over the whole varlen batch at once (fla on CUDA)."""
+        cu = meta.cu_seqlens_q.tolist()
+        lens = meta.context_lens.tolist()
+        rows = meta.rows.tolist()
+        pool = self.conv_state is not None  # none yet in the start-up warm-up: nothing read or kept
+        # a chunk with no computed prefix starts from zeros (its slot may hold a finished sequence's state)
+        if not pool:
+            fresh = [True] * len(rows)
+        elif meta.has_initial_state is not None:
+            fresh = [not cached for cached in meta.has_initial_state.tolist()]
+        else:  # metadata built by hand (the warm-up, tests): the computed prefix is what the keys add
+            fresh = [lens[i] == cu[i + 1] - cu[i] for i in range(len(rows))]
+        x = torch.empty_like(mixed)
+        for i, row in enumerate(rows):
+            lo, hi = cu[i], cu[i + 1]
+            x[lo:hi], new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh[i] else self.conv_state[row])
+            if pool:
+                self.conv_state[row].copy_(new_conv)
+        q, k, v = self._split_heads(x)
+        if use_fla(mixed):
+            from llmcli.kernels.gated_delta_fla import chunked_varlen  # CUDA only: fla queries the driver
+
+            if pool:
+                index = torch.remainder(meta.rows, self.ssm_state.shape[0])
+                initial = self.ssm_state[index].float()
+                initial[torch.tensor(fresh, device=initial.device)] = 0.0
+            else:
+                initial = q.new_zeros(len(rows), self.hv, self.dk, self.dv, dtype=torch.float32)
+            out, final = chunked_varlen(q, k, v, g, beta, initial, meta.cu_seqlens_q)
+            if pool:
+                self.ssm_state.index_copy_(0, index, final.to(self.ssm_state.dtype))
+            return out
+        out = v.new_empty(v.shape)
+        for i, row in enumerate(rows):
+            lo, hi = cu[i], cu[i + 1]
+            out[lo:hi], new_ssm = gated_delta_rule_chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
+                                                           None if fresh[i] else self.ssm_state[row])
+            if pool:
+                self.ssm_state[row].copy_(new_ssm)
+        return out
+
+    def _decode(self, mixed, g, beta, weight, rows, lens) -> torch.Tensor:
+        """One token per row, batched (padding rows of a graph batch have length 0 and a scratch slot)."""
+        rows = torch.remainder(rows, self.ssm_state.shape[0])  # a graph's padding rows (-1): the scratch slot
+        conv, ssm = self.conv_state[rows], self.ssm_state[rows]
+        x, conv = causal_conv1d_step(mixed, weight, conv)
+        q, k, v = self._split_heads(x)
+        if use_fla(mixed):
+            from llmcli.kernels.gated_delta_fla import recurrent_step
+
+            out, ssm = recurrent_step(q, k, v, g, beta, ssm)
+        else:
+            out, ssm = gated_delta_rule_step(q, k, v, g, beta, ssm)
+        self.conv_state.index_copy_(0, rows, conv.to(self.conv_state.dtype))
+        self.ssm_state.index_copy_(0, rows, ssm.to(self.ssm_state.dtype))
+        return out
+
+
+def use_fla(x: torch.Tensor) -> bool:
+    """fla-core's kernels on CUDA (``LLMCLI_GDN=torch`` keeps the torch reference there too)."""
+    mode = os.environ.get("LLMCLI_GDN", "auto") or "auto"
+    if mode not in GDN_BACKENDS:
+        raise ValueError(f"LLMCLI_GDN={mode!r}: expected one of {', '.join(GDN_BACKENDS)}")
+    return x.is_cuda and mode != "torch"
