@@ -165,14 +165,15 @@ class DecodeGraphs:
         """In-flight tokens from ``self.tokens`` and the forward; returns the hidden states."""
         row = dict(zip(I64_ROWS, self.i64[:, :bs]))
         pending = row["pending"]
-        ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], row["ids"])
+        # clamped: a row flagged non-finite (-1) computes one throw-away token before its request fails
+        ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)].clamp(min=0), row["ids"])
         return self.model(ids, row["positions"])
 
     def _sampler_body(self, filtered: bool) -> Callable[[int], torch.Tensor]:
         """The lm_head over the forward's hidden states and the draw (``sample_one_pass``: the very kernels
         the sampler runs outside the graph, so a seeded row draws the same token either way), written to
         ``self.tokens``; the forward's graph of the same size must be captured first."""
-        from llmcli.layers.sampler import sample_one_pass
+        from llmcli.layers.sampler import mark_nonfinite, sample_one_pass
 
         def body(bs: int) -> torch.Tensor:
             row = dict(zip(I64_ROWS, self.i64[:, :bs]))
@@ -181,6 +182,7 @@ class DecodeGraphs:
             logits = self.model.compute_logits(self.outputs[bs])
             tokens = sample_one_pass(logits, temperatures, row["top_ks"], top_ps, min_ps, row["seeds"],
                                      row["steps"], filtered)
+            tokens = mark_nonfinite(logits, tokens)
             self.tokens[:bs].copy_(tokens)
             return tokens
         return body

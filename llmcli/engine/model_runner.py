@@ -24,7 +24,7 @@ from llmcli.engine.uploader import Uploader
 from llmcli.kernels import make_backend
 from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.penalties import PenaltyTables
-from llmcli.layers.sampler import Sampler
+from llmcli.layers.sampler import Sampler, mark_nonfinite
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
 from llmcli.layers.quantization.loading import finish_fp8
@@ -254,7 +254,8 @@ class ModelRunner:
                 if self.rank == 0 and plan.extras is not None else None
         with self.timer.phase("forward"):
             if inputs.pending_rows is not None:
-                from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
+                # clamped: a row flagged non-finite (-1) computes one throw-away token before its request fails
+                from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)].clamp(min=0)
                 inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
             hidden = self._forward(inputs)
             logits = self._logits(hidden, inputs)
@@ -271,8 +272,10 @@ class ModelRunner:
                 if mask is not None:  # after penalties: a disallowed token stays disallowed
                     logits = apply_token_bitmask(logits, self._upload_mask(mask))
                 token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
-                if extras is not None:
-                    extras.compute_logprobs(raw, token_ids, hidden, self.model.compute_logits)
+                if extras is not None:  # (a token drawn from a NaN row may be any id: kept in range here)
+                    extras.compute_logprobs(raw, token_ids.clamp(0, raw.shape[-1] - 1), hidden,
+                                            self.model.compute_logits)
+                token_ids = mark_nonfinite(raw, token_ids)
             if self.world > 1 and inputs.num_sampled:
                 token_ids = self._share_tokens(token_ids, inputs.num_sampled)
             self.prev_tokens = token_ids
@@ -316,6 +319,7 @@ class ModelRunner:
                 token_ids = None
             else:
                 token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
+                token_ids = mark_nonfinite(logits, token_ids)
             if self.world > 1:
                 token_ids = self._share_tokens(token_ids, n)
             self.prev_tokens, self.prev_in_graph = token_ids, in_graph is not None

@@ -88,11 +88,25 @@ def filter_logits(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     desc = desc.masked_fill(desc < kth, float("-inf"))
     probs = desc.double().softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    first_equal = torch.searchsorted(-desc, -desc)  # the first position of each value among its ties
+    # the first position of each value among its ties (clamped: a NaN row finds none; it is flagged anyway)
+    first_equal = torch.searchsorted(-desc, -desc).clamp_(max=vocab - 1)
     above = mass_before.gather(1, first_equal)
     kept = (above < top_ps.double()[:, None]) | (top_ps >= 1)[:, None]
     tau = torch.where(kept, desc, float("inf")).amin(dim=-1, keepdim=True)
     return scaled.masked_fill(scaled < torch.maximum(tau, kth), float("-inf"))
+
+
+NONFINITE = -1  # the token id of a row whose logits are not finite: the engine fails that row's request
+
+
+def mark_nonfinite(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with ``NONFINITE`` where the row of raw ``logits`` holds a NaN or an infinity.
+
+    A row's sum is finite exactly when all its values are (short of a sum beyond float32's range, itself
+    garbage): two small kernels on the device, static shapes (the in-graph sampler runs it too), and the flag
+    comes back with the tokens, so the host reads nothing more.
+    """
+    return torch.where(torch.isfinite(logits.sum(dim=-1)), tokens, NONFINITE)
 
 
 def fused_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

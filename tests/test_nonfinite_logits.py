@@ -1,0 +1,213 @@
+"""A logits row that is not finite fails its own request alone (issue 44, F1 and F11).
+
+The checkpoint is examples/tiny-qwen3 (fp32) with the embedding row of one token set to NaN: a prompt holding
+that token gets NaN logits, every other prompt is untouched. Its request must end with the error "the model
+produced non-finite logits at token N" on every sampling path, and the others must get exactly the answers
+they get from the undamaged checkpoint (their tokens never meet the poisoned row). A model whose warm-up
+logits are not finite is refused at start-up in one line.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from processes import REPO, env
+
+MODEL = REPO / "examples" / "tiny-qwen3"
+POISON = 5  # the token whose embedding row is NaN
+PROMPTS = [[300, 301, 302], [301, 301, 302], [300, POISON, 301], [303, 301, 302]]
+BAD = 2  # the index of the prompt holding POISON
+SAMPLING = {
+    "greedy": {"temperature": 0},
+    "plain": {"temperature": 0.8, "seed": 7},
+    "top_k_top_p": {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7},
+    "min_p": {"temperature": 0.8, "min_p": 0.1, "seed": 7},
+    "logprobs": {"temperature": 0, "logprobs": 3},
+}
+
+
+def damaged_copy(path: Path, rows: slice | int = POISON, inf_norm: bool = False) -> Path:
+    """examples/tiny-qwen3 with the embedding ``rows`` NaN (or, ``inf_norm``, the final norm's weight +inf)."""
+    shutil.copytree(MODEL, path)
+    state = load_file(str(MODEL / "model.safetensors"))
+    if inf_norm:
+        state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("inf"))
+    else:
+        embed = state["model.embed_tokens.weight"].clone()
+        embed[rows] = float("nan")
+        state["model.embed_tokens.weight"] = embed
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def nan_model(tmp_path_factory) -> Path:
+    return damaged_copy(tmp_path_factory.mktemp("nan") / "model")
+
+
+def command(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "llmcli", "generate", str(inp), "-o", str(out), "--model", str(model),
+            "--device", "cpu", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16", "--max-num-seqs", "4",
+            "--max-model-len", "128", "--include-token-ids", *extra]
+
+
+def write_input(path: Path, sampling: dict) -> Path:
+    path.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "prompt_token_ids": p, "max_tokens": 6,
+                                            "ignore_eos": True, **sampling}) + b"\n"
+                              for i, p in enumerate(PROMPTS)))
+    return path
+
+
+def lines_of(out: Path) -> list[dict]:
+    return [orjson.loads(line) for line in out.read_bytes().splitlines()]
+
+
+def engine_outputs(model: Path, sampling: dict) -> dict:
+    """The engine's outputs by request id, all prompts in one batch (so the poisoned row shares its steps)."""
+    from llmcli.config import Config
+    from llmcli.engine.llm_engine import LLMEngine
+    from llmcli.sampling_params import SamplingParams
+
+    engine = LLMEngine(Config(model=str(model), device="cpu", max_num_seqs=4, max_model_len=128,
+                              num_kvcache_blocks=64, kvcache_block_size=16))
+    try:
+        params = SamplingParams(max_tokens=6, ignore_eos=True, **sampling)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, params, request_id=i)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.request_id not in done
+                done[out.request_id] = out
+        return done
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def clean_outputs() -> dict:
+    return {name: engine_outputs(MODEL, sampling) for name, sampling in SAMPLING.items()}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_the_poisoned_request_fails_alone_on_every_sampling_path(name, nan_model, clean_outputs):
+    got = engine_outputs(nan_model, SAMPLING[name])
+    assert sorted(got) == list(range(len(PROMPTS)))
+    assert got[BAD].error == "the model produced non-finite logits at token 0"
+    assert got[BAD].outputs[0].finish_reason == "error"
+    for i, out in got.items():
+        if i != BAD:
+            clean = clean_outputs[name][i]
+            assert out.error is None and len(out.token_ids) == 6
+            assert out.token_ids == clean.token_ids
+            if name == "logprobs":
+                assert [e.logprob for e in out.outputs[0].logprobs[0].values()] == \
+                    [e.logprob for e in clean.outputs[0].logprobs[0].values()]
+
+
+def test_a_row_going_non_finite_mid_answer_names_its_token_index(tmp_path):
+    """The prompt is clean; the model's first greedy token's embedding is NaN, so token 1's logits are."""
+    first = engine_outputs(MODEL, {"temperature": 0})[0].token_ids[0]
+    model = damaged_copy(tmp_path / "model", rows=first)
+    got = engine_outputs(model, {"temperature": 0})[0]
+    assert got.error == "the model produced non-finite logits at token 1"
+    assert got.token_ids == [first]
+
+
+def test_the_cli_writes_the_error_record_and_resume_does_not_rerun_it(nan_model, tmp_path):
+    inp, out = write_input(tmp_path / "in.jsonl", SAMPLING["top_k_top_p"]), tmp_path / "out.jsonl"
+    result = subprocess.run(command(nan_model, inp, out, "-q"), env=env(), capture_output=True, timeout=300)
+    err = result.stderr.decode()
+    assert result.returncode == 1, err  # a run with error records exits 1 (docs/cli.md)
+    assert "Traceback" not in err and "non-finite logits at token 0" in err, err
+    got = lines_of(out)
+    assert [line["id"] for line in got] == [f"r{i}" for i in range(len(PROMPTS))]
+    assert "non-finite logits at token 0" in got[BAD]["error"]["message"]
+    assert got[BAD]["error"]["field"] == "prompt_token_ids"
+    assert all("error" not in line and len(line["token_ids"]) == 6 for i, line in enumerate(got) if i != BAD)
+    again = subprocess.run(command(nan_model, inp, out, "-q", "--resume"), env=env(), capture_output=True,
+                           timeout=300)
+    assert again.returncode == 1 and "Traceback" not in again.stderr.decode(), again.stderr.decode()
+    assert lines_of(out) == got
+
+
+def test_with_data_parallel_the_error_record_is_written_once_and_not_resent(nan_model, tmp_path):
+    inp, out = write_input(tmp_path / "in.jsonl", SAMPLING["greedy"]), tmp_path / "out.jsonl"
+    result = subprocess.run(command(nan_model, inp, out, "-q", "-dp", "2"), env=env(), capture_output=True,
+                            timeout=300)
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert "Traceback" not in err and "lost" not in err and "sending" not in err, err
+    got = lines_of(out)
+    assert [line["id"] for line in got] == [f"r{i}" for i in range(len(PROMPTS))]
+    assert "non-finite logits at token 0" in got[BAD]["error"]["message"]
+    assert sum("error" in line for line in got) == 1
+
+
+@pytest.mark.parametrize("damage", ["nan_embedding", "inf_norm"])
+def test_a_model_whose_warmup_logits_are_not_finite_is_refused_in_one_line(damage, tmp_path):
+    model = damaged_copy(tmp_path / "model", rows=slice(None), inf_norm=damage == "inf_norm")
+    inp, out = write_input(tmp_path / "in.jsonl", SAMPLING["greedy"]), tmp_path / "out.jsonl"
+    result = subprocess.run(command(model, inp, out, "-q"), env=env(), capture_output=True, timeout=300)
+    err = result.stderr.decode()
+    assert result.returncode == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "non-finite logits" in err and "warm-up" in err, err
+    assert not out.exists() or not out.read_bytes()
+
+
+def test_the_filtered_sampler_takes_a_nan_row_without_an_index_error():
+    from llmcli.layers.sampler import filter_logits, mark_nonfinite
+
+    logits = torch.randn(3, 64)
+    logits[1] = float("nan")
+    logits[2, 7] = float("inf")
+    kept = filter_logits(logits, torch.tensor([20, 20, 20]), torch.tensor([0.9, 0.9, 0.9]))
+    assert torch.isfinite(kept[0]).sum() >= 1
+    tokens = mark_nonfinite(logits, torch.tensor([4, 5, 6]))
+    assert tokens.tolist() == [4, -1, -1]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_poisoned_request_fails_alone_in_bf16_with_the_in_graph_sampler(tmp_path):
+    """bf16, CUDA graphs, the one-pass sampler inside them: a decode step whose row goes NaN mid-answer."""
+    from llmcli.config import Config
+    from llmcli.engine.llm_engine import LLMEngine
+    from llmcli.sampling_params import SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def run(model: Path, sampling: dict, prompts: list[list[int]]) -> dict:
+        engine = LLMEngine(Config(model=str(model), device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                  max_model_len=256, attention_backend="triton"))
+        try:
+            assert engine.model_runner.graphs is not None and engine.model_runner.graphs.sample_in_graph
+            for i, prompt in enumerate(prompts):
+                engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True, **sampling), request_id=i)
+            done = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    done[out.request_id] = out
+            return done
+        finally:
+            engine.shutdown()
+
+    prompts = [[300 + i, 301, 302] for i in range(6)]
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}):
+        clean = run(MODEL, sampling, prompts)
+        victim = clean[2].token_ids[2]  # its third token: its embedding poisoned, the fourth token's logits are NaN
+        model = damaged_copy(tmp_path / f"model{len(sampling)}", rows=victim)
+        got = run(model, sampling, prompts)
+        first = next(i for i, t in enumerate(clean[2].token_ids) if t == victim)
+        assert got[2].error == f"the model produced non-finite logits at token {first + 1}"
+        for i in range(len(prompts)):
+            if i != 2 and victim not in clean[i].token_ids + prompts[i]:
+                assert got[i].error is None and got[i].token_ids == clean[i].token_ids
