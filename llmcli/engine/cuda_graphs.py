@@ -173,7 +173,7 @@ class DecodeGraphs:
         """The lm_head over the forward's hidden states and the draw (``sample_one_pass``: the very kernels
         the sampler runs outside the graph, so a seeded row draws the same token either way), written to
         ``self.tokens``; the forward's graph of the same size must be captured first."""
-        from llmcli.layers.sampler import mark_nonfinite, sample_one_pass
+        from llmcli.layers.sampler import sample_one_pass
 
         def body(bs: int) -> torch.Tensor:
             row = dict(zip(I64_ROWS, self.i64[:, :bs]))
@@ -182,7 +182,6 @@ class DecodeGraphs:
             logits = self.model.compute_logits(self.outputs[bs])
             tokens = sample_one_pass(logits, temperatures, row["top_ks"], top_ps, min_ps, row["seeds"],
                                      row["steps"], filtered)
-            tokens = mark_nonfinite(logits, tokens)
             self.tokens[:bs].copy_(tokens)
             return tokens
         return body

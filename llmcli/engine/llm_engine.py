@@ -20,6 +20,7 @@ from llmcli.engine.startup import StartupClock, use_persistent_compile_cache
 from llmcli.engine.step_plan import StepPlan
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
+from llmcli.layers.sampler import NONFINITE
 from llmcli.models.hub import load_tokenizer
 from llmcli.sampling_params import SamplingParams
 
@@ -233,8 +234,8 @@ class LLMEngine:
                     del seq.prompt_logprob_entries[first:]  # a recomputed prompt (after preemption) replaces
                     seq.prompt_logprob_entries.extend(entries)
             now = time.perf_counter()
-            # a row flagged by the sampler (-1: its logits were not finite) ends its request alone, first
-            finished = self._fail_nonfinite(step, tokens, now) if tokens and min(tokens) < 0 else []
+            # a row flagged by the sampler (its logits were not finite) ends its request alone, first
+            finished = self._fail_nonfinite(step, tokens, now) if NONFINITE in tokens else []
             ends = self.structured.accept(step.sampled, tokens) if self.structured is not None else {}
             generated, check, finished_status = 0, self.stopper.check, SequenceStatus.FINISHED
             block = logprobs.block if logprobs is not None else None
@@ -286,7 +287,7 @@ class LLMEngine:
         """An error output for each request whose token of this step is the sampler's non-finite flag."""
         failed = []
         for seq, index, token in zip(step.sampled, step.indices, tokens):
-            if token >= 0 or seq.status is SequenceStatus.FINISHED:
+            if token != NONFINITE or seq.status is SequenceStatus.FINISHED:
                 continue
             error = ModelFailure(f"the model produced non-finite logits at token {index - seq.num_prompt_tokens}")
             seq.truncate(index)

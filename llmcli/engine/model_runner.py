@@ -24,7 +24,7 @@ from llmcli.engine.uploader import Uploader
 from llmcli.kernels import make_backend
 from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.penalties import PenaltyTables
-from llmcli.layers.sampler import Sampler, mark_nonfinite
+from llmcli.layers.sampler import Sampler, greedy_tokens
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
 from llmcli.layers.quantization.loading import finish_fp8
@@ -271,11 +271,9 @@ class ModelRunner:
                     logits = extras.penalize(logits, inputs.input_ids, self.penalties, self.bias)
                 if mask is not None:  # after penalties: a disallowed token stays disallowed
                     logits = apply_token_bitmask(logits, self._upload_mask(mask))
-                token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
-                if extras is not None:  # (a token drawn from a NaN row may be any id: kept in range here)
-                    extras.compute_logprobs(raw, token_ids.clamp(0, raw.shape[-1] - 1), hidden,
-                                            self.model.compute_logits)
-                token_ids = mark_nonfinite(raw, token_ids)
+                token_ids = greedy_tokens(logits) if sampling is None else self.sampler(logits, sampling)
+                if extras is not None:  # (in range: the sampler's -1 flags a row of non-finite logits)
+                    extras.compute_logprobs(raw, token_ids.clamp(min=0), hidden, self.model.compute_logits)
             if self.world > 1 and inputs.num_sampled:
                 token_ids = self._share_tokens(token_ids, inputs.num_sampled)
             self.prev_tokens = token_ids
@@ -318,8 +316,7 @@ class ModelRunner:
             elif logits is None:
                 token_ids = None
             else:
-                token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
-                token_ids = mark_nonfinite(logits, token_ids)
+                token_ids = greedy_tokens(logits) if sampling is None else self.sampler(logits, sampling)
             if self.world > 1:
                 token_ids = self._share_tokens(token_ids, n)
             self.prev_tokens, self.prev_in_graph = token_ids, in_graph is not None

@@ -96,17 +96,22 @@ def filter_logits(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     return scaled.masked_fill(scaled < torch.maximum(tau, kth), float("-inf"))
 
 
-NONFINITE = -1  # the token id of a row whose logits are not finite: the engine fails that row's request
+NONFINITE = -1  # the token of a row whose logits hold a NaN or +inf: the engine fails that row's request
 
 
 def mark_nonfinite(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``tokens`` with ``NONFINITE`` where the row of raw ``logits`` holds a NaN or an infinity.
+    """``tokens`` with ``NONFINITE`` where the row of ``logits`` holds a NaN or +inf (its max is not < inf).
 
-    A row's sum is finite exactly when all its values are (short of a sum beyond float32's range, itself
-    garbage): two small kernels on the device, static shapes (the in-graph sampler runs it too), and the flag
-    comes back with the tokens, so the host reads nothing more.
+    -inf alone is no fault (masks and biases write it). The one-pass Triton sampler flags rows the same way
+    inside its kernel; this is the torch path's: small kernels, static shapes, read back with the tokens.
     """
-    return torch.where(torch.isfinite(logits.sum(dim=-1)), tokens, NONFINITE)
+    return torch.where(logits.amax(dim=-1) < float("inf"), tokens, NONFINITE)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row, ``NONFINITE`` for a row holding a NaN or +inf (``max`` gives both at once)."""
+    values, tokens = logits.max(dim=-1)
+    return torch.where(values < float("inf"), tokens, NONFINITE)
 
 
 def fused_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -232,7 +237,7 @@ class Sampler(nn.Module):
         return None
 
     def forward(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        """One token per row of ``logits`` [B, V]."""
+        """One token per row of ``logits`` [B, V]; ``NONFINITE`` (-1) for a row holding a NaN or +inf."""
         if logits.is_cuda and self.one_pass:
-            return sample_one_pass(logits, *rows.args())
-        return sample(logits, *rows.args())
+            return sample_one_pass(logits, *rows.args())  # its kernel flags non-finite rows itself
+        return mark_nonfinite(logits, sample(logits, *rows.args()))
