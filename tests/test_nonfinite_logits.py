@@ -202,22 +202,30 @@ def test_the_one_pass_triton_sampler_flags_non_finite_rows_in_its_kernel():
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_the_poisoned_request_fails_alone_in_bf16_with_the_in_graph_sampler(tmp_path):
-    """bf16, CUDA graphs, the one-pass sampler inside them: a decode step whose row goes NaN mid-answer."""
+def test_on_the_gpu_a_poisoned_request_fails_alone_in_bf16_with_the_in_graph_sampler(tmp_path):
+    """bf16, CUDA graphs with the one-pass sampler inside them (the plain graph and the filtered one): rows go
+    NaN mid-answer in decode steps; exactly the requests that meet a poisoned token fail, at the predicted
+    token, and the others are answered in full."""
     from llmcli.config import Config
     from llmcli.engine.llm_engine import LLMEngine
     from llmcli.sampling_params import SamplingParams
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    greedy = [([300 + i, 301, 302], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0))
+              for i in range(6)]
+    filtered = [([310 + i, 301, 302], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, top_k=20,
+                                                      top_p=0.9, seed=i)) for i in range(6)]
+    requests = greedy + filtered  # the filtered ones end first: later steps take the plain sampler graph
 
-    def run(model: Path, sampling: dict, prompts: list[list[int]]) -> dict:
-        engine = LLMEngine(Config(model=str(model), device="cuda", dtype="bfloat16", max_num_seqs=8,
+    def run(model: Path) -> dict:
+        engine = LLMEngine(Config(model=str(model), device="cuda", dtype="bfloat16", max_num_seqs=16,
                                   max_model_len=256, attention_backend="triton"))
         try:
-            assert engine.model_runner.graphs is not None and engine.model_runner.graphs.sample_in_graph
-            for i, prompt in enumerate(prompts):
-                engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True, **sampling), request_id=i)
+            graphs = engine.model_runner.graphs
+            assert graphs is not None and graphs.sample_in_graph
+            for i, (prompt, params) in enumerate(requests):
+                engine.add_request(prompt, params, request_id=i)
             done = {}
             while engine.has_unfinished():
                 for out in engine.step():
@@ -226,14 +234,24 @@ def test_on_the_gpu_the_poisoned_request_fails_alone_in_bf16_with_the_in_graph_s
         finally:
             engine.shutdown()
 
-    prompts = [[300 + i, 301, 302] for i in range(6)]
-    for sampling in ({"temperature": 0}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}):
-        clean = run(MODEL, sampling, prompts)
-        victim = clean[2].token_ids[2]  # its third token: its embedding poisoned, the fourth token's logits are NaN
-        model = damaged_copy(tmp_path / f"model{len(sampling)}", rows=victim)
-        got = run(model, sampling, prompts)
-        first = next(i for i, t in enumerate(clean[2].token_ids) if t == victim)
-        assert got[2].error == f"the model produced non-finite logits at token {first + 1}"
-        for i in range(len(prompts)):
-            if i != 2 and victim not in clean[i].token_ids + prompts[i]:
-                assert got[i].error is None and got[i].token_ids == clean[i].token_ids
+    clean = run(MODEL)
+    assert all(out.error is None for out in clean.values())
+    banned = {0} | {t for prompt, _ in requests for t in prompt}  # 0: the warm-up's token
+    # a greedy row's token from its 7th on: the next token's logits go NaN when the plain graph samples;
+    # a filtered row's from its first three: while the filtered graph samples
+    late = next(t for t in clean[0].token_ids[6:] if t not in banned)
+    early = next(t for t in clean[6].token_ids[:3] if t not in banned | {late})
+    poisoned = {late, early}
+    got = run(damaged_copy(tmp_path / "model", rows=sorted(poisoned)))
+    hits = {i: next((k + 1 for k, t in enumerate(clean[i].token_ids) if t in poisoned), params.max_tokens)
+            for i, (_, params) in enumerate(requests)}  # the token whose logits are NaN, if it is computed
+    failed = {i for i, (_, params) in enumerate(requests) if hits[i] < params.max_tokens}
+    assert 0 in failed and 6 in failed
+    first = min(hits[i] for i in failed)  # until then the two runs' batches are the same
+    for i, (_, params) in enumerate(requests):
+        if i in failed:
+            assert got[i].error == f"the model produced non-finite logits at token {hits[i]}", i
+            assert got[i].token_ids == clean[i].token_ids[:hits[i]]
+        else:
+            assert got[i].error is None and len(got[i].token_ids) == params.max_tokens, i
+            assert got[i].token_ids[:first] == clean[i].token_ids[:first]
