@@ -112,6 +112,18 @@ def test_the_poisoned_request_fails_alone_on_every_sampling_path(name, nan_model
                     [e.logprob for e in clean.outputs[0].logprobs[0].values()]
 
 
+def test_llm_generate_raises_the_error_naming_the_prompt(nan_model):
+    from llmcli import LLM, SamplingParams
+
+    llm = LLM(str(nan_model), device="cpu", max_num_seqs=4, max_model_len=128, num_kvcache_blocks=64,
+              kvcache_block_size=16)
+    try:
+        with pytest.raises(RuntimeError, match=r"^prompt 1: the model produced non-finite logits at token 0$"):
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:3]], SamplingParams(max_tokens=3))
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_row_going_non_finite_mid_answer_names_its_token_index(tmp_path):
     """The prompt is clean; the model's first greedy token's embedding is NaN, so token 1's logits are."""
     first = engine_outputs(MODEL, {"temperature": 0})[0].token_ids[0]
