@@ -69,17 +69,17 @@ def lines_of(out: Path) -> list[dict]:
     return [orjson.loads(line) for line in out.read_bytes().splitlines()]
 
 
-def engine_outputs(model: Path, sampling: dict) -> dict:
+def engine_outputs(model: Path, sampling: dict, prompts: list[list[int]] = PROMPTS, blocks: int = 64) -> dict:
     """The engine's outputs by request id, all prompts in one batch (so the poisoned row shares its steps)."""
     from llmcli.config import Config
     from llmcli.engine.llm_engine import LLMEngine
     from llmcli.sampling_params import SamplingParams
 
     engine = LLMEngine(Config(model=str(model), device="cpu", max_num_seqs=4, max_model_len=128,
-                              num_kvcache_blocks=64, kvcache_block_size=16))
+                              num_kvcache_blocks=blocks, kvcache_block_size=16))
     try:
         params = SamplingParams(max_tokens=6, ignore_eos=True, **sampling)
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, request_id=i)
         done = {}
         while engine.has_unfinished():
@@ -110,6 +110,17 @@ def test_the_poisoned_request_fails_alone_on_every_sampling_path(name, nan_model
             if name == "logprobs":
                 assert [e.logprob for e in out.outputs[0].logprobs[0].values()] == \
                     [e.logprob for e in clean.outputs[0].logprobs[0].values()]
+
+
+def test_the_poisoned_requests_kv_blocks_serve_the_next_requests_cleanly(nan_model):
+    """Its blocks (NaN keys and values in them) go back to the pool and are taken by the waiting requests,
+    whose shorter contexts leave NaN slots past their ends in the block (attention must not read them)."""
+    prompts = PROMPTS[:BAD] + [[300, POISON] + [301] * 12] + PROMPTS[BAD + 1:] + [[310 + i, 301, 302] for i in range(4)]
+    got = engine_outputs(nan_model, SAMPLING["greedy"], prompts, blocks=5)  # 5 blocks of 16: all reused
+    clean = engine_outputs(MODEL, SAMPLING["greedy"], prompts, blocks=5)
+    assert got[BAD].error is not None
+    assert {i: out.token_ids for i, out in got.items() if i != BAD} == \
+        {i: out.token_ids for i, out in clean.items() if i != BAD}
 
 
 def test_llm_generate_raises_the_error_naming_the_prompt(nan_model):
@@ -148,6 +159,20 @@ def test_the_cli_writes_the_error_record_and_resume_does_not_rerun_it(nan_model,
                            timeout=300)
     assert again.returncode == 1 and "Traceback" not in again.stderr.decode(), again.stderr.decode()
     assert lines_of(out) == got
+
+
+def test_a_constrained_record_gets_the_error_on_its_prompt_not_its_constraint(nan_model, tmp_path):
+    """Structured outputs sample outside the graphs, behind a token mask (-inf where disallowed)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b"".join(orjson.dumps({"id": i, "prompt_token_ids": p, "max_tokens": 4,
+                                           "guided_choice": ["yes", "no"]}) + b"\n"
+                             for i, p in enumerate(PROMPTS)))
+    result = subprocess.run(command(nan_model, inp, out, "-q"), env=env(), capture_output=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr.decode(), result.stderr.decode()
+    got = lines_of(out)
+    assert got[BAD]["error"] == {"message": "the model produced non-finite logits at token 0", "line": BAD + 1,
+                                 "field": "prompt_token_ids"}
+    assert all(line["text"] in ("yes", "no") for i, line in enumerate(got) if i != BAD)
 
 
 def test_with_data_parallel_the_error_record_is_written_once_and_not_resent(nan_model, tmp_path):

@@ -218,7 +218,8 @@ class Runner:
             self._inflight -= self._missing[position] - 1
             del self._requests[position], self._groups[position], self._missing[position], self._budgets[position]
             constraint = item.params[0].structured_outputs
-            if constraint is None or isinstance(out.error, (ReplicaFailure, ModelFailure)):  # not its fields': its prompt
+            # not its fields' fault (a lost replica, non-finite logits): its prompt
+            if constraint is None or isinstance(out.error, (ReplicaFailure, ModelFailure)):
                 item.record.fail(item.record.prompt_field(), out.error)
             else:
                 item.record.fail(item.record.structured_field or item.record.field_name("structured_outputs"),
