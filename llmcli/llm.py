@@ -7,7 +7,7 @@ from llmcli.config import Config
 from llmcli.engine.llm_engine import LLMEngine
 from llmcli.engine.admission import truncate_prompt
 from llmcli.engine.chat_messages import template_messages
-from llmcli.engine.outputs import CompletionOutput, RequestOutput
+from llmcli.engine.outputs import CompletionOutput, ModelFailure, RequestOutput
 from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
 from llmcli.engine.structured.grammar import GrammarError
@@ -90,6 +90,8 @@ class LLM:
                 done[out.request_id] = out
         failed = next((rid for rid in sorted(done) if done[rid].error is not None), None)
         if failed is not None:
+            if isinstance(done[failed].error, ModelFailure):
+                raise RuntimeError(f"prompt {failed[0]}: {done[failed].error}")
             raise GrammarError(f"prompt {failed[0]}: structured_outputs: {done[failed].error}")
         return [self._gather(i, texts[i], [done[(i, j)] for j in range(p.n)]) for i, p in enumerate(params)]
 

@@ -6,7 +6,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Protocol
 
-from llmcli.engine.outputs import RequestOutput
+from llmcli.engine.outputs import ModelFailure, RequestOutput
 from llmcli.engine.sequence import RequestRejected
 from llmcli.cli.io.output import error_record, result_record
 from llmcli.scaleout.errors import ReplicaFailure
@@ -218,7 +218,8 @@ class Runner:
             self._inflight -= self._missing[position] - 1
             del self._requests[position], self._groups[position], self._missing[position], self._budgets[position]
             constraint = item.params[0].structured_outputs
-            if constraint is None or isinstance(out.error, ReplicaFailure):  # not its fields' fault: its prompt
+            # not its fields' fault (a lost replica, non-finite logits): its prompt
+            if constraint is None or isinstance(out.error, (ReplicaFailure, ModelFailure)):
                 item.record.fail(item.record.prompt_field(), out.error)
             else:
                 item.record.fail(item.record.structured_field or item.record.field_name("structured_outputs"),

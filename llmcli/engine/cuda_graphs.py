@@ -165,7 +165,8 @@ class DecodeGraphs:
         """In-flight tokens from ``self.tokens`` and the forward; returns the hidden states."""
         row = dict(zip(I64_ROWS, self.i64[:, :bs]))
         pending = row["pending"]
-        ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], row["ids"])
+        # clamped: a row flagged non-finite (-1) computes one throw-away token before its request fails
+        ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)].clamp(min=0), row["ids"])
         return self.model(ids, row["positions"])
 
     def _sampler_body(self, filtered: bool) -> Callable[[int], torch.Tensor]:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Protocol
 from llmcli.config import Config
 from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.logprob_outputs import BlockEntries, LazyLogprobs, TokenText
-from llmcli.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from llmcli.engine.outputs import CompletionOutput, EngineStats, ModelFailure, RequestMetrics, RequestOutput
 from llmcli.engine.cpu_threads import cpu_threads
 from llmcli.engine.memory_check import check_host_memory
 from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_prompt, truncate_prompt
@@ -20,6 +20,7 @@ from llmcli.engine.startup import StartupClock, use_persistent_compile_cache
 from llmcli.engine.step_plan import StepPlan
 from llmcli.engine.step_timer import StepTimer
 from llmcli.engine.stopping import StopChecker
+from llmcli.layers.sampler import NONFINITE
 from llmcli.models.hub import load_tokenizer
 from llmcli.sampling_params import SamplingParams
 
@@ -233,7 +234,8 @@ class LLMEngine:
                     del seq.prompt_logprob_entries[first:]  # a recomputed prompt (after preemption) replaces
                     seq.prompt_logprob_entries.extend(entries)
             now = time.perf_counter()
-            finished = []
+            # a row flagged by the sampler (its logits were not finite) ends its request alone, first
+            finished = self._fail_nonfinite(step, tokens, now) if NONFINITE in tokens else []
             ends = self.structured.accept(step.sampled, tokens) if self.structured is not None else {}
             generated, check, finished_status = 0, self.stopper.check, SequenceStatus.FINISHED
             block = logprobs.block if logprobs is not None else None
@@ -280,6 +282,19 @@ class LLMEngine:
                     if seq.num_computed_tokens // block_size > seq.num_hashed_blocks and not seq.is_finished:
                         manager.register_computed(seq)
             return finished
+
+    def _fail_nonfinite(self, step: InflightStep, tokens: list[int], now: float) -> list[RequestOutput]:
+        """An error output for each request whose token of this step is the sampler's non-finite flag."""
+        failed = []
+        for seq, index, token in zip(step.sampled, step.indices, tokens):
+            if token != NONFINITE or seq.status is SequenceStatus.FINISHED:
+                continue
+            error = ModelFailure(f"the model produced non-finite logits at token {index - seq.num_prompt_tokens}")
+            seq.truncate(index)
+            seq.finish_reason, seq.finish_time = "error", now
+            self.scheduler.finish(seq)
+            failed.append(dataclasses.replace(self._output(seq), error=error))
+        return failed
 
     def _refresh_queue_stats(self) -> None:
         self.stats.num_running = len(self.scheduler.running)

@@ -26,7 +26,7 @@ from llmcli.kernels import make_backend
 from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.logprobs import worker_prompt_logits
 from llmcli.layers.penalties import PenaltyTables
-from llmcli.layers.sampler import Sampler
+from llmcli.layers.sampler import Sampler, greedy_tokens
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
 from llmcli.layers.quantization.loading import finish_fp8
@@ -261,7 +261,8 @@ class ModelRunner:
                 if self.rank == 0 and plan.extras is not None else None
         with self.timer.phase("forward"):
             if inputs.pending_rows is not None:
-                from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)]
+                # clamped: a row flagged non-finite (-1) computes one throw-away token before its request fails
+                from_device = self.prev_tokens[inputs.pending_rows.clamp(min=0)].clamp(min=0)
                 inputs.input_ids = torch.where(inputs.pending_rows >= 0, from_device, inputs.input_ids)
             hidden = self._forward(inputs)
             logits = self._logits(hidden, inputs)
@@ -280,9 +281,9 @@ class ModelRunner:
                     logits = extras.penalize(logits, inputs.input_ids, self.penalties, self.bias)
                 if mask is not None:  # after penalties: a disallowed token stays disallowed
                     logits = apply_token_bitmask(logits, self._upload_mask(mask))
-                token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
-                if extras is not None:
-                    extras.compute_logprobs(raw, token_ids, hidden, self.model.compute_logits)
+                token_ids = greedy_tokens(logits) if sampling is None else self.sampler(logits, sampling)
+                if extras is not None:  # (in range: the sampler's -1 flags a row of non-finite logits)
+                    extras.compute_logprobs(raw, token_ids.clamp(min=0), hidden, self.model.compute_logits)
             if self.world > 1 and inputs.num_sampled:
                 token_ids = self._share_tokens(token_ids, inputs.num_sampled)
             self.prev_tokens = token_ids
@@ -325,7 +326,7 @@ class ModelRunner:
             elif logits is None:
                 token_ids = None
             else:
-                token_ids = logits.argmax(dim=-1) if sampling is None else self.sampler(logits, sampling)
+                token_ids = greedy_tokens(logits) if sampling is None else self.sampler(logits, sampling)
             if self.world > 1:
                 token_ids = self._share_tokens(token_ids, n)
             self.prev_tokens, self.prev_in_graph = token_ids, in_graph is not None

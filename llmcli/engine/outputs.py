@@ -42,6 +42,10 @@ class RequestMetrics:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class ModelFailure(str):
+    """The error of a request the model could not compute (its logits were not finite): not its fields' fault."""
+
+
 @dataclass
 class RequestOutput:
     """A finished request: its prompt and its completions, shaped like vLLM's.
@@ -58,7 +62,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None (no context), as vLLM
     finished: bool = True
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    error: str | None = None  # the request could not run (its constraint failed to compile); no completion
+    error: str | None = None  # the request could not run (its constraint failed, or a ModelFailure); no completion
 
     @classmethod
     def single(cls, request_id: Any, prompt_token_ids: list[int], token_ids: list[int], text: str,

@@ -72,6 +72,7 @@ def measure_activation_peak(runner: WarmupTarget) -> int:
     rows = torch.arange(min(cfg.max_num_seqs, hidden.shape[0]), device=device) % hidden.shape[0]
     logits = runner.model.compute_logits(hidden[rows])
     if logits is not None:
+        check_finite(runner, logits)
         check_sampler(runner, logits.shape[-1])  # before the sampler's first use, so a failure falls back
         sample_dummy(runner, logits, use_filters=True)
     if device.type != "cuda":
@@ -81,6 +82,18 @@ def measure_activation_peak(runner: WarmupTarget) -> int:
     del hidden, logits
     torch.cuda.empty_cache()
     return peak
+
+
+def check_finite(runner: WarmupTarget, logits: torch.Tensor) -> None:
+    """Refuse a model whose logits on the warm-up prompt are not finite: it could answer nothing."""
+    if not bool(torch.isfinite(logits).all()):
+        from llmcli.models.loader import CheckpointError
+
+        dtype = str(runner.config.torch_dtype).removeprefix("torch.")
+        hint = "" if dtype == "float32" else f", or {dtype} overflows (try --dtype float32)"
+        raise CheckpointError(f"the model {runner.config.model} produces non-finite logits (NaN or inf) on the "
+                              f"start-up warm-up prompt in {dtype}: its weights or config.json values are "
+                              f"damaged{hint}")
 
 
 def check_sampler(runner: WarmupTarget, vocab_size: int) -> None:

@@ -96,9 +96,15 @@ def _sample_chunk_kernel(
     cand = tl.where(greedy, logit, noisy)
     cand = tl.where(valid, cand, float("-inf"))
     best_val, best_pos = tl.max(cand, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    best_pos = chunk * CHUNK + best_pos
+    # a NaN or +inf logit: the chunk's best is NaN at token -1, which the row's argmax (NaN first) then picks,
+    # flagging the row without a kernel or a read of its own (-1: the engine fails that request)
+    bad = tl.max(((logit != logit) | (logit == float("inf"))).to(tl.int32), axis=0) > 0
+    best_val = tl.where(bad, float("nan"), best_val)
+    best_pos = tl.where(bad, -1, best_pos)
     n_chunks = tl.num_programs(1)
     tl.store(part_val_ptr + row * n_chunks + chunk, best_val)
-    tl.store(part_idx_ptr + row * n_chunks + chunk, chunk * CHUNK + best_pos)
+    tl.store(part_idx_ptr + row * n_chunks + chunk, best_pos)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -129,7 +135,8 @@ _ACCURATE = isinstance(_sample_chunk_kernel, triton.runtime.jit.JITFunction)
 def sample_with_floor(logits: torch.Tensor, temperatures: torch.Tensor, inv_t: torch.Tensor, floors: torch.Tensor,
                       row_keys: torch.Tensor) -> torch.Tensor:
     """[B] int64 tokens: the Gumbel-max over the tokens whose ``logits * inv_t >= floors`` (raw argmax for
-    rows with ``temperatures <= 0``); ``row_keys`` are ``llmcli.layers.sampler.row_keys(seeds, steps)``."""
+    rows with ``temperatures <= 0``), -1 for a row holding a NaN or +inf; ``row_keys`` are
+    ``llmcli.layers.sampler.row_keys(seeds, steps)``."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     chunks = triton.cdiv(vocab, CHUNK)

@@ -88,11 +88,30 @@ def filter_logits(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tens
     desc = desc.masked_fill(desc < kth, float("-inf"))
     probs = desc.double().softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    first_equal = torch.searchsorted(-desc, -desc)  # the first position of each value among its ties
+    # the first position of each value among its ties (clamped: a NaN row finds none; it is flagged anyway)
+    first_equal = torch.searchsorted(-desc, -desc).clamp_(max=vocab - 1)
     above = mass_before.gather(1, first_equal)
     kept = (above < top_ps.double()[:, None]) | (top_ps >= 1)[:, None]
     tau = torch.where(kept, desc, float("inf")).amin(dim=-1, keepdim=True)
     return scaled.masked_fill(scaled < torch.maximum(tau, kth), float("-inf"))
+
+
+NONFINITE = -1  # the token of a row whose logits hold a NaN or +inf: the engine fails that row's request
+
+
+def mark_nonfinite(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with ``NONFINITE`` where the row of ``logits`` holds a NaN or +inf (its max is not < inf).
+
+    -inf alone is no fault (masks and biases write it). The one-pass Triton sampler flags rows the same way
+    inside its kernel; this is the torch path's: small kernels, static shapes, read back with the tokens.
+    """
+    return torch.where(logits.amax(dim=-1) < float("inf"), tokens, NONFINITE)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row, ``NONFINITE`` for a row holding a NaN or +inf (``max`` gives both at once)."""
+    values, tokens = logits.max(dim=-1)
+    return torch.where(values < float("inf"), tokens, NONFINITE)
 
 
 def fused_row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -218,7 +237,7 @@ class Sampler(nn.Module):
         return None
 
     def forward(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        """One token per row of ``logits`` [B, V]."""
+        """One token per row of ``logits`` [B, V]; ``NONFINITE`` (-1) for a row holding a NaN or +inf."""
         if logits.is_cuda and self.one_pass:
-            return sample_one_pass(logits, *rows.args())
-        return sample(logits, *rows.args())
+            return sample_one_pass(logits, *rows.args())  # its kernel flags non-finite rows itself
+        return mark_nonfinite(logits, sample(logits, *rows.args()))
