@@ -23,6 +23,7 @@ from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
 from benchmarks.harness.ceilings import free_memory, measure_ceilings, sync  # noqa: E402
 from benchmarks.harness.llmcli_run import compiled_so_far, setting_kwargs  # noqa: E402
 from benchmarks.harness.output import md_table, say  # noqa: E402
+from benchmarks.harness.script_args import add_device_args, settle_device  # noqa: E402
 from benchmarks.harness.workload import NEUTRAL, model_facts, write_tiny_config  # noqa: E402
 from greedy_compare import agreement  # noqa: E402
 from llmcli.cli.bench import Workload, make_requests, parse_length, request_params  # noqa: E402
@@ -236,9 +237,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a tiny random model and small workloads")
-    p.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny")
+    add_device_args(p, device="cuda", tiny="a tiny random model and small workloads")
     p.add_argument("--models", nargs="+", default=["configs/Qwen3-0.6B", "configs/Qwen3-8B"])
     p.add_argument("--variants", nargs="+", default=["base", "sample_in_graph=false"],
                    help="engines to build for the first model (see the module docstring)")
@@ -249,8 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name, value in PRESETS.get(args.preset, {}).items():
         setattr(args, name, value)
-    if args.smoke:
-        args.device, args.tiny = "cpu", True
+    settle_device(p, args)
     return args
 
 
