@@ -28,8 +28,9 @@ from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
 from benchmarks.harness.ceilings import DTYPES, measure_ceilings  # noqa: E402
 from benchmarks.harness.hf_run import run_hf  # noqa: E402
 from benchmarks.harness.llmcli_run import run_llmcli  # noqa: E402
-from benchmarks.harness.output import START, log, say  # noqa: E402
+from benchmarks.harness.output import START, log, out_path, say  # noqa: E402
 from benchmarks.harness.report import Report, fail, final_tables, section  # noqa: E402
+from benchmarks.harness.script_args import add_device_args, keep_defaults, settle_device  # noqa: E402
 from benchmarks.harness.workload import (  # noqa: E402
     DEFAULT_MODELS, add_workload_args, make_workload, model_facts, resolve_model, write_tiny_config)
 
@@ -41,12 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="model folders (config.json suffices)")
     g.add_argument("--skip-hf", action="store_true", help="do not run transformers (it runs on the first model)")
     g.add_argument("--skip-breakdown", action="store_true", help="do not probe llmcli's decode step")
-    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="model dtype (default bfloat16; float32 with --tiny)")
-    g.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny")
-    g.add_argument("--tiny", action="store_true",
-                   help="a tiny random Qwen3 (temp dir), 8 requests of 8..32 tokens, small ceilings: a smoke test")
+    add_device_args(g, tiny="a tiny random Qwen3 (temp dir), 8 requests of 8..32 tokens, small ceilings")
     g.add_argument("--time-budget", type=float, default=540.0,
                    help="seconds for the whole script; transformers stops at it (its tok/s then a lower bound)")
     w = ap.add_argument_group("workload (llmcli bench's default)")
@@ -61,18 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     h.add_argument("--hf-max-prompts", type=int, default=None,
                    help="run transformers on the first N requests only (llmcli is then timed on them too)")
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.device, args.tiny = "cpu", True
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda but no CUDA device is visible")
+    settle_device(ap, args)
     if args.tiny:
-        tiny = {"num_prompts": 8, "min_input": 8, "max_input": 32, "min_output": 8, "max_output": 32,
-                "breakdown_batch": 8, "breakdown_steps": 5}
-        for k, v in tiny.items():
-            if getattr(args, k) == ap.get_default(k):  # only where the user kept the default
-                setattr(args, k, v)
+        keep_defaults(ap, args, {"num_prompts": 8, "min_input": 8, "max_input": 32, "min_output": 8,
+                                 "max_output": 32, "breakdown_batch": 8, "breakdown_steps": 5})
         args.engine = ["num_kvcache_blocks=128", "kvcache_block_size=16", *args.engine]
         torch.set_num_threads(1)  # a busy small CPU stalls for milliseconds in every multi-threaded op
     if args.dtype is None:
@@ -103,8 +93,7 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out_dir = os.environ.get("OUT")
-    json_path = Path(out_dir) / "bench.json" if out_dir else None
+    json_path, md_path = out_path("bench.json"), out_path("bench.md")
     report = Report(json_path)
     deadline = START + args.time_budget
     logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")  # other loggers stay at WARNING
@@ -180,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = report.data["failures"]
     say(f"\n{len(failures)} failure(s){': ' + '; '.join(f['section'] for f in failures) if failures else ''}; "
         f"total {report.data['total_s']:.0f} s" + (f"; JSON in {json_path}" if json_path else ""))
-    if out_dir:
+    if md_path:
         with contextlib.suppress(OSError):
-            (Path(out_dir) / "bench.md").write_text(table + "\n")
+            md_path.write_text(table + "\n")
     if args.tiny:
         shutil.rmtree(models[0].parent, ignore_errors=True)
     code = 1 if failures else 0

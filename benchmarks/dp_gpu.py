@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from benchmarks.harness.cli_process import CLI, GpuWatch, gpu_memory_mib, watch_command  # noqa: E402
-from benchmarks.harness.output import fmt_f, md_table  # noqa: E402
+from benchmarks.harness.output import fmt_f, md_table, out_path, write_json  # noqa: E402
+from benchmarks.harness.script_args import add_device_args, keep_defaults, settle_device  # noqa: E402
 from benchmarks.harness.workload import (  # noqa: E402
     add_workload_args, make_workload, model_facts, write_requests_jsonl, write_tiny_config)
 from processes import env, wait_gone  # noqa: E402
@@ -142,18 +143,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--models", nargs="+", default=[str(REPO / "configs" / "Qwen3-0.6B"),
                                                     str(REPO / "configs" / "Qwen3-8B")],
                     help="the first runs one-gpu and ray; all run dp; the last runs tp-vs-dp")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 and a small workload")
-    ap.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny, one-gpu")
+    add_device_args(ap, device="cuda", tiny="a tiny random Qwen3 and a small workload",
+                    smoke="the CI smoke test: --device cpu --tiny, one-gpu")
     add_workload_args(ap)
     args = ap.parse_args(argv)
+    settle_device(ap, args)
     if args.smoke:
-        args.device, args.tiny, args.parts = "cpu", True, args.parts or ["one-gpu"]
+        args.parts = args.parts or ["one-gpu"]
     if args.tiny:
-        for name, value in (("num_prompts", 16), ("min_input", 8), ("max_input", 32), ("min_output", 16),
-                            ("max_output", 48)):
-            if getattr(args, name) == ap.get_default(name):
-                setattr(args, name, value)
+        keep_defaults(ap, args, {"num_prompts": 16, "min_input": 8, "max_input": 32, "min_output": 16,
+                                 "max_output": 48})
     # on a CPU a small KV pool, two sequences at a time: a tiny model's run in seconds
     args.engine_flags = ["--num-kvcache-blocks", "128", "--kvcache-block-size", "16", "--max-num-seqs", "2"] \
         if args.device == "cpu" else []
@@ -183,9 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    if args.device == "cuda" and gpus == 0:
-        print("no CUDA device visible: use --smoke (CPU, tiny model)", file=sys.stderr)
-        return 2
     parts = args.parts or (["one-gpu"] if args.device == "cuda" and gpus < 2 else ["dp", "tp-vs-dp", "ray"])
     if args.device == "cuda" and gpus < 2 and any(p != "one-gpu" for p in parts):
         print(f"only {gpus} GPU visible: skipping {[p for p in parts if p != 'one-gpu']} (they need two)", flush=True)
@@ -232,10 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 against_plain("DP=2 Ray", first, dp=2, backend="ray")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "dp.json").write_text(json.dumps(
-                {"parts": parts, "gpus": gpus, "seconds": round(time.monotonic() - started, 1),
-                 "runs": [asdict(r) for r in runs]}, indent=1))
+        write_json(out_path("dp.json"), {"parts": parts, "gpus": gpus, "seconds": round(time.monotonic() - started, 1),
+                                         "runs": [asdict(r) for r in runs]})
     print(f"\n## Data parallelism ({time.monotonic() - started:.0f} s)\n")
     print(table(runs))
     bad = [r.label for r in runs if r.exit_status != 0 or r.identical.endswith("NO") or not r.exactly_once

@@ -13,7 +13,8 @@
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   startup benchmarks/startup_gpu.py: process launch to a ready engine; run it FIRST on a fresh machine;
 #           args in STARTUP_ARGS
-#   logprobs  benchmarks/logprobs_cost.py: bench workload with and without logprobs=5 (cost <= 10%)
+#   logprobs  benchmarks/speed_gpu.py --preset logprobs: the default workload on 0.6B with and without
+#           logprobs=5 (cost <= 10%), args in LOGPROBS_ARGS
 #   lmeval  benchmarks/lm_eval_gpu.py: a 2,000-question multiple-choice task through lm-eval's llmcli model vs
 #           LLM.generate on the same prompts, Qwen3-8B dummy (overhead <= 10%; needs lm-eval and its wheels)
 #   structured  benchmarks/structured_bench.py: unconstrained / one JSON schema / 64 schemas (needs
@@ -82,7 +83,7 @@ for stage in "$@"; do
     # the tokenizer's batch encoding uses its own threads here, as for a user (the session turns them off above)
     job) env -u TOKENIZERS_PARALLELISM timeout 580 python3 benchmarks/job_gpu.py ${JOB_ARGS:-} 2>&1 | tee "$OUT/job.log" ;;
     startup) timeout 420 python3 benchmarks/startup_gpu.py ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" ;;
-    logprobs) timeout 300 python3 benchmarks/logprobs_cost.py ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
+    logprobs) timeout 330 python3 benchmarks/speed_gpu.py --preset logprobs ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
     lmeval) timeout 240 python3 benchmarks/lm_eval_gpu.py ${LMEVAL_ARGS:-} 2>&1 | tee "$OUT/lm_eval.log" ;;
     structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;

@@ -23,6 +23,7 @@ from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
 from benchmarks.harness.ceilings import free_memory, measure_ceilings, sync  # noqa: E402
 from benchmarks.harness.llmcli_run import compiled_so_far, setting_kwargs  # noqa: E402
 from benchmarks.harness.output import md_table, say  # noqa: E402
+from benchmarks.harness.script_args import add_device_args, settle_device  # noqa: E402
 from benchmarks.harness.workload import NEUTRAL, model_facts, write_tiny_config  # noqa: E402
 from greedy_compare import agreement  # noqa: E402
 from llmcli.cli.bench import Workload, make_requests, parse_length, request_params  # noqa: E402
@@ -31,8 +32,8 @@ from llmcli.engine.step_timer import HOST_PHASES  # noqa: E402
 PREFILL_HEAVY = REPO / "configs" / "bench-prefill-heavy.toml"
 SMALL, BIG = "configs/Qwen3-0.6B", "configs/Qwen3-8B"
 SAMPLINGS = ["base", "sampling=qwen3-defaults", "sampling=mixed"]
-# what the retired one-question scripts measured (fp8_gpu.py, moe_gpu.py, real_path_gpu.py, families_gpu.py);
-# a preset sets these options over the command line's
+# what the retired one-question scripts measured (fp8_gpu.py, moe_gpu.py, real_path_gpu.py, families_gpu.py,
+# logprobs_cost.py); a preset sets these options over the command line's
 PRESETS: dict[str, dict[str, Any]] = {
     "fp8": dict(models=[SMALL, BIG], variants=["base", "kv_cache_dtype=fp8"],
                 later_variants=["base", "quantization=fp8"], prefill_heavy=False),
@@ -44,7 +45,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # issue 45: the default 64-token KV blocks against the old default of 256, same call
     "blocks": dict(models=[SMALL, BIG], variants=["base", "kvcache_block_size=256"],
                    later_variants=["base", "kvcache_block_size=256"], prefill_heavy=False),
+    # issue 15: what logprobs=5 costs on the default workload (bar: at most 10% of the throughput)
+    "logprobs": dict(models=[SMALL], variants=["base", "logprobs=5"], prefill_heavy=False),
 }
+LOGPROBS_BAR = 0.9  # the logprobs variant's throughput against base's
 WAIT_IDLE_MS = 0.02  # a wait this short means the tokens were there already: the device had run dry
 
 
@@ -69,10 +73,11 @@ def jobs_for(model: str, args: argparse.Namespace) -> dict[str, Workload]:
     return jobs
 
 
-def variant_kwargs(variant: str) -> tuple[dict[str, Any], str]:
-    """A variant's engine settings, and its workload's sampling mode (``sampling=...``; plain by default)."""
+def variant_kwargs(variant: str) -> tuple[dict[str, Any], str, int | None]:
+    """A variant's engine settings, its workload's sampling mode (``sampling=...``; plain by default) and the
+    logprobs every request asks for (``logprobs=K``; none by default)."""
     kwargs = setting_kwargs(variant.split("+"))
-    return kwargs, kwargs.pop("sampling", "plain")
+    return kwargs, kwargs.pop("sampling", "plain"), kwargs.pop("logprobs", None)
 
 
 def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, float]]]:
@@ -94,8 +99,8 @@ def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, fl
 
 
 def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], workload: Workload, device: str,
-              records: list) -> dict[str, Any]:
-    params = [request_params(workload, i, o) for i, o in enumerate(outs)]
+              records: list, logprobs: int | None = None) -> dict[str, Any]:
+    params = [replace(request_params(workload, i, o), logprobs=logprobs) for i, o in enumerate(outs)]
     del records[:]
     variants_before = compiled_so_far()["triton_variants"]
     sync(device)
@@ -105,6 +110,15 @@ def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], workload: Wor
     wall = time.perf_counter() - start
     variants_after = compiled_so_far()["triton_variants"]
     got = sum(len(r.token_ids) for r in results)
+    read_s = None
+    if logprobs is not None:
+        # The per-token {id: Logprob} dicts are built when first read (engine/logprob_outputs.py): time that
+        # apart, and check the values came back, one position per token, k alternatives each.
+        start = time.perf_counter()
+        positions = [list(r.outputs[0].logprobs) for r in results]
+        read_s = time.perf_counter() - start
+        assert all(len(p) == len(r.token_ids) for p, r in zip(positions, results))
+        assert all(len(x) >= logprobs for p in positions for x in p)
     decode = [r for r in records if r[0] == "decode"]
     top = max((r[1] for r in decode), default=0)
     at = 256 if any(r[1] == 256 for r in decode) else top
@@ -116,7 +130,7 @@ def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], workload: Wor
         mine = [r for r in records if r[0] == kind]
         if mine:
             kinds[kind] = (len(mine), sum(r[1] for r in mine) / len(mine))
-    return {"wall_s": wall, "output_tokens": got, "expected_tokens": sum(outs), "output_tok_s": got / wall,
+    return {"wall_s": wall, "output_tokens": got, "logprobs_read_s": read_s, "expected_tokens": sum(outs), "output_tok_s": got / wall,
             "decode_steps": len(decode), "mixed_steps": sum(r[0] == "mixed" for r in records),
             "phases_ms": phases_at, "kinds": kinds,
             "new_variants": None if variants_before is None or variants_after is None
@@ -155,7 +169,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
     from llmcli import LLM, SamplingParams
 
     facts, variant = case.facts, case.variants[n_engine]
-    settings, sampling = variant_kwargs(variant)
+    settings, sampling, logprobs = variant_kwargs(variant)
     kwargs = dict(load_format="dummy", device=args.device, seed=0, **settings)
     if args.tiny:  # small budgets, so that prompts prefill in several steps beside running decodes
         kwargs.update(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=512, max_num_seqs=8,
@@ -168,7 +182,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
         records = step_records(engine)
         for mixed in (False, True):  # also the warm-up of this engine
             engine.scheduler.mixed_steps = mixed
-            out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, **NEUTRAL))
+            out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, logprobs=logprobs,
+                                                              **NEUTRAL))
             tokens = [list(o.token_ids) for o in out]
             case.base_tokens = case.base_tokens or tokens
             agree = agreement(case.base_tokens, tokens)
@@ -185,7 +200,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     continue
                 engine.scheduler.mixed_steps = mixed
                 engine.scheduler.block_manager.reset_prefix_cache()  # no run reuses an earlier run's prompts
-                r = timed_run(llm, prompts, outs, replace(workload, sampling=sampling), args.device, records)
+                r = timed_run(llm, prompts, outs, replace(workload, sampling=sampling), args.device, records,
+                              logprobs)
                 cfg = engine.config
                 bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
                                        max_concurrent=cfg.max_num_seqs,
@@ -199,9 +215,15 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     f"(count x mean tokens): {kinds}; host phases ms at batch {r['host_batch']}: "
                     + " ".join(f"{p} {v:.3f}" for p, v in r["phases_ms"].items() if v > 0)
                     + f"; Triton variants first needed in this run: {r['new_variants']}")
+                if r["logprobs_read_s"] is not None:
+                    say(f"  reading every logprob back as vLLM-shaped dicts (after the run): {r['logprobs_read_s']:.2f} s")
                 if r["output_tokens"] != r["expected_tokens"]:
                     failures.append(f"{job}: {r['output_tokens']} output tokens, expected {r['expected_tokens']}")
                 base = case.base_tok_s.setdefault((job, mixed), r["output_tok_s"])
+                if logprobs is not None:
+                    ratio = r["output_tok_s"] / base
+                    say(f"  logprobs={logprobs} against base: {ratio:.3f} ({(1 - ratio) * 100:.1f}% cost; bar: at most "
+                        f"{(1 - LOGPROBS_BAR) * 100:.0f}%): {'PASS' if ratio >= LOGPROBS_BAR else 'FAIL'}")
                 rows.append([facts["name"], job, variant, mixed, f"{r['output_tok_s']:,.0f}",
                              f"{r['output_tok_s'] / base:.2f}x", f"{r['wall_s']:.2f}",
                              "n/a" if share is None else f"{100 * share:.1f}%",
@@ -215,9 +237,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a tiny random model and small workloads")
-    p.add_argument("--smoke", action="store_true", help="the CI smoke test: --device cpu --tiny")
+    add_device_args(p, device="cuda", tiny="a tiny random model and small workloads")
     p.add_argument("--models", nargs="+", default=["configs/Qwen3-0.6B", "configs/Qwen3-8B"])
     p.add_argument("--variants", nargs="+", default=["base", "sample_in_graph=false"],
                    help="engines to build for the first model (see the module docstring)")
@@ -228,8 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name, value in PRESETS.get(args.preset, {}).items():
         setattr(args, name, value)
-    if args.smoke:
-        args.device, args.tiny = "cpu", True
+    settle_device(p, args)
     return args
 
 
@@ -238,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.time_budget
     if args.tiny:
         args.models = [str(write_tiny_config())]
-        if args.device == "cpu":  # no CUDA graphs on the CPU: engine variants would be the same engine
+        if args.device == "cpu" and not args.preset:  # no CUDA graphs on the CPU: engine variants would be the same engine
             args.variants = args.later_variants = ["base", "sampling=mixed"]
     ceil = measure_ceilings(args.device, args.tiny, fp8=any("quantization" in v for v in
                                                             args.variants + args.later_variants))

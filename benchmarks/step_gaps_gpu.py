@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 import tempfile
 import time
@@ -18,12 +16,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
 from benchmarks.harness.bound import Shape, active_params  # noqa: E402
 from benchmarks.harness.ceilings import DTYPES, free_memory, measure_ceilings, sync  # noqa: E402
 from benchmarks.harness.device_idle import idle_report, load_trace, trace_spans  # noqa: E402
-from benchmarks.harness.output import fmt_f, log, md_table, say  # noqa: E402
+from benchmarks.harness.output import fmt_f, log, md_table, out_path, say, write_json  # noqa: E402
+from benchmarks.harness.script_args import add_device_args, settle_device  # noqa: E402
 from benchmarks.harness.workload import (  # noqa: E402
     NEUTRAL, add_workload_args, make_workload, model_facts, resolve_model, write_tiny_config)
 
@@ -35,17 +32,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--at", nargs="+", type=int, default=[60, 400, 800],
                     help="decode steps (from the first) where a window starts")
     ap.add_argument("--steps", type=int, default=20, help="steps per window (timed, then profiled)")
-    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default=None, choices=list(DTYPES))
-    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny random Qwen3, small windows")
+    add_device_args(ap, smoke="CPU, a tiny random Qwen3, small windows")
     add_workload_args(ap)
     args = ap.parse_args(argv)
+    settle_device(ap, args)
     if args.smoke:
-        args.device = "cpu"
         args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output = 8, 8, 32, 24, 40
         args.at, args.steps = [2, 10], 4
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
 
@@ -173,8 +167,7 @@ def print_tables(results: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     models = [write_tiny_config()] if args.smoke else [resolve_model(m) for m in args.models]
-    out_dir = os.environ.get("OUT")
-    json_path = Path(out_dir) / "step_gaps.json" if out_dir else None
+    json_path = out_path("step_gaps.json")
     results, failures = [], 0
     ceilings = measure_ceilings(args.device, tiny=args.smoke)
     with tempfile.TemporaryDirectory(prefix="llmcli-gaps-") as tmp:
@@ -184,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # the other models still run
                 failures += 1
                 say(f"FAILED: {m.name}: {type(exc).__name__}: {exc}")
-            if json_path:
-                json_path.parent.mkdir(parents=True, exist_ok=True)
-                json_path.write_text(json.dumps(results, indent=2) + "\n")
+            write_json(json_path, results)
     print_tables(results)
     say(f"\n{failures} failed model(s)")
     return 1 if failures else 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
+from benchmarks.harness.output import out_path, write_json  # noqa: E402
+from benchmarks.harness.script_args import add_device_args, settle_device  # noqa: E402
 from llmcli import SamplingParams, StructuredOutputsParams  # noqa: E402
 from llmcli.cli.bench import Workload, make_requests  # noqa: E402
 from llmcli.config import Config  # noqa: E402
@@ -67,12 +68,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(REPO / "configs" / "Qwen3-0.6B"))
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: build the full-size one)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--smoke", action="store_true", help="tiny model, few short requests (CPU)")
+    add_device_args(p, smoke="tiny model, few short requests (CPU)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--schemas", type=int, default=64)
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "structured.json"))
     args = p.parse_args()
+    settle_device(p, args)
     w = Workload(num_prompts=args.num_prompts)
     knobs: dict = {"device": args.device}
     if args.smoke:
@@ -114,7 +114,7 @@ def main() -> int:
                                 "max": 1e3 * max(seconds)}
     finally:
         engine.shutdown()
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+        write_json(out_path("structured.json"), result)
     base = result["unconstrained"]["output_tok_s"]
     ok = all(result[k]["output_tokens"] == result[k]["expected_tokens"]
              for k in ("unconstrained", "one_schema", "many_schemas"))

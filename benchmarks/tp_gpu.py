@@ -8,7 +8,6 @@ import argparse
 import faulthandler
 import json
 import logging
-import os
 import random
 import subprocess
 import sys
@@ -16,11 +15,12 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the GPU tests' checkpoint writer and greedy comparisons
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/: the GPU tests' checkpoint writer and greedy comparisons
 
 BENCH_MODEL = str(REPO / "configs" / "Qwen3-8B")
 
 import torch  # noqa: E402
+from benchmarks.harness.output import out_path, write_json  # noqa: E402
 from greedy_compare import agreement  # noqa: E402
 from tiny_qwen3 import write_random_published  # noqa: E402
 
@@ -108,8 +108,7 @@ def main() -> None:
             print(f"| {Path(BENCH_MODEL).name} | {tp} | {r['output_tokens_per_s']:,.0f} | "
                   f"{r['total_tokens_per_s']:,.0f} | {r['requests_per_s']:.2f} | {r['ttft_ms']['p50']:.0f} | "
                   f"{r['tpot_ms']['p50']:.1f} | {d.get('steps', 0):,} | {launch:.2f} / {d.get('wait_ms', 0.0):.2f} |")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "tp.json").write_text(json.dumps(report, indent=1))
+    write_json(out_path("tp.json"), report)
 
 
 if __name__ == "__main__":

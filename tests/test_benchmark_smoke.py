@@ -22,7 +22,7 @@ SMOKES = [
     (["host_step_cpu.py", "--smoke"], "| graph+sample |"),
     (["job_gpu.py", "--smoke"], "CLI overhead"),
     (["startup_gpu.py", "--smoke"], "tiny+cold+serial #1"),
-    (["logprobs_cost.py", "--smoke"], "| logprobs=5: ms per decode step"),
+    (["speed_gpu.py", "--smoke", "--preset", "logprobs"], "logprobs=5 against base:"),
     (["structured_bench.py", "--smoke", "--device", "cpu"], "every request produced its full length: True"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
     (["step_gaps_gpu.py", "--smoke"], "0 failed model(s)"),

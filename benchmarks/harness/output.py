@@ -1,8 +1,12 @@
-"""Printing: result lines on stdout, time-stamped progress on stderr, number formats, Markdown tables."""
+"""Printing: result lines on stdout, time-stamped progress on stderr, number formats, Markdown tables, and the
+JSON a run leaves in ``$OUT`` (the device machine's folder that comes back)."""
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 START = time.perf_counter()  # the script's start, for the progress time stamps and --time-budget
@@ -36,3 +40,21 @@ def md_table(header: list[str], rows: list[list[Any]], right: set[int] | None = 
              "|" + "|".join("---:" if i in right else "---" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def out_path(name: str) -> Path | None:
+    """``$OUT/name``, or None when ``$OUT`` is not set (a run on this machine keeps its figures on stdout)."""
+    return Path(os.environ["OUT"], name) if os.environ.get("OUT") else None
+
+
+def write_json(path: Path | None, data: Any) -> None:
+    """``data`` as JSON at ``path`` (nothing if None), whole or not at all: a run cut short keeps the last copy."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        log(f"could not write {path}: {exc}")

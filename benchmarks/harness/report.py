@@ -1,7 +1,6 @@
 """The run's record: the guarded sections, the JSON report written after each, and the final Markdown tables."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 import traceback
@@ -9,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.harness.bound import bound_table
-from benchmarks.harness.output import fmt_f, fmt_int, log, md_table, say
+from benchmarks.harness.output import fmt_f, fmt_int, log, md_table, say, write_json
 
 
 class Report:
@@ -21,15 +20,7 @@ class Report:
                                      "bounds": {}, "decode_breakdown": {}, "sections": {}, "failures": []}
 
     def save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
-            tmp.replace(self.path)
-        except OSError as exc:
-            log(f"could not write {self.path}: {exc}")
+        write_json(self.path, self.data)
 
 
 def section(report: Report, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
