@@ -21,7 +21,7 @@ def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """q/k [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv] of the chunks ``cu_seqlens`` cuts; initial [N, Hv, Dk, Dv]
     -> (out [T, Hv, Dv], final states [N, Hv, Dk, Dv])."""
     q, k = _value_heads(q, k, v.shape[-2])
-    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
+    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None].float(), beta=beta[None].to(q.dtype),
                                         initial_state=initial.float(), output_final_state=True,
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
     return out[0], final
@@ -31,7 +31,8 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence: q/k [B, Hk, Dk], v [B, Hv, Dv], g/beta [B, Hv], state [B, Hv, Dk, Dv]."""
     q, k = _value_heads(q, k, v.shape[-2])
-    out, final = fused_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None].float(),
-                                                  beta[:, None].to(q.dtype), initial_state=state.float(),
+    # by keyword: fla's fused recurrent form takes per-key and per-value decays (gk, gv) between g and beta
+    out, final = fused_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g=g[:, None].float(),
+                                                  beta=beta[:, None].to(q.dtype), initial_state=state.float(),
                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
     return out[:, 0], final
