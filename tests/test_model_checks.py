@@ -265,6 +265,31 @@ def test_f13_damaged_checkpoints_are_one_line_exit_2(tiny_model, tiny_model_shar
         assert result.exit_code == 2 and "Traceback" not in text and DAMAGED[:12] in text, text
 
 
+@pytest.mark.parametrize("parallel,case", [(["-tp", "2"], "transposed k_proj"), (["-tp", "2"], "truncated mid-tensor"),
+                                           (["-dp", "2"], "transposed k_proj")])
+def test_f13_tensor_parallel_ranks_and_replicas_print_the_same_one_line(tiny_model, tmp_path, parallel, case):
+    """Every rank (gloo) or local replica meets the defect as it loads: the driver prints the single process's
+    line (not a rank's traceback, nor "replica 1 failed to start: llmcli.models.loader.CheckpointError: ..."),
+    exit 2, and no control segment is left in /dev/shm."""
+    from processes import env
+
+    damage, expected = SINGLE_FILE_DAMAGE[case]
+    folder = _copy(tiny_model, tmp_path)
+    damage(folder)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [5, 6], "max_tokens": 2}\n')
+    out = tmp_path / "out.jsonl"
+    segments = set(os.listdir("/dev/shm"))
+    result = subprocess.run([sys.executable, "-m", "llmcli.cli.app", "generate", str(inp), "-o", str(out),
+                             "--model", str(folder), "--device", "cpu", "--num-kvcache-blocks", "16",
+                             "--kvcache-block-size", "16", "--max-model-len", "64", "-q", *parallel],
+                            env=env(), capture_output=True, text=True, timeout=300)
+    result.exit_code = result.returncode
+    _one_line_error(result, expected)
+    assert not out.exists() or out.stat().st_size == 0
+    assert not {s for s in set(os.listdir("/dev/shm")) - segments if "llmcli" in s}
+
+
 PERMISSION_PROBE = """
 import json, sys
 from pathlib import Path
