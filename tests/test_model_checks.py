@@ -185,6 +185,65 @@ def test_f4_fifo_weight_file_is_refused_at_once(tiny_model, tmp_path):
         writer.wait()
 
 
+STALLED_OPEN = """
+import sys
+import llmcli.models.loader as loader
+loader.check_weight_file = lambda path: None  # the FIFO passes, as a regular file on a stalled mount does
+from llmcli.cli.app import app
+sys.argv = ["llmcli", *sys.argv[1:]]
+app()
+"""
+
+
+def _wait_in_fifo_open(proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until one of ``proc``'s threads waits in the kernel for the FIFO's writer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+            try:
+                wchan = (task / "wchan").read_text()
+            except OSError:
+                continue
+            if wchan == "wait_for_partner":
+                return
+        time.sleep(0.1)
+    pytest.skip("no thread seen waiting in the FIFO's open (this kernel may hide wchan)")
+
+
+def test_f4_ctrl_c_ends_a_start_up_whose_weight_file_blocks_on_open(tiny_model, tmp_path):
+    """A weight file whose open never returns (a stalled mount; here a FIFO let past the regular-file check):
+    the start-up thread waits outside the GIL, so Ctrl-C reaches the main thread: exit 130, "interrupted",
+    no traceback. Before, safe_open waited in Rust holding the GIL and every SIGINT was ignored."""
+    import signal
+
+    from processes import env
+
+    folder = _copy(tiny_model, tmp_path)
+    (folder / ST).unlink()
+    os.mkfifo(folder / ST)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [5, 6], "max_tokens": 2}\n')
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_OPEN, "generate", str(inp), "-o", str(tmp_path / "o.jsonl"),
+                             "--model", str(folder), "--device", "cpu", "--num-kvcache-blocks", "16",
+                             "--kvcache-block-size", "16", "--max-model-len", "64"],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_in_fifo_open(proc)
+        for _ in range(2):  # the first asks start-up to stop at its next phase; the second leaves at once
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err, err
+
+
 # --------------------------------------------------------------------------
 # F13: checkpoint, safetensors, OS and JSON errors: one line on the command line, exit 2
 # --------------------------------------------------------------------------
