@@ -58,6 +58,7 @@ class InputRecord:
     out_id: Any  # what the output line's "id" says: the record's id, else the 0-based line index
     key: str  # resume key: which output line answers this input
     kind: str = ""  # "prompt" | "messages" | "prompt_token_ids"
+    written: str = ""  # the prompt field as the record names it ("prompt" holding token ids is kind prompt_token_ids)
     prompt: Any = None  # str | list[dict] | list[int], by kind
     sampling: dict[str, Any] = field(default_factory=dict)  # per-record overrides, type-checked
     openai: OpenAIRequest | None = None
@@ -79,7 +80,7 @@ class InputRecord:
         """The field that holds the prompt, as the user wrote it."""
         if self.openai is not None:
             return "body.messages" if self.kind == "messages" else "body.prompt"
-        return self.kind or "prompt"
+        return self.written or self.kind or "prompt"
 
     def field_name(self, name: str) -> str:
         """The name of a field as the user wrote it (OpenAI fields live under ``body``)."""
@@ -264,7 +265,7 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
         raise FieldProblem("prompt", "missing: give one of prompt, messages, prompt_token_ids")
     if len(present) > 1:
         raise FieldProblem(present[1], f"conflicts with {present[0]}: give only one prompt field")
-    rec.kind = present[0]
+    rec.kind = rec.written = present[0]
     value = obj[rec.kind]
     if rec.kind == "prompt":
         # A list of ints under "prompt" is the OpenAI convention for token ids.
