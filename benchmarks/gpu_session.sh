@@ -21,8 +21,6 @@
 #           .whl/llguidance-*.whl), args in STRUCTURED_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), args in TP_ARGS
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
-#   gaps    benchmarks/step_gaps_gpu.py: device idle in the default workload's decode steps, args in GAPS_ARGS
-#           (default: Qwen2.5-7B and Qwen3-8B, three windows each; ~2 min)
 #   fp8     tests/test_fp8_kv.py on the GPU, then speed_gpu.py --preset fp8: the FP8 KV cache on 0.6B and FP8
 #           weights on 8B against bf16, each against its bound (~5 min)
 #   moe     tests/test_triton_moe.py on the GPU, test_gpu_e2e.py on a 4-layer random Qwen3-30B-A3B, then
@@ -31,9 +29,9 @@
 #           the shared-system-prompt preset at the default (hit rate, wall time; JSON in $OUT) (~5 min)
 #   e2e-all tests/test_gpu_e2e.py whole, at the default block size: Qwen3-0.6B, Llama-3.2-1B and the 4-layer
 #           Qwen3-30B-A3B (#31's noise-aware near-tie rule; xfail until it passes) (~6 min)
-# Retired stages and scripts (decode-gemm, prefill-graphs, elementwise, host-diag, real_path_gpu.py, fp8_gpu.py,
-# moe_gpu.py, families_gpu.py, ...): benchmarks/RESULTS.md, "Scripts retired in the round of 2026-12-02", says
-# what each answered and where it lives in history.
+# Retired stages and scripts (decode-gemm, prefill-graphs, elementwise, host-diag, gaps, real_path_gpu.py,
+# fp8_gpu.py, moe_gpu.py, families_gpu.py, step_gaps_gpu.py, ...): benchmarks/RESULTS.md, "Scripts retired in the
+# round of 2026-12-02" and after it, says what each answered and where it lives in history.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
@@ -88,7 +86,6 @@ for stage in "$@"; do
     structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
-    gaps) timeout 300 python3 benchmarks/step_gaps_gpu.py ${GAPS_ARGS:-} 2>&1 | tee "$OUT/gaps.log" ;;
     fp8) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py 2>&1 | tee "$OUT/fp8_kernels.log" | tail -5
       timeout 330 python3 benchmarks/speed_gpu.py --preset fp8 2>&1 | tee "$OUT/fp8.log" ;;
     moe) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | tee "$OUT/moe_kernels.log" | tail -5

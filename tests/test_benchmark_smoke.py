@@ -25,7 +25,6 @@ SMOKES = [
     (["speed_gpu.py", "--smoke", "--preset", "logprobs"], "logprobs=5 against base:"),
     (["structured_bench.py", "--smoke", "--device", "cpu"], "every request produced its full length: True"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
-    (["step_gaps_gpu.py", "--smoke"], "0 failed model(s)"),
     (["lm_eval_gpu.py", "--smoke"], "| tiny-qwen3 | 16 | 64 |"),
 ]
 

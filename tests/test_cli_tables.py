@@ -385,3 +385,36 @@ def test_a_repeated_id_names_both_rows(tmp_path):
     result = generate(inp, tmp_path / "d.parquet.out.jsonl")
     assert result.exit_code == 2
     assert 'row 3, column id: duplicate id "x" (first used on row 1)' in result.output, result.output
+
+
+@pytest.mark.parametrize("ext", ["parquet", "csv"])
+def test_unordered_table_out_holds_rows_in_completion_order(tmp_path, ext):
+    """Each row asks for its own number of tokens (EOS ignored), all run in one batch: the shortest finish
+    first. With --unordered the table's rows, their ids and kept columns, come in that order (the journal's);
+    without it, in input order, with the same answers."""
+    lengths = [12, 1, 8, 2, 5]
+    rows = {"ticket_id": [f"t{i}" for i in range(5)], "body": ROWS["body"] + ["one more"],
+            "max_tokens": lengths, "lang": ["a", "b", "c", "d", "e"]}
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table(rows), inp)
+    flags = ("--prompt-column", "body", "--id-column", "ticket_id", "--keep-columns", "lang", "--ignore-eos")
+
+    def read(out: Path) -> list[dict]:
+        if ext == "parquet":
+            return pq.read_table(out).to_pylist()
+        return pcsv.read_csv(out, parse_options=pcsv.ParseOptions(newlines_in_values=True)).to_pylist()
+
+    ordered, unordered = tmp_path / f"ordered.{ext}", tmp_path / f"unordered.{ext}"
+    assert generate(inp, ordered, *flags).exit_code == 0
+    result = generate(inp, unordered, *flags, "--unordered")
+    assert result.exit_code == 0, result.output
+    by_length = sorted(range(5), key=lambda i: lengths[i])
+    got = read(unordered)
+    assert [r["id"] for r in got] == [f"t{i}" for i in by_length]
+    assert [r["lang"] for r in got] == [rows["lang"][i] for i in by_length]
+    assert [r["completion_tokens"] for r in got] == sorted(lengths)
+    journal = read_jsonl(tmp_path / f".unordered.{ext}.llmcli" / "journal.jsonl")
+    assert [r["id"] for r in got] == [line["id"] for line in journal]
+    in_order = read(ordered)
+    assert [r["id"] for r in in_order] == rows["ticket_id"]
+    assert sorted(got, key=lambda r: r["id"]) == in_order

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -185,6 +186,65 @@ def test_f4_fifo_weight_file_is_refused_at_once(tiny_model, tmp_path):
         writer.wait()
 
 
+STALLED_OPEN = """
+import sys
+import llmcli.models.loader as loader
+loader.check_weight_file = lambda path: None  # the FIFO passes, as a regular file on a stalled mount does
+from llmcli.cli.app import app
+sys.argv = ["llmcli", *sys.argv[1:]]
+app()
+"""
+
+
+def _wait_in_fifo_open(proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until one of ``proc``'s threads waits in the kernel for the FIFO's writer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+            try:
+                wchan = (task / "wchan").read_text()
+            except OSError:
+                continue
+            if wchan == "wait_for_partner":
+                return
+        time.sleep(0.1)
+    pytest.skip("no thread seen waiting in the FIFO's open (this kernel may hide wchan)")
+
+
+def test_f4_ctrl_c_ends_a_start_up_whose_weight_file_blocks_on_open(tiny_model, tmp_path):
+    """A weight file whose open never returns (a stalled mount; here a FIFO let past the regular-file check):
+    the start-up thread waits outside the GIL, so Ctrl-C reaches the main thread: exit 130, "interrupted",
+    no traceback. Before, safe_open waited in Rust holding the GIL and every SIGINT was ignored."""
+    import signal
+
+    from processes import env
+
+    folder = _copy(tiny_model, tmp_path)
+    (folder / ST).unlink()
+    os.mkfifo(folder / ST)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [5, 6], "max_tokens": 2}\n')
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_OPEN, "generate", str(inp), "-o", str(tmp_path / "o.jsonl"),
+                             "--model", str(folder), "--device", "cpu", "--num-kvcache-blocks", "16",
+                             "--kvcache-block-size", "16", "--max-model-len", "64"],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_in_fifo_open(proc)
+        for _ in range(2):  # the first asks start-up to stop at its next phase; the second leaves at once
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err, err
+
+
 # --------------------------------------------------------------------------
 # F13: checkpoint, safetensors, OS and JSON errors: one line on the command line, exit 2
 # --------------------------------------------------------------------------
@@ -263,6 +323,31 @@ def test_f13_damaged_checkpoints_are_one_line_exit_2(tiny_model, tiny_model_shar
         result = runner.invoke(app, [*command, "--model", str(tmp_path / "case0"), "--device", "cpu"])
         text = result.stderr if hasattr(result, "stderr") else result.output
         assert result.exit_code == 2 and "Traceback" not in text and DAMAGED[:12] in text, text
+
+
+@pytest.mark.parametrize("parallel,case", [(["-tp", "2"], "transposed k_proj"), (["-tp", "2"], "truncated mid-tensor"),
+                                           (["-dp", "2"], "transposed k_proj")])
+def test_f13_tensor_parallel_ranks_and_replicas_print_the_same_one_line(tiny_model, tmp_path, parallel, case):
+    """Every rank (gloo) or local replica meets the defect as it loads: the driver prints the single process's
+    line (not a rank's traceback, nor "replica 1 failed to start: llmcli.models.loader.CheckpointError: ..."),
+    exit 2, and no control segment is left in /dev/shm."""
+    from processes import env
+
+    damage, expected = SINGLE_FILE_DAMAGE[case]
+    folder = _copy(tiny_model, tmp_path)
+    damage(folder)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [5, 6], "max_tokens": 2}\n')
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli.cli.app", "generate", str(inp), "-o", str(out),
+                             "--model", str(folder), "--device", "cpu", "--num-kvcache-blocks", "16",
+                             "--kvcache-block-size", "16", "--max-model-len", "64", "-q", *parallel],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=300)
+    _one_line_error(SimpleNamespace(exit_code=proc.returncode, stderr=err), expected)
+    assert not out.exists() or out.stat().st_size == 0
+    # its own segments only (named after the rank-0 process): other runs on this machine may hold theirs
+    assert not [s for s in os.listdir("/dev/shm") if s.startswith(f"llmcli_tp_{proc.pid}_")]
 
 
 PERMISSION_PROBE = """

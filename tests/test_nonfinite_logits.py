@@ -213,28 +213,41 @@ def test_the_filtered_sampler_takes_a_nan_row_without_an_index_error():
 
 
 TRITON_CHECK = """
+import sys
 import torch
 from llmcli.layers.sampler import sample_one_pass
+device = sys.argv[1]
 logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(0))
 logits[1] = float("nan")
 logits[2, 2500] = float("inf")
 logits[3, 10] = float("nan")
 logits[4, 100] = float("-inf")  # -inf alone (a mask writes it) is no fault
+expected = [-1, -1, -1, int(logits[4].argmax())]
 temps = torch.tensor([0.8, 0.0, 0.8, 0.0, 0.0])
+args = [temps, torch.full((5,), 20), torch.full((5,), 0.9), torch.zeros(5), torch.arange(5),
+        torch.zeros(5, dtype=torch.int64)]
+logits, args = logits.to(device), [a.to(device) for a in args]
 for filtered in (False, True):
-    tokens = sample_one_pass(logits, temps, torch.full((5,), 20), torch.full((5,), 0.9), torch.zeros(5),
-                             torch.arange(5), torch.zeros(5, dtype=torch.int64), filtered)
-    assert tokens[1:].tolist() == [-1, -1, -1, int(logits[4].argmax())], tokens
+    tokens = sample_one_pass(logits, *args, filtered).cpu()
+    assert tokens[1:].tolist() == expected, tokens
     assert 0 <= int(tokens[0]) < 3000
 print("ok")
 """
 
 
 def test_the_one_pass_triton_sampler_flags_non_finite_rows_in_its_kernel():
-    """The kernel the CUDA paths (and the in-graph sampler) run, under Triton's interpreter in a process of
-    its own (TRITON_INTERPRET must be set before triton is imported)."""
-    result = subprocess.run([sys.executable, "-c", TRITON_CHECK], env={**env(), "TRITON_INTERPRET": "1"},
-                            capture_output=True, timeout=300)
+    """The kernel the CUDA paths (and the in-graph sampler) run, in a process of its own: compiled on CUDA
+    tensors where a GPU is present, else under Triton's interpreter (TRITON_INTERPRET must be set before triton
+    is imported, and the interpreter is for CPU tensors only, so it is never set on a GPU machine)."""
+    child = env()
+    if torch.cuda.is_available():
+        device = "cuda"
+        child.pop("TRITON_INTERPRET", None)
+    else:
+        device = "cpu"
+        child["TRITON_INTERPRET"] = "1"
+    result = subprocess.run([sys.executable, "-c", TRITON_CHECK, device], env=child, capture_output=True,
+                            timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == b"ok", result.stderr.decode()[-3000:]
 
 

@@ -74,3 +74,48 @@ def test_block_table_deltas_reach_the_device_copy():
         assert "does not fit" in str(exc)
     else:
         raise AssertionError("a table wider than max_model_len's columns must be refused")
+
+
+def test_penalty_values_arrive_with_the_row_and_are_gathered_by_row():
+    """Repetition, presence and frequency are row-table columns, set once when a row changes hands: a step's
+    extras carry only which rows are penalised, not their values."""
+    table = RowTable(8, 4, CPU, rows=2)
+    pen = RowSettings(0.0, 1.0, -1, 0.0, 0, 4, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.2)
+    table.update(decode_plan([5, 0], [4, 4], new_rows=[(5, pen), (0, settings())]), UP)
+    rep, pres, freq = table.penalties([5, 0, 5], UP)
+    assert torch.allclose(rep, torch.tensor([1.3, 1.0, 1.3])) and torch.allclose(pres, torch.tensor([0.5, 0.0, 0.5]))
+    assert torch.allclose(freq, torch.tensor([-0.2, 0.0, -0.2]))
+    table.update(decode_plan([5], [5]), UP)  # a later step names no settings: the row keeps its values
+    assert torch.allclose(table.penalties([5], UP)[0], torch.tensor([1.3]))
+    table.update(decode_plan([5], [3], new_rows=[(5, settings())]), UP)  # row 5 changes hands
+    assert [t.tolist() for t in table.penalties([5], UP)] == [[1.0], [0.0], [0.0]]
+
+
+def test_token_tables_are_keyed_by_block_table_row_and_refilled_when_the_row_changes_hands():
+    """The penalty and bias token tables on the device use the sequence's block-table row: a sequence keeps
+    its row (and counts) while it holds the allocation; a new allocation of the row (another request, or
+    the same one admitted again after preemption) is cleared and filled afresh."""
+    from llmcli.engine.extras_plan import ExtrasPlanner
+    from llmcli.engine.sequence import Sequence
+    from llmcli.sampling_params import SamplingParams
+
+    params = SamplingParams(repetition_penalty=1.5, logit_bias={7: 2.0}, max_tokens=8)
+    a = Sequence([1, 2, 3], params, 4)
+    a.table_row, a.table_id = 6, 1
+    planner = ExtrasPlanner()
+    first = planner.plan([a], [a])
+    assert first.pen_rows == [6] and first.pen_start == ([6], [6, 6, 6], [1, 2, 3]) and first.pen_slots == 7
+    assert first.bias_rows == [6] and first.bias_start[0] == [6] and first.bias_slots == 7
+    a.token_ids.append(9)  # one generated token: counted from the step's input row, no restart
+    a.num_scheduled_tokens = 1
+    again = planner.plan([a], [a])
+    assert again.pen_start == ([], [], []) and again.bias_start == ()
+    assert again.pen_from_input == ([6], [0]) and again.pen_known == ([], [])
+    b = Sequence([4, 5], params, 4)  # a new request takes row 6
+    b.table_row, b.table_id = 6, 2
+    fresh = planner.plan([b], [b])
+    assert fresh.pen_start == ([6], [6, 6], [4, 5]) and fresh.bias_start[0] == [6]
+    a.table_row, a.table_id = 6, 3  # a, admitted again after preemption: its generated token counted again
+    a.num_scheduled_tokens = 1
+    back = planner.plan([a], [a])
+    assert back.pen_start == ([6], [6, 6, 6], [1, 2, 3]) and back.pen_from_input == ([6], [0])

@@ -141,9 +141,12 @@ def test_extras_cross_as_lists_only_when_a_request_asks():
     extras = plan.extras
     assert extras is not None
     assert extras.lp_rows == [1] and extras.lp_ks == [2]  # the second sampled row
-    assert extras.pen_logit_rows == [1] and extras.pen_settings[0] == [1.5]
+    # the penalty tables' rows are the block-table rows; the values travel once, in the row's settings
+    row = asks.table_row
+    assert extras.pen_logit_rows == [1] and extras.pen_rows == [row]
+    assert dict(plan.new_rows)[row].repetition_penalty == 1.5
     new, prompt_rows, prompt_ids = extras.pen_start
-    assert new == [0] and prompt_rows == [0] * 4 and prompt_ids == asks.token_ids[:4]
+    assert new == [row] and prompt_rows == [row] * 4 and prompt_ids == asks.token_ids[:4]
     assert extras.hold == ([1], [2])
     read_back(batch)
     sched.finish(asks)

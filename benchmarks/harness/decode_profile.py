@@ -12,11 +12,24 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.harness.ceilings import sync, time_op
-from benchmarks.harness.device_idle import kernel_group
 from benchmarks.harness.llmcli_run import timer_delta, timer_summary
 from benchmarks.harness.output import fmt_f, log, say
 from benchmarks.harness.report import Report, fail
 from benchmarks.harness.workload import NEUTRAL
+
+KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
+    ("attention", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash")),
+    ("kv store", ("_store_kv_kernel",)),  # the triton backend's store is inside _qk_norm_rotary_kernel now
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
+    ("elementwise (Triton kernels)", ("_rms_norm_kernel", "_silu_and_mul_kernel", "_qk_norm_rotary_kernel")),
+    ("fused elementwise (torch.compile)", ("triton_",)),
+    ("copies and fills", ("Memcpy", "Memset")),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The group of ``KERNEL_GROUPS`` a device record's name falls in ("other" if none)."""
+    return next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
 
 
 def kernel_groups(op: Callable[[], Any], reps: int) -> dict[str, dict[str, float]]:

@@ -1,7 +1,6 @@
 """The generation loop: feeds prepared requests to the engine and hands each finished record to the writer."""
 from __future__ import annotations
 
-import dataclasses
 import signal
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Protocol
@@ -14,6 +13,7 @@ from llmcli.cli.io.prepare import PreparedRequest
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.background_writer import BackgroundWriter
 from llmcli.cli.prefix_hint import SharedPrefixes
+from llmcli.cli.rejection import rejection
 
 
 class ProgressSink(Protocol):
@@ -26,15 +26,6 @@ def token_budget(item: PreparedRequest, max_model_len: int) -> list[int]:
     """Most tokens each completion of ``item`` can generate: max_tokens, or what max_model_len leaves."""
     room = max(0, max_model_len - len(item.prompt_token_ids))
     return [room if p.max_tokens is None else min(p.max_tokens, room) for p in item.params]
-
-
-def too_big_field(engine: Any, item: PreparedRequest) -> str:
-    """The field to blame for a request the pool cannot hold: the prompt if it alone cannot fit, else max_tokens."""
-    try:
-        engine.check_fits(item.prompt_token_ids, dataclasses.replace(item.params[0], max_tokens=1))
-    except RequestRejected:
-        return item.record.prompt_field()
-    return item.record.field_name("max_tokens")
 
 
 @dataclass
@@ -172,6 +163,7 @@ class Runner:
                 self._write_error(position, item)
                 continue
             self._pending_seqs -= len(item.params)
+            i = 0
             try:
                 if len(item.params) > 1:  # all n checked before any is queued (add_request checks one)
                     for i, params in enumerate(item.params):
@@ -182,7 +174,7 @@ class Runner:
                     self._ids[rid] = (position, i)
                     self.engine.add_request(item.prompt_of(i), params, request_id=rid)
             except RequestRejected as exc:  # can never run with this model or KV pool
-                item.record.fail(too_big_field(self.engine, item), str(exc))
+                item.record.fail(*rejection(item, i, exc))
                 budget = self._budget(item)
                 self.rejected.append(item.record)
                 self._write_error(position, item.record, unused=sum(budget))

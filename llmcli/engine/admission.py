@@ -27,10 +27,16 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
             raise RequestRejected(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
     longest = min(n + (params.max_tokens or limit), limit)
     bs, pool = config.kvcache_block_size, num_blocks
-    if pool is not None and (longest + bs - 1) // bs > pool:
-        raise PoolTooSmall(f"the request may grow to {longest} tokens, which needs "
-                           f"{(longest + bs - 1) // bs} KV blocks, but the whole pool has {pool}; "
-                           "lower max_tokens or give the cache more memory")
+    if pool is None or -(-longest // bs) <= pool:
+        return
+    alone = -(-(n + 1) // bs)
+    if alone > pool:  # max_tokens is not the cause: no request this long fits, whatever it generates
+        raise PoolTooSmall(f"the prompt is {n} tokens, which with one generated token need {alone} KV blocks, "
+                           f"but the whole pool has {pool}; shorten the prompt or give the cache more memory",
+                           prompt_alone=True, blocks=alone, pool=pool)
+    raise PoolTooSmall(f"the request may grow to {longest} tokens, which needs {-(-longest // bs)} KV blocks, but "
+                       f"the whole pool has {pool}; lower max_tokens or give the cache more memory",
+                       blocks=-(-longest // bs), pool=pool)
 
 
 def encode_prompt(tokenizer: Any | None, prompt: str | list[int], model: str) -> list[int]:

@@ -8,11 +8,25 @@ from typing import Any
 PART_SEPARATOR = "\n"  # vLLM renders [{"type": "text", ...}, ...] as the texts joined by newlines
 
 
+# OpenAI chat's image part, the Responses API's, and the bare form some datasets write
+IMAGE_PARTS = ("image_url", "input_image", "image")
+NO_IMAGES = "llmcli runs the language model only and reads no images (a multimodal checkpoint's vision tower " \
+            "is not loaded)"
+
+
 class ContentPartError(ValueError):
     """A content part that is not text; ``index`` is its position in the message's content."""
 
-    def __init__(self, index: int) -> None:
-        super().__init__('only {"type": "text", "text": ...} parts are supported (a text-only model)')
+    def __init__(self, index: int, part: Any = None) -> None:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS:
+            message = f'an image part ("type": "{kind}"): {NO_IMAGES}; give the text alone'
+        elif isinstance(kind, str) and kind != "text":
+            message = (f'a part of type "{kind}": only {{"type": "text", "text": ...}} parts are supported '
+                       "(a text-only model)")
+        else:
+            message = 'only {"type": "text", "text": ...} parts are supported (a text-only model)'
+        super().__init__(message)
         self.index = index
 
 
@@ -23,7 +37,7 @@ def content_text(content: Any) -> Any:
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ContentPartError(j)
+            raise ContentPartError(j, part)
         texts.append(part["text"])
     return PART_SEPARATOR.join(texts)
 

@@ -8,35 +8,31 @@ from llmcli.engine.sequence import PENDING_TOKEN, Sequence
 from llmcli.engine.step_plan import ExtrasPlan
 
 
-class TableSlots:
-    """Which slot of a device token table (penalties, or logit biases) each sequence owns; slots of finished
-    ones are reused. ``size``: slots handed out so far (the device table grows to it)."""
+class TableRows:
+    """Which rows of a device token table (penalties, or logit biases) hold which sequence's tokens. A
+    sequence's row is its block-table row, as in the runner's row table; it is filled afresh when the row
+    changes hands (another allocation, ``table_id``, holds it: a new request, or one admitted again after
+    preemption, whose generated tokens are then counted again). ``size``: the rows the device table needs."""
 
     def __init__(self) -> None:
-        self.owner: dict[int, Sequence] = {}  # slot -> sequence
-        self.slot_of: dict[int, int] = {}  # seq_id -> slot
-        self.counted: dict[int, int] = {}  # seq_id -> completion tokens already in its counts
+        self.owner: dict[int, int] = {}  # row -> the table_id it was filled for
+        self.counted: dict[int, int] = {}  # row -> completion tokens already in its counts
         self.size = 0
 
     def slot(self, seq: Sequence) -> tuple[int, bool]:
-        """The sequence's slot, and whether it is new (to be cleared and filled)."""
-        slot = self.slot_of.get(seq.seq_id)
-        if slot is not None:
-            return slot, False
-        for r, other in list(self.owner.items()):
-            if other.is_finished:  # device work of a late step on this slot runs before the reuse: same stream
-                del self.owner[r], self.slot_of[other.seq_id], self.counted[other.seq_id]
-        free = next((r for r in range(self.size) if r not in self.owner), None)
-        if free is None:
-            free, self.size = self.size, self.size + 1
-        self.owner[free], self.slot_of[seq.seq_id], self.counted[seq.seq_id] = seq, free, 0
-        return free, True
+        """The sequence's row, and whether it is new to this table (to be cleared and filled)."""
+        row = seq.table_row
+        new = self.owner.get(row) != seq.table_id
+        if new:
+            self.owner[row], self.counted[row] = seq.table_id, 0
+            self.size = max(self.size, row + 1)
+        return row, new
 
 
 class ExtrasPlanner:
     def __init__(self) -> None:
-        self.penalty_slots = TableSlots()
-        self.bias_slots = TableSlots()
+        self.penalty_slots = TableRows()
+        self.bias_slots = TableRows()
 
     def plan(self, seqs: list[Sequence], sampled: list[Sequence]) -> ExtrasPlan | None:
         """The extras of one step over ``seqs`` (scheduled, in input order) of which ``sampled`` sample."""
@@ -72,7 +68,6 @@ class ExtrasPlanner:
 
     def _penalties(self, extras: ExtrasPlan, sampled: list[Sequence], wants: list[bool], last_input_row: dict) -> None:
         slots = self.penalty_slots
-        reps, pres, freqs = extras.pen_settings
         new_rows, prompt_rows, prompt_ids = extras.pen_start
         known_rows, known_ids = extras.pen_known
         flight_rows, flight_inputs = extras.pen_from_input
@@ -85,7 +80,7 @@ class ExtrasPlanner:
                 new_rows.append(row)
                 prompt_rows += [row] * len(prompt)
                 prompt_ids += prompt
-            done, total = slots.counted[seq.seq_id], seq.num_completion_tokens
+            done, total = slots.counted[row], seq.num_completion_tokens
             if total > done:
                 fresh = seq.token_ids[seq.num_prompt_tokens + done:]
                 # the sequence's last token is its last input of this step: take it from the device, where an
@@ -96,13 +91,9 @@ class ExtrasPlanner:
                 flight_rows.append(row)
                 flight_inputs.append(last_input_row[seq.seq_id])
                 assert PENDING_TOKEN not in known, "only a sequence's last token can be in flight"
-                slots.counted[seq.seq_id] = total
+                slots.counted[row] = total
             extras.pen_logit_rows.append(i)
             extras.pen_rows.append(row)
-            p = seq.params
-            reps.append(p.repetition_penalty)
-            pres.append(p.presence_penalty)
-            freqs.append(p.frequency_penalty)
         extras.pen_slots = slots.size
 
     def _bias(self, extras: ExtrasPlan, sampled: list[Sequence], wants: list[bool]) -> None:

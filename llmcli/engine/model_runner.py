@@ -257,7 +257,8 @@ class ModelRunner:
             sampling = self.rows.sampling(*self.rows.sampled(plan), self.uploader) \
                 if self.rank == 0 and inputs.num_sampled else None
             # penalties, logit biases and logprobs (rank 0 samples alone); None when no request of the step asks
-            extras = upload_extras(plan.extras, inputs.num_sampled, self.uploader, self.penalties, self.bias) \
+            extras = upload_extras(plan.extras, inputs.num_sampled, self.uploader, self.penalties, self.bias,
+                                   self.rows) \
                 if self.rank == 0 and plan.extras is not None else None
         with self.timer.phase("forward"):
             if inputs.pending_rows is not None:

@@ -2,7 +2,8 @@
 
 Keyed by the row a step plan names for each entry: the block tables (``BlockTables``: host array and
 device copy) and the sampling settings of the sequence holding the row (temperature, min-p, top-p in
-float32 columns, top-k, seed, prompt length). A step gathers its rows' settings with a few array lookups:
+float32 columns, top-k, seed, prompt length; the repetition, presence and frequency penalties, whose token
+tables on the device are keyed by the same rows). A step gathers its rows' settings with a few array lookups:
 the eager sampler as device tensors (``sampling``), the sampler inside the decode graph as host rows staged
 with the graph's other inputs (``graph_sampling``). A new per-row setting of the sampling path is one column
 here, one field of ``RowSettings`` and the sampler that reads it.
@@ -48,6 +49,7 @@ class RowTable:
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.prompt = np.zeros(rows, dtype=np.int64)
+        self.pen = np.zeros((3, rows), dtype=np.float32)  # repetition, presence, frequency
 
     def _grow(self, rows: int) -> None:
         old = self.top_k.shape[0]
@@ -55,12 +57,14 @@ class RowTable:
         self.top_k = np.concatenate([self.top_k, np.zeros(rows - old, dtype=np.int64)])
         self.seed = np.concatenate([self.seed, np.zeros(rows - old, dtype=np.int64)])
         self.prompt = np.concatenate([self.prompt, np.zeros(rows - old, dtype=np.int64)])
+        self.pen = np.concatenate([self.pen, np.zeros((3, rows - old), dtype=np.float32)], axis=1)
 
     def set(self, row: int, s: RowSettings) -> None:
         if row >= self.top_k.shape[0]:
             self._grow(max(2 * self.top_k.shape[0], row + 1))
         self.f32[:, row] = (s.temperature, s.min_p, s.top_p)
         self.top_k[row], self.seed[row], self.prompt[row] = s.top_k, s.seed, s.num_prompt_tokens
+        self.pen[:, row] = (s.repetition_penalty, s.presence_penalty, s.frequency_penalty)
 
     def update(self, plan: StepPlan, uploader: Uploader, defer: bool = False) -> Deltas | None:
         """Take in the plan's rows that changed hands and its new blocks (the block tables' deltas: see
@@ -75,6 +79,10 @@ class RowTable:
         if plan.is_prefill:
             rows, ends = rows[plan.samples], ends[plan.samples]
         return rows, ends - self.prompt[rows]
+
+    def penalties(self, rows: list[int], uploader: Uploader) -> tuple[torch.Tensor, ...]:
+        """(repetition, presence, frequency) of ``rows`` on the device."""
+        return tuple(uploader.upload(torch.float32, *self.pen[:, rows]))
 
     def all_greedy(self, rows: np.ndarray) -> bool:
         return not bool((self.f32[0, rows] > 0).any())

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmcli.engine.row_table import RowTable
 from llmcli.engine.step_plan import ExtrasPlan
 from llmcli.layers.logprobs import TokenLogprobs, chunked_token_logprobs, token_logprobs
 from llmcli.layers.logit_bias import BiasTables, hold_back
@@ -138,8 +139,9 @@ class StepLogprobs:
 
 
 def upload_extras(plan: ExtrasPlan, num_sampled: int, uploader, penalties: PenaltyTables,
-                  bias: BiasTables) -> StepExtras:
-    """A step's ``ExtrasPlan`` as device tensors (each dtype in one upload); grows the token tables to fit."""
+                  bias: BiasTables, rows: RowTable) -> StepExtras:
+    """A step's ``ExtrasPlan`` as device tensors (each dtype in one upload); grows the token tables to fit.
+    The penalty values come from the row table (``rows``), set when each row changed hands."""
     extras = StepExtras()
     i64 = torch.int64
     if plan.pen_rows:
@@ -148,7 +150,7 @@ def upload_extras(plan: ExtrasPlan, num_sampled: int, uploader, penalties: Penal
         ints = uploader.upload(i64, plan.pen_logit_rows, plan.pen_rows, new, prompt_rows, prompt_ids,
                                *plan.pen_known, *plan.pen_from_input)
         extras.pen_logit_rows, extras.pen_rows = ints[0], ints[1]
-        extras.pen_settings = tuple(uploader.upload(torch.float32, *plan.pen_settings))
+        extras.pen_settings = rows.penalties(plan.pen_rows, uploader)
         if new:
             extras.start = (ints[2], ints[3], ints[4])
         if plan.pen_known[0]:

@@ -17,7 +17,13 @@ class RequestRejected(ValueError):
 
 
 class PoolTooSmall(RequestRejected):
-    """A request that may grow past the whole KV pool: more cache memory (or fewer tokens) is the fix."""
+    """A request that may grow past the whole KV pool: more cache memory (or fewer tokens) is the fix.
+    ``prompt_alone``: the prompt with one generated token already needs more blocks than the pool has;
+    ``blocks``: what the request needs; ``pool``: the blocks the whole pool has."""
+
+    def __init__(self, message: str, prompt_alone: bool = False, blocks: int = 0, pool: int = 0) -> None:
+        super().__init__(message)
+        self.prompt_alone, self.blocks, self.pool = prompt_alone, blocks, pool
 
 
 class SequenceStatus(Enum):

@@ -29,26 +29,30 @@ class RowSettings:
     min_p: float
     seed: int
     num_prompt_tokens: int  # a sampled token's step (its seed stream's counter) is its index past the prompt
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def of(cls, params: SamplingParams, seed: int, num_prompt_tokens: int) -> "RowSettings":
-        return cls(params.temperature, params.top_p, params.top_k, params.min_p, seed, num_prompt_tokens)
+        return cls(params.temperature, params.top_p, params.top_k, params.min_p, seed, num_prompt_tokens,
+                   params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
 
 
 @dataclass
 class ExtrasPlan:
     """Penalties, logit biases, min_tokens and logprobs of one step, as lists the runner uploads.
 
-    Logit rows count the step's sampled rows; penalty and bias rows are rows of the device token tables
-    (slots kept by the scheduler side, ``engine/extras_plan.py``); ``*_inputs`` are rows of the step's input
-    tokens (an in-flight token is counted from the device).
+    Logit rows count the step's sampled rows; penalty and bias rows are rows of the device token tables,
+    which are the sequences' block-table rows (filled afresh when a row changes hands, ``engine/extras_plan.py``;
+    the penalty values are in the runner's row table, set with ``new_rows``); ``*_inputs`` are rows of the
+    step's input tokens (an in-flight token is counted from the device).
     """
 
-    # penalties: (logit rows, table slots), per row (repetition, presence, frequency); new slots and their
-    # prompt (slot, id) pairs; host-known (slot, id) pairs; (slot, input row) of tokens read on the device
+    # penalties: (logit rows, table rows); rows taken afresh and their prompt (row, id) pairs; host-known
+    # (row, id) pairs; (row, input row) of tokens read on the device
     pen_logit_rows: list[int] = field(default_factory=list)
     pen_rows: list[int] = field(default_factory=list)
-    pen_settings: tuple[list[float], list[float], list[float]] = field(default_factory=lambda: ([], [], []))
     pen_start: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))
     pen_known: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     pen_from_input: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
@@ -65,7 +69,7 @@ class ExtrasPlan:
     prompt_parts: list[tuple[int, int, int, int]] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
-    pen_slots: int = 0  # the device tables must hold this many slots
+    pen_slots: int = 0  # the device tables must hold this many rows
     bias_slots: int = 0
 
 

@@ -56,10 +56,24 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return files
 
 
+def touch_outside_the_gil(file: Path) -> None:
+    """Open ``file`` and read its first page with Python's own calls, which release the GIL while they wait.
+
+    safe_open waits in Rust holding the GIL: a file whose open or first read blocks (a stalled network mount)
+    would stall the whole process there, Ctrl-C included. Waiting here instead stalls only the start-up
+    thread, and the main thread still takes Ctrl-C."""
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.pread(fd, 4096, 0)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def open_weights(file: Path) -> Iterator[Any]:
     """``safe_open`` with a damaged file (truncated, bad header) or an OS error said as one CheckpointError."""
     try:
+        touch_outside_the_gil(file)
         with safe_open(str(file), framework="pt", device="cpu") as f:
             yield f
     except (SafetensorError, OSError) as exc:

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from llmcli.engine.startup_errors import TAG, from_text, plain_error
 from llmcli.parallel.exits import describe_ended
 from llmcli.parallel.heartbeat import DEFAULT_HEARTBEAT_S, HEARTBEAT_ENV, SilenceMonitor
 from llmcli.parallel.shm_channel import ControlChannel, PayloadTooLarge
@@ -60,6 +61,7 @@ class Group:
         self.lock = threading.Lock()
         self.failure: str | None = None  # first worker death, as reported to the user
         self.failed_rank: int | None = None
+        self.start_up_error: Exception | None = None  # that worker's one-line error (a damaged checkpoint...)
         self.broken: str | None = None  # rank 0 itself failed mid-call: workers may be stuck in a collective
         self.interrupted = False  # that failure was a KeyboardInterrupt (Ctrl-C)
         self.closing = False
@@ -84,6 +86,8 @@ class Group:
                 error = self.channel.read_error(rank).strip() if self.channel is not None else ""
             except (ValueError, OSError):  # the segment is already closed
                 error = ""
+            self.start_up_error = from_text(error)
+            error = "\n".join(line for line in error.splitlines() if not line.startswith(TAG))
             if error:
                 message += f"; its error:\n{error}"
             elif proc.exitcode is not None and proc.exitcode > 0:
@@ -126,6 +130,8 @@ class Group:
     def check(self) -> None:
         """Raise if the group cannot take another call."""
         if self.failure is not None:
+            if self.start_up_error is not None:  # every rank reads the same files: the error is the model's
+                raise self.start_up_error
             raise TensorParallelError(f"{self.failure}\nThe tensor-parallel group has stopped; "
                                       "create a new engine to continue.")
         if self.broken is not None:
@@ -214,6 +220,10 @@ class Group:
         except BaseException as exc:
             failure = self.wait_for_failure(FAILURE_SETTLE_S)
             if failure is not None:
+                if self.start_up_error is not None:
+                    raise self.start_up_error from None
+                if plain_error(exc) is not None:  # rank 0 met the same damaged checkpoint (or config)
+                    raise
                 raise TensorParallelError(f"{failure}\n(rank 0 saw: {type(exc).__name__}: "
                                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
             self.broken = f"rank 0 raised {type(exc).__name__} during {what}"

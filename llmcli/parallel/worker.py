@@ -174,8 +174,10 @@ def worker_main(config: Any, args: WorkerArgs) -> None:
         runner = ModelRunner(config)
         WorkerLoop(args, channel, runner, heartbeat).serve()
         runner.shutdown()  # CUDA graphs and memory go before the communicator they use
-    except BaseException:  # noqa: BLE001 - everything goes back to rank 0, then the process ends
-        text = traceback.format_exc()
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to rank 0, then the process ends
+        from llmcli.engine.startup_errors import tag_line
+
+        text = traceback.format_exc() + tag_line(exc)
         if channel is not None:
             try:
                 channel.write_error(args.rank, text)

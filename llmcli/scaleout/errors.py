@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from llmcli.config import ConfigError
+from llmcli.engine.startup_errors import rebuild
 
 log = logging.getLogger("llmcli")
 
@@ -19,11 +19,8 @@ class ReplicaFailure(str):
 def raise_startup_failure(index: int, where: str, kind: str, message: str, text: str) -> None:
     """Re-raise a replica's start-up failure in the driver, as the kind of error it was."""
     log.debug("data-parallel replica %d failed to start:\n%s", index, text)
-    if kind == "config":
-        raise ConfigError(message)
-    if kind == "model":
-        from llmcli.models.hub import ModelNotFoundError
-
-        raise ModelNotFoundError(f"data-parallel replica {index} on {where}: {message}")
+    error = rebuild(kind, message)  # the same one line a single process prints (a damaged checkpoint...)
+    if error is not None:
+        raise error
     last = text.strip().splitlines()[-1] if text.strip() else message
     raise DataParallelError(f"data-parallel replica {index} failed to start on {where}: {last}")

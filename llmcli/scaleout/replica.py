@@ -72,12 +72,12 @@ def describe(engine: Any, index: int) -> ReplicaInfo:
 
 
 def startup_failure(exc: BaseException) -> tuple[str, str, str]:
-    """(kind, message, traceback) of an exception raised while a replica started, for the driver to re-raise."""
-    from llmcli.config import ConfigError
-    from llmcli.models.hub import ModelNotFoundError
+    """(kind, message, traceback) of an exception raised while a replica started, for the driver to re-raise:
+    the kind is the error's class name for a one-line start-up error (``engine/startup_errors.py``)."""
+    from llmcli.engine.startup_errors import plain_error
 
-    kind = "config" if isinstance(exc, ConfigError) else "model" if isinstance(exc, ModelNotFoundError) else "other"
-    return kind, str(exc), traceback.format_exc()
+    plain = plain_error(exc)
+    return (plain[0] if plain is not None else "other"), str(exc), traceback.format_exc()
 
 
 def running_ids(engine: Any) -> list[Any]:

@@ -14,7 +14,7 @@ from llmcli.cli.io.prepare import PreparedRequest
 from llmcli.cli.io.records import InputRecord, did_you_mean
 from llmcli.cli.io.resume import ResumeError, ResumeState, scan_output
 from llmcli.cli.progress import say
-from llmcli.cli.runner import too_big_field
+from llmcli.cli.rejection import first_rejection, rejection
 from llmcli.cli.usage_error import UsageError
 
 
@@ -134,22 +134,15 @@ def report_errors(console: Console, source: str, bad: list[InputRecord], cap: in
 def check_pool(ahead: list[tuple[int, Any]], engine: Any) -> list[InputRecord]:
     """Requests that can never fit the KV pool are known once start-up has sized it (the engine's own rule);
     the records prepared ahead are checked now, the rest when admitted."""
-    from llmcli.engine.sequence import PoolTooSmall, RequestRejected
-
     too_big = []
     for i, (position, item) in enumerate(ahead):
         if not isinstance(item, PreparedRequest):
             continue
-        try:
-            for params in item.params:
-                engine.check_fits(item.prompt_token_ids, params)
-        except RequestRejected as exc:
-            rec = item.record
-            # only the pool's rule is fixed by a bigger cache (and blames the prompt or max_tokens)
-            hint = " (--num-kvcache-blocks / --gpu-memory-utilization)" if isinstance(exc, PoolTooSmall) else ""
-            rec.fail(too_big_field(engine, item), f"{exc}{hint}")
-            ahead[i] = (position, rec)
-            too_big.append(rec)
+        found = first_rejection(engine, item)
+        if found is not None:
+            item.record.fail(*rejection(item, *found))
+            ahead[i] = (position, item.record)
+            too_big.append(item.record)
     return too_big
 
 

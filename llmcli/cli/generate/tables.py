@@ -55,7 +55,8 @@ def finish_table(plan: TablePlan, code: int, console: Console) -> int:
                          "finishes the run and writes it")
         return code
     try:
-        rows = finalize(plan.out, plan.out_format, plan.table, plan.columns, plan.opts.reasoning_field)
+        rows = finalize(plan.out, plan.out_format, plan.table, plan.columns, plan.opts.reasoning_field,
+                        ordered=plan.opts.ordered)
     except TableNotWritten as exc:
         say(console, str(exc))
         return EXIT_FAILED

@@ -56,6 +56,10 @@ class PreparedRequest:
         return self.prompt_token_ids if self.prompts is None else self.prompts[i]
 
 
+# A score is the prompt logprobs of a request that generates one token: cutting the text would change it.
+SCORE_LENGTH_HINT = "(a score needs fewer tokens than max_model_len: raise --max-model-len)"
+
+
 class Preparer:
     """Encodes prompts and builds sampling settings: CLI defaults overridden by per-record fields."""
 
@@ -157,7 +161,8 @@ class Preparer:
                 raise FieldProblem(f"continuations[{j}]", "encodes to zero tokens")
             if len(ids) + len(cont) >= self.max_model_len:
                 raise FieldProblem(f"continuations[{j}]", f"prompt and continuation are {len(ids) + len(cont)} "
-                                                          f"tokens, too long for max_model_len={self.max_model_len}")
+                                                          f"tokens, too long for max_model_len={self.max_model_len}"
+                                                          f" {SCORE_LENGTH_HINT}")
             if max(cont) >= self.vocab_size:
                 raise FieldProblem(f"continuations[{j}]", f"token ids must be in [0, {self.vocab_size})")
         rec.score.continuation_ids = conts
@@ -241,9 +246,10 @@ class Preparer:
         if not ids:
             raise FieldProblem(name, "encodes to zero tokens")
         if len(ids) >= self.max_model_len:
+            room = SCORE_LENGTH_HINT if rec.score is not None else ("(it must leave room for one generated token; "
+                                                                     "truncate_prompt_tokens: -1 keeps its end)")
             raise FieldProblem(name, f"prompt is {len(ids)} tokens, too long for max_model_len={self.max_model_len} "
-                                     "(it must leave room for one generated token; truncate_prompt_tokens: -1 "
-                                     "keeps its end)")
+                                     f"{room}")
         return ids
 
     def _byte_limit(self) -> int:

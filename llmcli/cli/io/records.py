@@ -11,9 +11,11 @@ from llmcli.cli.io.openai_fields import OPENAI_ONLY_FIELDS, Echo, check_unhonour
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.score_fields import SCORE_FIELDS, Score, take_score
 from llmcli.cli.io.source import RawLine
-from llmcli.engine.chat_messages import ContentPartError, template_message
+from llmcli.engine.chat_messages import NO_IMAGES, ContentPartError, template_message
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+# vLLM's offline multi-modal inputs and the image fields of datasets: refused, never dropped with a warning
+MEDIA_FIELDS = ("images", "image", "multi_modal_data")
 # Deepest nesting a record may hold (README, reliability): the input fingerprint and the constraint
 # compiler recurse, and orjson writes no more than 254 levels.
 MAX_DEPTH = 128
@@ -58,6 +60,7 @@ class InputRecord:
     out_id: Any  # what the output line's "id" says: the record's id, else the 0-based line index
     key: str  # resume key: which output line answers this input
     kind: str = ""  # "prompt" | "messages" | "prompt_token_ids"
+    written: str = ""  # the prompt field as the record names it ("prompt" holding token ids is kind prompt_token_ids)
     prompt: Any = None  # str | list[dict] | list[int], by kind
     sampling: dict[str, Any] = field(default_factory=dict)  # per-record overrides, type-checked
     openai: OpenAIRequest | None = None
@@ -79,7 +82,7 @@ class InputRecord:
         """The field that holds the prompt, as the user wrote it."""
         if self.openai is not None:
             return "body.messages" if self.kind == "messages" else "body.prompt"
-        return self.kind or "prompt"
+        return self.written or self.kind or "prompt"
 
     def field_name(self, name: str) -> str:
         """The name of a field as the user wrote it (OpenAI fields live under ``body``)."""
@@ -256,7 +259,14 @@ def _template_kwargs(src: dict[str, Any], name: str) -> dict[str, Any] | None:
     return value
 
 
+def _refuse_media(src: dict[str, Any], prefix: str) -> None:
+    name = next((f for f in MEDIA_FIELDS if f in src), None)
+    if name is not None:
+        raise FieldProblem(prefix + name, f"{NO_IMAGES}; give the text alone")
+
+
 def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
+    _refuse_media(obj, "")
     rec.unknown = unknown_fields(obj, _known(openai_body=False))
     obj = _aliased(obj, "")
     present = [f for f in PROMPT_FIELDS if f in obj]
@@ -264,7 +274,7 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
         raise FieldProblem("prompt", "missing: give one of prompt, messages, prompt_token_ids")
     if len(present) > 1:
         raise FieldProblem(present[1], f"conflicts with {present[0]}: give only one prompt field")
-    rec.kind = present[0]
+    rec.kind = rec.written = present[0]
     value = obj[rec.kind]
     if rec.kind == "prompt":
         # A list of ints under "prompt" is the OpenAI convention for token ids.
@@ -301,6 +311,7 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise FieldProblem("body", f"must be an object, got {_type_name(body)}")
+    _refuse_media(body, "body.")
     rec.unknown = (unknown_fields(obj, ("custom_id", "method", "url", "body"))
                    + unknown_fields(body, _known(openai_body=True), prefix="body."))
     body = _aliased(body, "body.")

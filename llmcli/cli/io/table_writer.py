@@ -2,16 +2,17 @@
 
 The run writes, locks, fingerprints and resumes the journal ``.OUT.llmcli/journal.jsonl`` exactly as it
 would a JSONL OUT, each line naming the row it answers (``_row``). Once every row of IN is answered, the
-table is built in input order from IN's own columns (the id and the kept columns, in their own types) and
-the journal's answers, written beside OUT and renamed over it: OUT is whole or absent, never torn. The
-journal stays, so ``--resume`` after rows are appended to IN runs only the new ones.
+table is built from IN's own columns (the id and the kept columns, in their own types) and the journal's
+answers, in input order (or the journal's, with ``--unordered``), written beside OUT and renamed over it: OUT
+is whole or absent, never torn. The journal stays, so ``--resume`` after rows are appended to IN runs only
+the new ones.
 """
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from llmcli.cli.io.table_formats import TableFile
 from llmcli.cli.io.tables import ROW_FIELD, TableColumns
@@ -59,9 +60,8 @@ def open_journal(out: str, resume: bool, overwrite: bool) -> str:
 
 
 def _read_journal(journal: Path, reasoning_field: str) -> Any:
-    """The journal's answers as an Arrow table sorted by row (columns: row, text, ... error)."""
+    """The journal's answers as an Arrow table in the journal's order (columns: row, text, ... error)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.json as pjson
 
     usage = pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])
@@ -71,8 +71,7 @@ def _read_journal(journal: Path, reasoning_field: str) -> Any:
     if journal.stat().st_size == 0:
         return schema.empty_table()
     parse = pjson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    table = pjson.read_json(journal, parse_options=parse, read_options=pjson.ReadOptions(block_size=1 << 24))
-    return table.take(pc.sort_indices(table[ROW_FIELD]))
+    return pjson.read_json(journal, parse_options=parse, read_options=pjson.ReadOptions(block_size=1 << 24))
 
 
 def _results(answers: Any, reasoning_field: str) -> dict[str, Any]:
@@ -92,29 +91,38 @@ def _results(answers: Any, reasoning_field: str) -> dict[str, Any]:
     return {name: col.combine_chunks() if hasattr(col, "combine_chunks") else col for name, col in columns.items()}
 
 
-def finalize(out: str, fmt: str, table: TableFile, columns: TableColumns, reasoning_field: str) -> int:
-    """Write table OUT from IN and the journal; returns its rows. TableNotWritten if a row is unanswered."""
+def finalize(out: str, fmt: str, table: TableFile, columns: TableColumns, reasoning_field: str,
+             ordered: bool = True) -> int:
+    """Write table OUT from IN and the journal; returns its rows. TableNotWritten if a row is unanswered.
+
+    ``ordered``: rows in input order, IN read a batch at a time; else in the journal's order, which is the
+    order the answers finished in (``--unordered``), IN's id and kept columns held in memory to be taken."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     answers = _read_journal(journal_path(out), reasoning_field)
-    rows = answers[ROW_FIELD]
+    by_row = answers.take(pc.sort_indices(answers[ROW_FIELD]))
     total = _count_rows(table)
-    if len(answers) != total or (total and not pc.all(pc.equal(rows, pa.array(range(total), pa.int64()))).as_py()):
+    if len(answers) != total or (total and not pc.all(pc.equal(by_row[ROW_FIELD],
+                                                               pa.array(range(total), pa.int64()))).as_py()):
         raise TableNotWritten(f"OUT {out} is not written yet: its journal answers {len(answers)} of {total} rows "
                               "(the same command with --resume finishes the run and writes it)")
+    if ordered:
+        answers = by_row
     results = _results(answers, reasoning_field)
     read = list(dict.fromkeys([c for c in (columns.id, *columns.kept) if c is not None]))
     tmp = journal_folder(out) / f"writing{Path(out).suffix}"
     writer = _TableSink(tmp, fmt)
-    start = 0
     try:
-        for batch in table.batches(read or table.columns[:1]):
+        batches = table.batches(read or table.columns[:1]) if ordered else _taken(table, read, answers[ROW_FIELD])
+        start = 0
+        for batch in batches:
             n = batch.num_rows
-            ids = batch.column(columns.id) if columns.id is not None else pa.array(range(start, start + n), pa.int64())
+            rows = answers[ROW_FIELD].slice(start, n) if not ordered else pa.array(range(start, start + n), pa.int64())
+            ids = batch.column(columns.id) if columns.id is not None else rows
             cols = {"id": ids, **{out_name: batch.column(name) for name, out_name in columns.kept.items()},
                     **{name: col.slice(start, n) for name, col in results.items()}}
-            writer.write(pa.RecordBatch.from_arrays(list(cols.values()), names=list(cols)))
+            writer.write(pa.RecordBatch.from_arrays([_array(c) for c in cols.values()], names=list(cols)))
             start += n
         if writer.empty:
             writer.write(_empty_batch(results, columns))
@@ -125,6 +133,24 @@ def finalize(out: str, fmt: str, table: TableFile, columns: TableColumns, reason
     os.replace(tmp, out)
     _sync_folder(Path(out).parent)
     return total
+
+
+TAKE_ROWS = 65536  # rows per batch of an --unordered table
+
+
+def _taken(table: TableFile, read: list[str], rows: Any) -> Iterator[Any]:
+    """IN's ``read`` columns (IN's first column when none) in the order of ``rows``, a batch at a time."""
+    import pyarrow as pa
+
+    if not len(rows):
+        return
+    whole = pa.Table.from_batches(list(table.batches(read or table.columns[:1])))
+    for start in range(0, len(rows), TAKE_ROWS):
+        yield from whole.take(rows.slice(start, TAKE_ROWS)).combine_chunks().to_batches()
+
+
+def _array(col: Any) -> Any:
+    return col.combine_chunks() if hasattr(col, "combine_chunks") else col
 
 
 def _count_rows(table: TableFile) -> int:
