@@ -25,87 +25,113 @@ if not ON_GPU:
 from llmcli.kernels import triton_gated_delta as tg  # noqa: E402
 from llmcli.kernels.gated_delta_torch import causal_conv1d, causal_conv1d_step, gated_delta_rule_step  # noqa: E402
 
-pytestmark = pytest.mark.skipif(ON_GPU, reason="the GPU runs these kernels in tests/test_gpu_gated_delta.py")
 SLOTS = 9  # pool rows (+1 scratch)
+# the GPU runs the checks below in bf16 and float32 at Qwen3.5's sizes (tests/test_gpu_gated_delta.py)
+cpu_only = pytest.mark.skipif(ON_GPU, reason="on a GPU: tests/test_gpu_gated_delta.py")
+
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
 def rows_for(batch: int, pads: int, gen: torch.Generator) -> torch.Tensor:
-    """``batch`` distinct pool rows in random order, the last ``pads`` of them -1 (a graph's padding)."""
-    rows = torch.randperm(SLOTS, generator=gen)[:batch]
+    """``batch`` distinct pool rows of ``slots_for(batch)`` in random order, the last ``pads`` of them -1 (a
+    graph's padding)."""
+    rows = torch.randperm(slots_for(batch), generator=gen)[:batch]
     rows[batch - pads:] = -1
     return rows
 
 
+def slots_for(batch: int) -> int:
+    return max(SLOTS, batch + 3)
+
+
 def check_untouched(after: torch.Tensor, before: torch.Tensor, rows: torch.Tensor) -> None:
-    others = torch.ones(before.shape[0], dtype=torch.bool)
+    others = torch.ones(before.shape[0], dtype=torch.bool, device=before.device)
     others[rows[rows >= 0]] = False
     assert torch.equal(after[others], before[others]), "a pool row outside the batch (or the scratch) was written"
 
 
-@pytest.mark.parametrize("batch,pads", [(1, 0), (4, 1), (7, 3)])
-def test_conv_step_updates_the_pool_in_place(batch, pads):
+def check_conv_step(batch: int, pads: int, channels: int = 40, dtype=torch.float32, device="cpu") -> None:
     gen = torch.Generator().manual_seed(batch)
-    channels, width = 40, 4
+    width = 4
     # the projection's rows are wider than the conv's channels: x is a strided view, as in the layer
-    x = torch.randn(batch, channels + 24, generator=gen)[:, :channels]
-    weight = torch.randn(channels, width, generator=gen)
-    pool = torch.randn(SLOTS + 1, channels, width - 1, generator=gen)
-    rows = rows_for(batch, pads, gen)
+    x = torch.randn(batch, channels + 24, generator=gen).to(device, dtype)[:, :channels]
+    weight = torch.randn(channels, width, generator=gen).to(device, dtype)
+    pool = torch.randn(slots_for(batch) + 1, channels, width - 1, generator=gen).to(device, dtype)
+    rows = rows_for(batch, pads, gen).to(device)
     before = pool.clone()
     out = tg.conv_step_(x, weight, pool, rows)
+    state = torch.where((rows >= 0)[:, None, None], before[rows.clamp(min=0)], 0)  # padding: a zero state
+    want, want_state = causal_conv1d_step(x.float(), weight.float(), state.float())
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
     real = rows >= 0
-    want, want_state = causal_conv1d_step(x[real], weight, before[rows[real]])
-    torch.testing.assert_close(out[real], want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool[rows[real]], want_state, rtol=0, atol=0)
-    # a padding row convolves over a zero state
-    torch.testing.assert_close(out[~real], causal_conv1d_step(x[~real], weight, torch.zeros(pads, channels, width - 1))[0],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[rows[real]], want_state[real].to(dtype), rtol=0, atol=0)
     check_untouched(pool, before, rows)
+
+
+def check_delta_step(batch: int, pads: int, hk: int, hv: int, dk: int, dv: int, dtype=torch.float32,
+                     device="cpu") -> None:
+    gen = torch.Generator().manual_seed(10 * batch + hv)
+    proj = torch.randn(batch, 2 * hk * dk + hv * dv + 2 * hv + 5, generator=gen)  # strided views of one projection
+    proj[0, 2 * hk * dk + hv * dv] = 30.0  # a: softplus past its linear threshold
+    q, k, v, a, b = proj.to(device, dtype)[:, :-5].split([hk * dk, hk * dk, hv * dv, hv, hv], dim=-1)
+    q, k, v = q.reshape(batch, hk, dk), k.reshape(batch, hk, dk), v.reshape(batch, hv, dv)
+    a_log, dt_bias = (torch.randn(hv, generator=gen) * 0.5).to(device), torch.randn(hv, generator=gen).to(device)
+    pool = (torch.randn(slots_for(batch) + 1, hv, dk, dv, generator=gen) * 0.3).to(device)
+    rows = rows_for(batch, pads, gen).to(device)
+    before = pool.clone()
+    out = tg.gated_delta_step_(q, k, v, a, b, a_log, dt_bias, pool, rows)
+    g = -a_log.exp() * F.softplus(a.float() + dt_bias)
+    state = torch.where((rows >= 0)[:, None, None, None], before[rows.clamp(min=0)], 0.0)
+    want, want_state = gated_delta_rule_step(q, k, v, g, torch.sigmoid(b), state)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+    real = rows >= 0
+    torch.testing.assert_close(pool[rows[real]], want_state[real], **TOL[dtype])
+    check_untouched(pool, before, rows)
+
+
+def check_conv_varlen(with_pool: bool, lens=(1, 2, 37, 5), channels: int = 300, dtype=torch.float32,
+                      device="cpu") -> None:
+    """Chunks shorter and longer than the K-1 carried inputs, continued or fresh, in pool rows out of order;
+    without a pool (the start-up warm-up) every chunk starts from zeros and nothing is kept."""
+    gen = torch.Generator().manual_seed(5)
+    width, n = 4, len(lens)
+    carried = torch.arange(n) % 3 != 2
+    rows = torch.randperm(SLOTS, generator=gen)[:n].to(device)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    x = torch.randn(int(cu[-1]), channels + 10, generator=gen).to(device, dtype)[:, :channels]
+    weight = torch.randn(channels, width, generator=gen).to(device, dtype)
+    pool = torch.randn(SLOTS + 1, channels, width - 1, generator=gen).to(device, dtype)
+    before = pool.clone()
+    out = tg.conv_varlen_(x, weight, pool if with_pool else None, rows, carried.to(device), cu)
+    for i, row in enumerate(rows.tolist()):
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        start = before[row].float() if carried[i] and with_pool else None
+        want, want_state = causal_conv1d(x[lo:hi].float(), weight.float(), start)
+        torch.testing.assert_close(out[lo:hi].float(), want, **TOL[dtype])
+        torch.testing.assert_close(pool[row], want_state.to(dtype) if with_pool else before[row], rtol=0, atol=0)
+    check_untouched(pool, before, rows if with_pool else torch.tensor([-1], device=device))
+
+
+@pytest.mark.parametrize("batch,pads", [(1, 0), (4, 1), (7, 3)])
+@cpu_only
+def test_conv_step_updates_the_pool_in_place(batch, pads):
+    check_conv_step(batch, pads)
 
 
 @pytest.mark.parametrize("batch,pads,hk,hv,dv", [(1, 0, 2, 2, 32), (3, 1, 2, 4, 48), (6, 2, 1, 4, 64)])
+@cpu_only
 def test_delta_step_updates_the_pool_in_place(batch, pads, hk, hv, dv):
-    gen = torch.Generator().manual_seed(10 * batch + hv)
-    dk = 32
-    proj = torch.randn(batch, 2 * hk * dk + hv * dv + 2 * hv + 5, generator=gen)  # strided views of one projection
-    q, k, v, a, b = proj[:, :-5].split([hk * dk, hk * dk, hv * dv, hv, hv], dim=-1)
-    q, k, v = q.reshape(batch, hk, dk), k.reshape(batch, hk, dk), v.reshape(batch, hv, dv)
-    a_log, dt_bias = torch.randn(hv, generator=gen) * 0.5, torch.randn(hv, generator=gen)
-    a[0, 0] = 30.0  # softplus past its linear threshold
-    pool = torch.randn(SLOTS + 1, hv, dk, dv, generator=gen) * 0.3
-    rows = rows_for(batch, pads, gen)
-    before = pool.clone()
-    out = tg.gated_delta_step_(q, k, v, a, b, a_log, dt_bias, pool, rows)
-    g = -a_log.exp() * F.softplus(a + dt_bias)
-    state = torch.where((rows >= 0)[:, None, None, None], before[rows.clamp(min=0)], 0.0)
-    want, want_state = gated_delta_rule_step(q, k, v, g, torch.sigmoid(b), state)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    real = rows >= 0
-    torch.testing.assert_close(pool[rows[real]], want_state[real], rtol=1e-4, atol=1e-5)
-    check_untouched(pool, before, rows)
+    check_delta_step(batch, pads, hk, hv, 32, dv)
 
 
 @pytest.mark.parametrize("with_pool", [True, False])
+@cpu_only
 def test_conv_varlen_matches_the_per_chunk_conv(with_pool):
-    """Chunks of 1, 2 (shorter than the K-1 carried inputs), 5 and 37 tokens, continued or fresh, in pool rows out
-    of order; without a pool (the start-up warm-up) every chunk starts from zeros and nothing is kept."""
-    gen = torch.Generator().manual_seed(5)
-    lens, carried, rows = [1, 2, 37, 5], [True, True, False, True], torch.tensor([6, 0, 3, 8])
-    channels, width = 300, 4  # more channels than one program's block
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    x = torch.randn(int(cu[-1]), channels + 10, generator=gen)[:, :channels]
-    weight = torch.randn(channels, width, generator=gen)
-    pool = torch.randn(SLOTS + 1, channels, width - 1, generator=gen)
-    before = pool.clone()
-    out = tg.conv_varlen_(x, weight, pool if with_pool else None, rows, torch.tensor(carried), cu)
-    for i, row in enumerate(rows.tolist()):
-        lo, hi = int(cu[i]), int(cu[i + 1])
-        want, want_state = causal_conv1d(x[lo:hi], weight, before[row] if carried[i] and with_pool else None)
-        torch.testing.assert_close(out[lo:hi], want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(pool[row], want_state if with_pool else before[row], rtol=0, atol=0)
-    check_untouched(pool, before, rows if with_pool else torch.tensor([-1]))
+    check_conv_varlen(with_pool)
 
 
+@cpu_only
 def test_layer_decode_in_place_matches_its_torch_decode(monkeypatch):
     """The layer's decode through the kernels (the projection's strided views, the pool's rows) against its torch
     decode on the same weights and states: outputs and every pool row after three steps."""
@@ -170,6 +196,7 @@ build(tg._conv_state_varlen_kernel, dict(K=4, KPAD=4, BC=tg.BLOCK_C), {**bf16, *
 """
 
 
+@cpu_only
 def test_kernels_compile_for_sm90():
     import subprocess
 
