@@ -26,6 +26,15 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _shifted(tile, by, KPAD: tl.constexpr):
+    """``tile[:, j + by]`` as a [rows, KPAD] tile (zeros past the end), picked in registers: a state is read and
+    written at the same addresses by the same threads, never read where another thread of the program stores."""
+    oj = tl.arange(0, KPAD)
+    pick = ((oj[:, None] + by) == oj[None, :]).to(tl.float32)
+    return tl.sum(tile[:, None, :] * pick[None, :, :], 2)
+
+
+@triton.jit
 def _conv_step_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, out_ptr, C, stride_x, stride_out,
                       stride_s0, stride_s1, K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0)
@@ -35,18 +44,16 @@ def _conv_step_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, out_ptr, C, stride_x, s
     row = tl.load(rows_ptr + b)
     valid = row >= 0
     kept = tl.where(valid, K - 1, 0)  # state columns read and written (the interpreter masks by block, not scalar)
-    base = state_ptr + tl.where(valid, row, 0) * stride_s0 + oc[:, None] * stride_s1
+    ptrs = state_ptr + tl.where(valid, row, 0) * stride_s0 + oc[:, None] * stride_s1 + oj[None, :]
+    mask = mc[:, None] & (oj < kept)[None, :]
     x = tl.load(x_ptr + b.to(tl.int64) * stride_x + oc, mask=mc, other=0.0).to(tl.float32)
-    # the window [state..., x] and the next state (the window shifted by one) as [BC, KPAD] tiles
-    old = tl.load(base + oj[None, :], mask=mc[:, None] & (oj < kept)[None, :], other=0.0).to(tl.float32)
-    window = tl.where((oj == K - 1)[None, :], x[:, None], old)
+    # the window [state..., x] as a [BC, KPAD] tile; the next state is the window shifted by one
+    window = tl.where((oj == K - 1)[None, :], x[:, None], tl.load(ptrs, mask=mask, other=0.0).to(tl.float32))
     w = tl.load(w_ptr + oc[:, None] * K + oj[None, :], mask=mc[:, None] & (oj < K)[None, :], other=0.0)
     y = tl.sum(window * w.to(tl.float32), 1)
     y = y * tl.sigmoid(y)
     tl.store(out_ptr + b.to(tl.int64) * stride_out + oc, y.to(out_ptr.dtype.element_ty), mask=mc)
-    shifted = tl.load(base + oj[None, :] + 1, mask=mc[:, None] & (oj < kept - 1)[None, :], other=0.0)
-    new = tl.where((oj == K - 2)[None, :], x[:, None], shifted.to(tl.float32))
-    tl.store(base + oj[None, :], new.to(state_ptr.dtype.element_ty), mask=mc[:, None] & (oj < kept)[None, :])
+    tl.store(ptrs, _shifted(window, 1, KPAD).to(state_ptr.dtype.element_ty), mask=mask)
 
 
 def conv_step_(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -152,21 +159,22 @@ def _conv_state_varlen_kernel(x_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, C, s
     n = tl.program_id(0)
     oc = tl.program_id(1) * BC + tl.arange(0, BC)
     oj = tl.arange(0, KPAD)
-    mc, mj = oc < C, oj < K - 1
+    mc = oc < C
     row = tl.load(rows_ptr + n)
     valid = row >= 0
     bos = tl.load(cu_ptr + n).to(tl.int64)
     length = tl.load(cu_ptr + n + 1).to(tl.int64) - bos
-    carried = tl.load(init_ptr + n) != 0
     kept = tl.where(valid, K - 1, 0)
-    read = tl.where(valid & carried, K - 1, 0)
-    pos = length - (K - 1) + oj  # the new state's inputs, as positions in the chunk (< 0: in the old state)
-    base = state_ptr + tl.where(valid, row, 0) * stride_s0 + oc[:, None] * stride_s1
-    new = tl.load(x_ptr + (bos + pos)[None, :] * stride_x + oc[:, None], mask=mc[:, None] & (mj & (pos >= 0))[None, :],
+    read = tl.where(valid & (tl.load(init_ptr + n) != 0), K - 1, 0)
+    ptrs = state_ptr + tl.where(valid, row, 0) * stride_s0 + oc[:, None] * stride_s1 + oj[None, :]
+    old = tl.load(ptrs, mask=mc[:, None] & (oj < read)[None, :], other=0.0).to(tl.float32)
+    # the new state's inputs as positions in the chunk; before it (a chunk shorter than K-1): the old state's
+    pos = length - (K - 1) + oj
+    from_x = (pos >= 0) & (oj < K - 1)
+    new = tl.load(x_ptr + (bos + pos)[None, :] * stride_x + oc[:, None], mask=mc[:, None] & from_x[None, :],
                   other=0.0).to(tl.float32)
-    new += tl.load(base + (K - 1 + pos)[None, :], mask=mc[:, None] & ((oj < read) & (pos < 0))[None, :],
-                   other=0.0).to(tl.float32)
-    tl.store(base + oj[None, :], new.to(state_ptr.dtype.element_ty), mask=mc[:, None] & (oj < kept)[None, :])
+    new = tl.where(from_x[None, :], new, _shifted(old, length, KPAD))
+    tl.store(ptrs, new.to(state_ptr.dtype.element_ty), mask=mc[:, None] & (oj < kept)[None, :])
 
 
 def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None, rows: torch.Tensor,
