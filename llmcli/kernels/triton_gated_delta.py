@@ -35,16 +35,24 @@ def _shifted(tile, by, KPAD: tl.constexpr):
 
 
 @triton.jit
+def _conv_state_tile(state_ptr, rows_ptr, i, stride_s0, stride_s1, K: tl.constexpr, KPAD: tl.constexpr,
+                     BC: tl.constexpr):
+    """Entry ``i``'s conv state in the pool, this program's channel block of it: (the [BC, KPAD] pointers, the
+    channels, the state columns to read and write: K-1, none for row -1). A column count rather than a scalar
+    mask: the interpreter masks by blocks only."""
+    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    row = tl.load(rows_ptr + i)
+    ptrs = state_ptr + tl.where(row >= 0, row, 0) * stride_s0 + oc[:, None] * stride_s1 + tl.arange(0, KPAD)[None, :]
+    return ptrs, oc, tl.where(row >= 0, K - 1, 0)
+
+
+@triton.jit
 def _conv_step_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, out_ptr, C, stride_x, stride_out,
                       stride_s0, stride_s1, K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0)
-    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    ptrs, oc, kept = _conv_state_tile(state_ptr, rows_ptr, b, stride_s0, stride_s1, K, KPAD, BC)
     oj = tl.arange(0, KPAD)
     mc = oc < C
-    row = tl.load(rows_ptr + b)
-    valid = row >= 0
-    kept = tl.where(valid, K - 1, 0)  # state columns read and written (the interpreter masks by block, not scalar)
-    ptrs = state_ptr + tl.where(valid, row, 0) * stride_s0 + oc[:, None] * stride_s1 + oj[None, :]
     mask = mc[:, None] & (oj < kept)[None, :]
     x = tl.load(x_ptr + b.to(tl.int64) * stride_x + oc, mask=mc, other=0.0).to(tl.float32)
     # the window [state..., x] as a [BC, KPAD] tile; the next state is the window shifted by one
@@ -157,16 +165,12 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, seq
 def _conv_state_varlen_kernel(x_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, C, stride_x, stride_s0, stride_s1,
                               K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr):
     n = tl.program_id(0)
-    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    ptrs, oc, kept = _conv_state_tile(state_ptr, rows_ptr, n, stride_s0, stride_s1, K, KPAD, BC)
     oj = tl.arange(0, KPAD)
     mc = oc < C
-    row = tl.load(rows_ptr + n)
-    valid = row >= 0
     bos = tl.load(cu_ptr + n).to(tl.int64)
     length = tl.load(cu_ptr + n + 1).to(tl.int64) - bos
-    kept = tl.where(valid, K - 1, 0)
-    read = tl.where(valid & (tl.load(init_ptr + n) != 0), K - 1, 0)
-    ptrs = state_ptr + tl.where(valid, row, 0) * stride_s0 + oc[:, None] * stride_s1 + oj[None, :]
+    read = tl.where(tl.load(init_ptr + n) != 0, kept, 0)
     old = tl.load(ptrs, mask=mc[:, None] & (oj < read)[None, :], other=0.0).to(tl.float32)
     # the new state's inputs as positions in the chunk; before it (a chunk shorter than K-1): the old state's
     pos = length - (K - 1) + oj
