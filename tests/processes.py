@@ -17,6 +17,22 @@ def env() -> dict[str, str]:
     return e
 
 
+def compiled_without_interpreter(script: str, timeout: float = 300.0) -> str:
+    """Run a kernel-compiling ``script`` in a fresh process without Triton's interpreter (which accepts code the
+    compiler rejects); its stdout. Skips where this Triton has no NVIDIA backend to compile with."""
+    import sys
+
+    import pytest
+
+    if "nvidia" not in __import__("triton.backends").backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    e = env()
+    e.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", script], env=e, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def wait_for_lines(proc: subprocess.Popen, out: Path, at_least: int, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -38,7 +38,7 @@ def test_no_times_without_ceilings() -> None:
 def test_table_sums_the_prefill_terms_into_one_column() -> None:
     b = physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
     header, rule, row = bound_table({"w": b}).splitlines()
-    assert header == ("| workload | decode steps | weights read | s | KV read | s | prefill FLOPs | s | floor s "
+    assert header == ("| workload | decode steps | weights read | s | KV + state read | s | prefill FLOPs | s | floor s "
                       "| floor tok/s |")
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0:2] == ["w", "4"]
@@ -58,7 +58,8 @@ def test_decode_steps_with_fewer_slots_than_requests() -> None:
 
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3-0.6B", "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-7B",
-                                  "Qwen2.5-0.5B", "Mistral-7B-v0.3", "Qwen3-30B-A3B", "Qwen3-235B-A22B"])
+                                  "Qwen2.5-0.5B", "Mistral-7B-v0.3", "Qwen3-30B-A3B", "Qwen3-235B-A22B",
+                                  "Qwen3.5-9B", "Qwen3.6-35B-A3B", "gemma-3-12b-it"])
 def test_model_facts_count_what_transformers_builds(name) -> None:
     """The bound's parameter count and shapes for every family's published config (head_dim derived or given,
     biases, tied embeddings) against the transformers model built on the meta device."""
@@ -69,13 +70,20 @@ def test_model_facts_count_what_transformers_builds(name) -> None:
 
     folder = REPO / "configs" / name
     facts = model_facts(folder)
+    config = AutoConfig.from_pretrained(str(folder))
+    config = getattr(config, "text_config", config)  # a multimodal wrapper: its language model
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+        model = AutoModelForCausalLM.from_config(config)
     assert facts["params"] == sum(p.numel() for p in model.parameters())  # tied weights counted once
-    attn = model.model.layers[0].self_attn
+    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    assert facts["linear_layers"] == kinds.count("linear_attention")
+    assert facts["sliding_layers"] == kinds.count("sliding_attention")
+    attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
     assert facts["head_dim"] == attn.head_dim and facts["kv_heads"] * facts["head_dim"] == attn.k_proj.out_features
     if facts.get("experts"):  # a token multiplies by k of the E experts' weights, and by everything else
         experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+        shared = sum(p.numel() for n, p in model.named_parameters() if ".mlp.shared_expert" in n)
+        assert shared == facts["sparse_layers"] * facts.get("shared_params", 0)
         outside = facts["params"] - facts["params_non_embedding"]
         k, e = facts["experts_per_tok"], facts["experts"]
         assert facts["params_active_non_embedding"] == facts["params"] - outside - experts + experts * k // e
@@ -113,3 +121,18 @@ def test_fp8_weights_and_kv_by_hand() -> None:
     assert "floor_s" not in physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, weight_elem_bytes=1)
     assert physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, kv_elem_bytes=1)["floor_s"] == \
         pytest.approx(105.632 - 17 * 128 / 1000)
+
+
+def test_hybrid_and_sliding_layers_by_hand() -> None:
+    """Of 4 layers, 1 full attention, 1 sliding (window 3) and 2 linear ones with 100-byte states: KV per token
+    over the 2 attention layers; the sliding one reads min(I + t, 3) tokens a step (2, 3, 3, 3 and 3); each
+    output token's step reads and writes both linear layers' states."""
+    facts = {**FACTS, "layers": 4, "attention_layers": 2, "sliding_layers": 1, "sliding_window": 3,
+             "linear_layers": 2, "linear_state_bytes": 100}
+    b = physical_bound(facts, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    per_layer = 2 * 2 * 16 * 2
+    assert b["kv_bytes_per_token"] == 2 * per_layer
+    assert b["kv_read_bytes"] == (17 + 14) * per_layer
+    assert b["state_rw_bytes"] == 2 * 2 * 100 * 5
+    assert b["prefill_attention_flops"] == 4 * 2 * 4 * 16 * (4 + 9) / 2
+    assert b["floor_s"] == pytest.approx(8.0 + (31 * 128 + 2000) / 1000 + 60.0 + 33.28)

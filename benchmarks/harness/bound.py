@@ -89,12 +89,29 @@ class Shape:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """K and V of one token over the attention layers (a hybrid's linear layers keep none)."""
         f = self.facts
-        return 2 * f["layers"] * f["kv_heads"] * f["head_dim"] * (self.kv_elem_bytes or self.elem_bytes)
+        return 2 * attention_layers(f) * f["kv_heads"] * f["head_dim"] * (self.kv_elem_bytes or self.elem_bytes)
 
     @property
     def kv_tokens_read(self) -> int:
         return sum(o * i + o * (o - 1) // 2 for i, o in zip(self.prompt_lens, self.output_lens))  # sum_{t<O} (I + t)
+
+    @property
+    def kv_read(self) -> float:
+        """Every attention layer reads each step's whole context, a sliding layer at most its window."""
+        f, window = self.facts, self.facts.get("sliding_window") or 0
+        if not f.get("sliding_layers"):
+            return self.kv_tokens_read * self.kv_bytes_per_token
+        windowed = sum(min(i + t, window) for i, o in zip(self.prompt_lens, self.output_lens) for t in range(o))
+        full = attention_layers(f) - f["sliding_layers"]
+        return (full * self.kv_tokens_read + f["sliding_layers"] * windowed) * self.kv_bytes_per_token \
+            / attention_layers(f)
+
+    @property
+    def state_bytes(self) -> int:
+        """A hybrid's linear layers: each decode step reads and writes every running sequence's states."""
+        return 2 * self.facts.get("linear_layers", 0) * self.facts.get("linear_state_bytes", 0) * sum(self.output_lens)
 
 
 def expected_experts_touched(experts: int, top_k: int, batch: int) -> float:
@@ -157,10 +174,12 @@ TERMS: tuple[Term, ...] = (
     Term("weights", "weights_read_bytes", COPY,
          "decode_steps x weight_bytes (MoE: steps x dense_weight_bytes + experts touched x expert_bytes)", "weights read",
          lambda s: s.weights_read, _weights_detail),
-    Term("kv", "kv_read_bytes", COPY, "KV tokens read x kv_bytes_per_token", "KV read",
-         lambda s: s.kv_tokens_read * s.kv_bytes_per_token,
-         lambda b: f"KV: {b['kv_tokens_read']:,} tokens x {b['kv_bytes_per_token']:,} B = "
-                   f"{b['kv_read_bytes'] / 1e12:.3f} TB"),
+    Term("kv", "kv_read_bytes", COPY, "KV tokens read (sliding layers: the window) x kv_bytes_per_token",
+         "KV + state read", lambda s: s.kv_read,
+         lambda b: f"KV: {b['kv_tokens_read']:,} tokens x {b['kv_bytes_per_token']:,} B (sliding layers: the window) "
+                   f"= {b['kv_read_bytes'] / 1e12:.3f} TB"),
+    Term("states", "state_rw_bytes", COPY, "2 x linear layers x state bytes x output tokens", "KV + state read",
+         lambda s: s.state_bytes, lambda b: f"linear-layer states read + written: {b['state_rw_bytes'] / 1e12:.3f} TB"),
     Term("prefill_linear", "prefill_linear_flops", MATMUL, "2 x active params_non_embedding x prompt tokens",
          "prefill FLOPs", lambda s: 0 if s.fp8_weights else 2 * active_params(s.facts) * sum(s.prompt_lens),
          lambda b: f"prefill linear: {b['prefill_linear_flops'] / 1e12:.2f} TFLOP"),
@@ -168,9 +187,9 @@ TERMS: tuple[Term, ...] = (
          "2 x params_non_embedding x prompt tokens (FP8 weights)", "prefill FLOPs",
          lambda s: 2 * active_params(s.facts) * sum(s.prompt_lens) if s.fp8_weights else 0,
          lambda b: f"prefill linear FP8: {b['prefill_linear_fp8_flops'] / 1e12:.2f} TFLOP"),
-    Term("prefill_attention", "prefill_attention_flops", MATMUL, "4 x layers x heads x head_dim x sum(I^2)/2",
+    Term("prefill_attention", "prefill_attention_flops", MATMUL, "4 x attention layers x heads x head_dim x sum(I^2)/2",
          "prefill FLOPs",
-         lambda s: 4 * s.facts["layers"] * s.facts["heads"] * s.facts["head_dim"]
+         lambda s: 4 * attention_layers(s.facts) * s.facts["heads"] * s.facts["head_dim"]
          * sum(i * i for i in s.prompt_lens) / 2,
          lambda b: f"prefill attention: {b['prefill_attention_flops'] / 1e12:.2f} TFLOP"),
 )
@@ -179,6 +198,10 @@ TERMS: tuple[Term, ...] = (
 def active_params(facts: dict[str, Any]) -> int:
     """Parameters outside the embeddings that one token's forward multiplies by (MoE: its k experts only)."""
     return facts.get("params_active_non_embedding", facts["params_non_embedding"])
+
+
+def attention_layers(facts: dict[str, Any]) -> int:
+    return facts.get("attention_layers", facts["layers"])
 
 
 def _grouped(by: Callable[[Term], Any]) -> dict[Any, list[Term]]:
@@ -198,7 +221,7 @@ def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[i
     ``weight_elem_bytes`` / ``kv_elem_bytes``: 1 for FP8 weights / an FP8 KV cache (module docstring).
     """
     s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes, max_concurrent, weight_elem_bytes, kv_elem_bytes)
-    L, nh, hd = facts["layers"], facts["heads"], facts["head_dim"]
+    L, nh, hd = attention_layers(facts), facts["heads"], facts["head_dim"]
     out: dict[str, Any] = {
         "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent, "weight_bytes": s.weight_bytes,
         "kv_bytes_per_token": s.kv_bytes_per_token, "kv_tokens_read": s.kv_tokens_read,

@@ -40,11 +40,13 @@ def write_tiny_config(parent: Path | None = None) -> Path:
 
 def model_facts(model_dir: Path) -> dict[str, Any]:
     """Shapes from config.json, analytic parameter count (the family's layout: llmcli's DecoderSpec), EOS ids."""
+    import torch
     from transformers import AutoConfig
 
     from llmcli.models import model_class
+    from llmcli.models.multimodal import text_only_config
 
-    cfg = AutoConfig.from_pretrained(str(model_dir))
+    cfg = text_only_config(AutoConfig.from_pretrained(str(model_dir)))
     eos: list[int] = []
     try:
         from llmcli.models.hub import load_generation_eos
@@ -55,28 +57,42 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     spec = model_class(cfg).spec(cfg)
     H, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
     nh, nkv, hd, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
-    per_layer = (H * nh * hd + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
-                 + 2 * H  # input/post-attention norms
+    per_layer = (H * nh * hd * (2 if spec.attn_output_gate else 1) + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
+                 + (4 if spec.sandwich_norms else 2) * H  # the norms around attention and the MLP
                  + (2 * hd if spec.qk_norm else 0)
                  + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0) + (H if spec.o_bias else 0))
+    kinds = [spec.layer_kind(i) for i in range(L)]
+    lin, linear = spec.linear, kinds.count("linear_attention")
+    layer_params = (L - linear) * per_layer
+    if lin:  # a Gated DeltaNet layer: in_proj (q, k, v, z, b, a), conv, A_log and dt_bias, norm, out_proj
+        key, value = lin.num_k_heads * lin.head_k_dim, lin.num_v_heads * lin.head_v_dim
+        layer_params += linear * ((2 * key + 2 * value + 2 * lin.num_v_heads) * H + (2 * key + value) * lin.conv_kernel
+                                  + 2 * lin.num_v_heads + lin.head_v_dim + value * H + 2 * H)
     mlp = 3 * H * inter + (2 * inter + H if spec.mlp_bias else 0)  # gate, up, down
     moe = moe_facts(cfg)
     sparse = moe.get("sparse_layers", 0)
     embed = V * H
     head = 0 if spec.tie_word_embeddings else V * H
-    dense = embed + head + L * per_layer + (L - sparse) * mlp + H  # every weight but the experts and routers
-    routed = sparse * moe.get("router_params", 0)
+    dense = embed + head + layer_params + (L - sparse) * mlp + H  # every weight but the experts and routers
+    routed = sparse * (moe.get("router_params", 0) + moe.get("shared_params", 0))
     total = dense + routed + sparse * moe.get("experts", 0) * moe.get("expert_params", 0)
     active = dense + routed + sparse * moe.get("experts_per_tok", 0) * moe.get("expert_params", 0) if moe else total
+    # what a decode step reads per sequence beyond the weights: KV of the attention layers (a sliding layer's
+    # window at most), each linear layer's states (conv state in the model dtype, the recurrent one in float32)
+    state = (2 * key + value) * (lin.conv_kernel - 1) * 2 + lin.num_v_heads * lin.head_k_dim * lin.head_v_dim \
+        * (lin.state_dtype or torch.float32).itemsize if lin else 0
     return {"name": model_dir.name, "path": str(model_dir), "hidden": H, "layers": L, "heads": nh, "kv_heads": nkv,
             "head_dim": hd, "intermediate": inter, "vocab": V, "tied_embeddings": spec.tie_word_embeddings,
             "params": total, "params_non_embedding": total - embed - head,
-            "params_active_non_embedding": active - embed - head, "eos_token_ids": eos, **moe}
+            "params_active_non_embedding": active - embed - head, "eos_token_ids": eos, **moe,
+            "attention_layers": L - linear, "sliding_layers": kinds.count("sliding_attention"),
+            "sliding_window": spec.sliding_window, "linear_layers": linear, "linear_state_bytes": state}
 
 
 def moe_facts(cfg: Any) -> dict[str, Any]:
     """A mixture of experts' shape (empty for a dense model): the sparse layers, experts per layer and per token,
-    parameters of one expert (gate, up, down) and of one layer's router."""
+    parameters of one expert (gate, up, down), of one layer's router and of its shared expert with its gate
+    (Qwen3.5-MoE; read every step)."""
     experts = getattr(cfg, "num_experts", 0) or 0
     if not experts:
         return {}
@@ -84,8 +100,10 @@ def moe_facts(cfg: Any) -> dict[str, Any]:
 
     H = cfg.hidden_size
     sparse = sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # Qwen3.5-MoE: read every step, with its gate
     return {"experts": experts, "experts_per_tok": cfg.num_experts_per_tok, "sparse_layers": sparse,
-            "expert_params": 3 * H * cfg.moe_intermediate_size, "router_params": experts * H}
+            "expert_params": 3 * H * cfg.moe_intermediate_size, "router_params": experts * H,
+            "shared_params": 3 * H * shared + H if shared else 0}
 
 
 def add_workload_args(group: Any) -> None:

@@ -1,12 +1,12 @@
 """The gated delta rule on CUDA through fla-core (flash-linear-attention's Triton ops): the chunked form over a
-varlen batch with per-sequence initial and final states (prefill), the fused recurrent form (decode). Imported
+varlen batch with per-sequence initial and final states (prefill; decode runs ``triton_gated_delta``). Imported
 on CUDA only (fla queries the GPU driver at import). Same conventions as ``gated_delta_torch``: q/k
 L2-normalised inside the kernel, q scaled by head_k_dim ** -0.5, states [N, Hv, Dk, Dv] in float32.
 """
 from __future__ import annotations
 
 import torch
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 
 def _value_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,13 +26,3 @@ def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
     return out[0], final
 
-
-def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence: q/k [B, Hk, Dk], v [B, Hv, Dv], g/beta [B, Hv], state [B, Hv, Dk, Dv]."""
-    q, k = _value_heads(q, k, v.shape[-2])
-    # by keyword: fla's fused recurrent form takes per-key and per-value decays (gk, gv) between g and beta
-    out, final = fused_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g=g[:, None].float(),
-                                                  beta=beta[:, None].to(q.dtype), initial_state=state.float(),
-                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return out[:, 0], final

@@ -10,6 +10,10 @@ engine attaches, one slot per block-table row (``AttentionMetadata.rows``); a ch
 when it has no computed prefix (``AttentionMetadata.has_initial_state`` false), else from its slot. Tensor
 parallelism splits the key and value heads (and the conv channels with them) across ranks; out_proj sums the partials.
 
+Kernels: on CUDA, decode runs ``kernels/triton_gated_delta.py`` (the conv and the delta rule reading and writing
+each row's states in place in the pool, graph-safe) and prefill its varlen conv plus fla-core's chunked rule;
+elsewhere, or with ``LLMCLI_GDN=torch``, the torch reference (``kernels/gated_delta_torch.py``).
+
 Checkpoint layouts: Qwen3.5 has ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next fuses
 them per key head (``in_proj_qkvz``: [q, k, v-group, z-group] per key head; ``in_proj_ba``). Each reaches its
 slots of the one fused ``in_proj`` through the weight loader.
@@ -32,7 +36,7 @@ from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import tp_rank, tp_size
 
 SLOTS = ("q", "k", "v", "z", "b", "a")
-GDN_BACKENDS = ("auto", "torch", "fla")
+GDN_BACKENDS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -132,15 +136,19 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         meta = self.backend.metadata if self.backend is not None else None
         assert meta is not None and meta.rows is not None, "a linear-attention layer needs the step's rows"
-        q, k, v, z, b, a = F.linear(hidden, self.in_proj.weight).split(self.sizes, dim=-1)
-        mixed = torch.cat([q, k, v], dim=-1)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        proj = F.linear(hidden, self.in_proj.weight)
+        q, k, v, z, b, a = proj.split(self.sizes, dim=-1)
+        mixed = proj[:, :self.conv_dim]  # q, k, v: the conv's channels
         weight = self.conv1d.weight[:, 0]
-        if meta.is_prefill:
-            out = self._chunks(mixed, g, beta, weight, meta)
+        if not meta.is_prefill and use_cuda_kernels(hidden):
+            out = self._decode_in_place(mixed, a, b, weight, meta.rows)
         else:
-            out = self._decode(mixed, g, beta, weight, meta.rows, meta.context_lens)
+            beta = torch.sigmoid(b)
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            if meta.is_prefill:
+                out = self._chunks(mixed, g, beta, weight, meta)
+            else:
+                out = self._decode(mixed, g, beta, weight, meta.rows)
         out = gated_rms_norm(out, z.reshape(-1, self.hv, self.dv), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
 
@@ -163,14 +171,20 @@ class GatedDeltaNet(nn.Module):
             fresh = [not cached for cached in meta.has_initial_state.tolist()]
         else:  # metadata built by hand (the warm-up, tests): the computed prefix is what the keys add
             fresh = [lens[i] == cu[i + 1] - cu[i] for i in range(len(rows))]
-        x = torch.empty_like(mixed)
-        for i, row in enumerate(rows):
-            lo, hi = cu[i], cu[i + 1]
-            x[lo:hi], new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh[i] else self.conv_state[row])
-            if pool:
-                self.conv_state[row].copy_(new_conv)
+        if use_cuda_kernels(mixed):  # every chunk's conv in one launch, the conv states updated in place
+            from llmcli.kernels.triton_gated_delta import conv_varlen_
+
+            carried = torch.tensor([not f for f in fresh], device=mixed.device)
+            x = conv_varlen_(mixed, weight, self.conv_state, meta.rows, carried, meta.cu_seqlens_q)
+        else:
+            x = torch.empty_like(mixed)
+            for i, row in enumerate(rows):
+                lo, hi = cu[i], cu[i + 1]
+                x[lo:hi], new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh[i] else self.conv_state[row])
+                if pool:
+                    self.conv_state[row].copy_(new_conv)
         q, k, v = self._split_heads(x)
-        if use_fla(mixed):
+        if use_cuda_kernels(mixed):
             from llmcli.kernels.gated_delta_fla import chunked_varlen  # CUDA only: fla queries the driver
 
             if pool:
@@ -192,25 +206,28 @@ class GatedDeltaNet(nn.Module):
                 self.ssm_state[row].copy_(new_ssm)
         return out
 
-    def _decode(self, mixed, g, beta, weight, rows, lens) -> torch.Tensor:
-        """One token per row, batched (padding rows of a graph batch have length 0 and a scratch slot)."""
+    def _decode(self, mixed, g, beta, weight, rows) -> torch.Tensor:
+        """One token per row, batched, in torch (padding rows of a graph batch have a scratch slot)."""
         rows = torch.remainder(rows, self.ssm_state.shape[0])  # a graph's padding rows (-1): the scratch slot
-        conv, ssm = self.conv_state[rows], self.ssm_state[rows]
-        x, conv = causal_conv1d_step(mixed, weight, conv)
+        x, conv = causal_conv1d_step(mixed, weight, self.conv_state[rows])
         q, k, v = self._split_heads(x)
-        if use_fla(mixed):
-            from llmcli.kernels.gated_delta_fla import recurrent_step
-
-            out, ssm = recurrent_step(q, k, v, g, beta, ssm)
-        else:
-            out, ssm = gated_delta_rule_step(q, k, v, g, beta, ssm)
+        out, ssm = gated_delta_rule_step(q, k, v, g, beta, self.ssm_state[rows])
         self.conv_state.index_copy_(0, rows, conv.to(self.conv_state.dtype))
         self.ssm_state.index_copy_(0, rows, ssm.to(self.ssm_state.dtype))
         return out
 
+    def _decode_in_place(self, mixed, a, b, weight, rows) -> torch.Tensor:
+        """One token per row through the Triton kernels, each row's states updated where they live in the pool
+        (padding rows, -1: none read or written); decay and beta computed in the kernel from the raw a and b."""
+        from llmcli.kernels.triton_gated_delta import conv_step_, gated_delta_step_
 
-def use_fla(x: torch.Tensor) -> bool:
-    """fla-core's kernels on CUDA (``LLMCLI_GDN=torch`` keeps the torch reference there too)."""
+        q, k, v = self._split_heads(conv_step_(mixed, weight, self.conv_state, rows))
+        return gated_delta_step_(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, rows)
+
+
+def use_cuda_kernels(x: torch.Tensor) -> bool:
+    """On CUDA: the Triton kernels (decode, the prefill conv) and fla-core's chunked rule (prefill);
+    ``LLMCLI_GDN=torch`` keeps the torch reference there too."""
     mode = os.environ.get("LLMCLI_GDN", "auto") or "auto"
     if mode not in GDN_BACKENDS:
         raise ValueError(f"LLMCLI_GDN={mode!r}: expected one of {', '.join(GDN_BACKENDS)}")
