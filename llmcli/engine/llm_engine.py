@@ -300,6 +300,10 @@ class LLMEngine:
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting) + (self.structured.num_compiling if self.structured else 0)
         self.stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
+        snapshots = self.scheduler.snapshots
+        if snapshots is not None:
+            self.stats.state_snapshot_slots = snapshots.num_slots
+            self.stats.state_snapshots_taken, self.stats.state_snapshot_hits = snapshots.taken, snapshots.hits
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(

@@ -1,0 +1,160 @@
+"""Prefix caching for hybrid models (Qwen3.5, Qwen3-Next) through linear-attention state snapshots
+(engine/state_snapshots.py), against transformers (fp32 greedy, CPU, tiny random checkpoints).
+
+A hit skips the prompt tokens whose KV blocks are cached and whose Gated DeltaNet state a snapshot holds; a wrong
+snapshot (taken at the wrong token, read before it is written, overwritten while in use) changes the tokens.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from test_engine_vs_hf import assert_same_tokens, check_against_hf, greedy, random_prompts, run_factory  # noqa: F401
+
+PREFIX = 96  # the shared system prompt: six blocks of 16
+
+
+def shared_prefix_prompts(n: int, seed: int, prefix: int = PREFIX, lengths=(32, 48)) -> list[list[int]]:
+    system = random_prompts([prefix], seed=seed)[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=g).tolist()
+    return [system + tail for tail in random_prompts(sizes, seed=seed + 2)]
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
+def test_shared_system_prompt_computes_each_prefix_once(family, tiny_checkpoint, hf_oracle, run_factory):
+    """40 requests behind one system prompt, a few per step: the first request to find the prefix cached
+    recomputes it and snapshots its state at the branching point; every later one starts there."""
+    model = tiny_checkpoint(family)
+    prompts = shared_prefix_prompts(40, seed=500, lengths=(1, 48))
+    run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=256)
+    outs = check_against_hf(run, hf_oracle, prompts, max_new=4)
+    cached = [out.metrics.num_cached_prompt_tokens for out in outs]
+    assert cached[0] == 0 and all(c == PREFIX for c in cached[2:]), cached
+    stats = run.llm.engine.stats
+    unique = PREFIX + sum(len(p) - PREFIX for p in prompts)
+    assert stats.prefill_tokens_computed <= 1.1 * unique, (stats.prefill_tokens_computed, unique)
+    assert stats.state_snapshot_hits >= 38 and stats.state_snapshots_taken >= 2, stats
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_hits_with_chunked_prefill_and_preemption(block_size, tiny_checkpoint, hf_oracle, run_factory):
+    """Three waves over prompts that branch at different depths, in chunks of 24 tokens, in a KV pool too small
+    for every sequence: hits start mid-prompt from snapshots, preempted sequences recompute (and may hit)."""
+    model = tiny_checkpoint("qwen3.5")
+    base = random_prompts([200], seed=510)[0]
+    tails = random_prompts([5, 20, 7, 9, 15], seed=511)
+    prompts = [base[:cut] + tail for cut, tail in zip([70, 100, 120, 60, 110], tails)]
+    run = run_factory(model, kvcache_block_size=block_size, num_kvcache_blocks=14 if block_size == 16 else 4,
+                      max_model_len=320, max_num_batched_tokens=24)
+    for wave in (prompts[:2], prompts, prompts[::-1]):
+        check_against_hf(run, hf_oracle, wave, max_new=40)
+    stats = run.llm.engine.stats
+    assert stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+    assert stats.prefix_cache_hit_tokens > 0 and stats.state_snapshot_hits > 0, stats
+
+
+def test_lru_eviction_of_snapshot_slots(tiny_checkpoint, hf_oracle, run_factory):
+    """Two snapshot slots for three system prompts in turn: snapshots are recycled least recently used first
+    while sequences read and write others; every output stays right."""
+    model = tiny_checkpoint("qwen3.5")
+    groups = [shared_prefix_prompts(3, seed=s, prefix=48, lengths=(10, 20)) for s in (520, 530, 540)]
+    run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=48, num_state_snapshots=2,
+                      max_model_len=256)
+    for wave in range(2):
+        check_against_hf(run, hf_oracle, [p for g in groups for p in g], max_new=6)
+    registry = run.llm.engine.scheduler.snapshots
+    assert registry.num_slots == 2 and len(registry.by_hash) <= 2
+    stats = run.llm.engine.stats
+    assert stats.state_snapshots_taken > 2 and stats.state_snapshot_hits > 0, stats
+
+
+def test_snapshots_off_computes_every_prompt_token(tiny_checkpoint, hf_oracle, run_factory):
+    """num_state_snapshots=0: no prefix hit may skip tokens whose linear-attention state is nowhere."""
+    prompt = random_prompts([80], seed=420)
+    run = run_factory(tiny_checkpoint("qwen3.5"), kvcache_block_size=16, num_state_snapshots=0)
+    check_against_hf(run, hf_oracle, prompt, max_new=4)
+    check_against_hf(run, hf_oracle, prompt, max_new=4)
+    assert run.llm.engine.stats.prefix_cache_hit_tokens == 0
+    report = run.llm.engine.model_runner.memory_report
+    assert report.num_state_snapshots == 0 and any("prefix caching is off" in n for n in report.notes)
+
+
+def test_memory_report_counts_the_snapshot_slots(tiny_checkpoint, run_factory):
+    """The probe counts the snapshot slots beside the sequences' state slots, and probe-memory shows them."""
+    import io
+
+    from rich.console import Console
+
+    from llmcli.cli.probe import render
+    from llmcli.engine.state_pool import state_bytes_per_slot
+
+    run = run_factory(tiny_checkpoint("qwen3.5"), kvcache_block_size=16, max_num_seqs=6, num_state_snapshots=5)
+    runner = run.llm.engine.model_runner
+    report = runner.memory_report
+    per_slot = state_bytes_per_slot(runner.model, torch.float32)
+    assert report.num_state_snapshots == 5 and report.state_snapshot_bytes == 5 * per_slot
+    assert report.state_pool_bytes == (6 + 2 + 5) * per_slot
+    assert runner.state_pool[0].shape[0] == 6 + 1 + 5 + 1  # rows, snapshots, scratch
+    out = io.StringIO()
+    render(report, None, Console(file=out, width=200))
+    assert "state snapshots" in out.getvalue() and "5 (" in out.getvalue()
+
+
+def _torch_varlen(q, k, v, g, beta, initial, cu_seqlens):
+    """fla's ``chunked_varlen`` contract in torch, one sequence at a time."""
+    from llmcli.kernels.gated_delta_torch import gated_delta_rule_chunked
+
+    cu = cu_seqlens.tolist()
+    out, finals = v.new_empty(v.shape), []
+    for i in range(len(cu) - 1):
+        a, b = cu[i], cu[i + 1]
+        out[a:b], s = gated_delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], initial[i])
+        finals.append(s)
+    return out, torch.stack(finals)
+
+
+def test_varlen_passes_of_the_cuda_path(tiny_checkpoint, hf_oracle, run_factory, monkeypatch):
+    """The CUDA path's varlen delta rule in passes (chunks cut at snapshots), run on CPU with a torch stand-in
+    for fla's kernel: same tokens as transformers, with hits."""
+    import llmcli.layers.gated_delta_net as gdn
+    from llmcli.kernels.gated_delta_torch import gated_delta_rule_step
+
+    fake = types.ModuleType("llmcli.kernels.gated_delta_fla")
+    fake.chunked_varlen = _torch_varlen
+    fake.recurrent_step = gated_delta_rule_step  # the same contract
+    monkeypatch.setitem(sys.modules, "llmcli.kernels.gated_delta_fla", fake)
+    monkeypatch.setattr(gdn, "use_fla", lambda x: True)
+    calls = []
+    real = gdn.GatedDeltaNet._chunk_passes
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_chunk_passes",
+                        lambda self, *a: calls.append(len(a[-1].passes)) or real(self, *a))
+    prompts = shared_prefix_prompts(6, seed=550, prefix=40, lengths=(8, 30))
+    run = run_factory(tiny_checkpoint("qwen3.5"), kvcache_block_size=16, max_num_batched_tokens=40,
+                      max_model_len=256)
+    check_against_hf(run, hf_oracle, prompts, max_new=5)
+    assert run.llm.engine.stats.state_snapshot_hits > 0 and max(calls) > 1, calls
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
+def test_tp2_hits_from_snapshots(tiny_checkpoint, hf_oracle):
+    """Each rank holds its heads' snapshots; the plan's snapshot fields reach every rank."""
+    from llmcli import LLM
+
+    model = tiny_checkpoint("qwen3.5")
+    prompts = shared_prefix_prompts(5, seed=560, prefix=48, lengths=(5, 30))
+    llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
+              num_kvcache_blocks=64, max_num_batched_tokens=40, max_num_seqs=8, max_model_len=256,
+              enforce_eager=True)
+    try:
+        outs = llm.generate(prompts, greedy(8))
+        hits = llm.engine.stats.state_snapshot_hits
+    finally:
+        llm.shutdown()
+    want = hf_oracle.greedy(model, prompts, 8)
+    assert_same_tokens(hf_oracle, model, prompts, outs, want, "TP=2 qwen3.5 with snapshot hits")
+    assert hits > 0
