@@ -158,3 +158,22 @@ def test_tp2_hits_from_snapshots(tiny_checkpoint, hf_oracle):
     want = hf_oracle.greedy(model, prompts, 8)
     assert_same_tokens(hf_oracle, model, prompts, outs, want, "TP=2 qwen3.5 with snapshot hits")
     assert hits > 0
+
+
+def test_bench_shared_system_prompt_on_a_hybrid(tiny_checkpoint):
+    """`llmcli bench`'s shared-prefix workload (the GPU preset's shape) on Qwen3.5: the prompt tokens it
+    computes stay within 1.1x the unique ones, and its report counts the snapshots."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from llmcli.cli.app import app
+
+    result = CliRunner().invoke(app, [
+        "bench", "--model", str(tiny_checkpoint("qwen3.5")), "--device", "cpu", "--dtype", "float32",
+        "--load-format", "dummy", "--num-prompts", "40", "--prefix-len", "96", "--input-len", "30:50",
+        "--output-len", "2", "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+        "--max-model-len", "256", "--num-kvcache-blocks", "256", "--warmup", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    data = orjson.loads(result.stdout)
+    assert data["prompt_tokens_computed"] <= 1.1 * data["unique_prompt_tokens"], data
+    assert data["state_snapshots"]["slots"] == 4 and data["state_snapshots"]["hits"] >= 30, data["state_snapshots"]

@@ -210,6 +210,7 @@ class GenerateSummary:
     preemptions: int
     interrupted: bool
     default_limited: int = 0  # records cut at a length limit they did not set (--max-tokens or the built-in one)
+    state_snapshots: tuple[int, int, int] = (0, 0, 0)  # hybrid models' prefix cache: slots, taken, hits
 
 
 def summary_table(s: GenerateSummary) -> Table:
@@ -230,6 +231,9 @@ def summary_table(s: GenerateSummary) -> Table:
         ("prefix-cache hit rate", f"{s.prefix_cache_hit_rate:.1%}"),
         ("preemptions", str(s.preemptions)),
     ]
+    if s.state_snapshots[0]:
+        rows.insert(-1, ("state snapshots (hybrid prefix cache)", "{:,} slots, {:,} taken, {:,} hits".format(
+            *s.state_snapshots)))
     return key_value_table("llmcli generate" + (" (interrupted)" if s.interrupted else ""), rows)
 
 
