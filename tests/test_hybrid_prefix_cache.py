@@ -177,3 +177,26 @@ def test_bench_shared_system_prompt_on_a_hybrid(tiny_checkpoint):
     data = orjson.loads(result.stdout)
     assert data["prompt_tokens_computed"] <= 1.1 * data["unique_prompt_tokens"], data
     assert data["state_snapshots"]["slots"] == 4 and data["state_snapshots"]["hits"] >= 30, data["state_snapshots"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_snapshot_hits_on_cuda_with_fla(hf_oracle, tiny_checkpoint):
+    """fp32 on the GPU through fla's varlen kernel in passes (chunks cut at snapshots), eager and with decode
+    graphs: transformers' tokens (on the CPU), with hits. Run on the GPU machine:
+    ``python -m pytest -q tests/test_hybrid_prefix_cache.py -m gpu``."""
+    from llmcli import LLM
+
+    model = tiny_checkpoint("qwen3.5")
+    prompts = shared_prefix_prompts(12, seed=570, lengths=(1, 40))
+    want = hf_oracle.greedy(model, prompts, 8)
+    for eager in (True, False):
+        llm = LLM(str(model), device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=256,
+                  max_num_batched_tokens=64, enforce_eager=eager, gpu_memory_utilization=0.3)
+        try:
+            outs = llm.generate(prompts, greedy(8))
+            hits = llm.engine.stats.state_snapshot_hits
+        finally:
+            llm.shutdown()
+        assert_same_tokens(hf_oracle, model, prompts, outs, want, f"CUDA fla, enforce_eager={eager}")
+        assert hits >= 10
