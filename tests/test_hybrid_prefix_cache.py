@@ -18,6 +18,31 @@ from test_engine_vs_hf import assert_same_tokens, check_against_hf, greedy, rand
 PREFIX = 96  # the shared system prompt: six blocks of 16
 
 
+@pytest.fixture(scope="session")
+def hybrid(tiny_checkpoint, tmp_path_factory):
+    """``hybrid(family)``: the tiny checkpoint with a recurrent state that remembers. Its random decays forget a
+    token within a few (exp(A_log) up to 16), so a wrong snapshot would hardly move a logit; here each head keeps
+    ~99.7% of its state per token, as trained models' slow heads do."""
+    from test_model_checks import _copy, _edit_tensors
+
+    made = {}
+
+    def slow(state):
+        g = torch.Generator().manual_seed(0)
+        for name in [n for n in state if n.endswith(("A_log", "dt_bias"))]:
+            t = state[name]
+            state[name] = torch.full_like(t, -2.0) if name.endswith("dt_bias") else \
+                torch.empty_like(t).uniform_(0.005, 0.05, generator=g).log()
+
+    def get(family: str):
+        if family not in made:
+            folder = _copy(tiny_checkpoint(family), tmp_path_factory.mktemp("long_memory"), family)
+            made[family] = _edit_tensors(folder, slow)
+        return made[family]
+
+    return get
+
+
 def shared_prefix_prompts(n: int, seed: int, prefix: int = PREFIX, lengths=(32, 48)) -> list[list[int]]:
     system = random_prompts([prefix], seed=seed)[0]
     g = torch.Generator().manual_seed(seed + 1)
@@ -26,10 +51,10 @@ def shared_prefix_prompts(n: int, seed: int, prefix: int = PREFIX, lengths=(32, 
 
 
 @pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
-def test_shared_system_prompt_computes_each_prefix_once(family, tiny_checkpoint, hf_oracle, run_factory):
+def test_shared_system_prompt_computes_each_prefix_once(family, hybrid, hf_oracle, run_factory):
     """40 requests behind one system prompt, a few per step: the first request to find the prefix cached
     recomputes it and snapshots its state at the branching point; every later one starts there."""
-    model = tiny_checkpoint(family)
+    model = hybrid(family)
     prompts = shared_prefix_prompts(40, seed=500, lengths=(1, 48))
     run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=256)
     outs = check_against_hf(run, hf_oracle, prompts, max_new=4)
@@ -42,10 +67,10 @@ def test_shared_system_prompt_computes_each_prefix_once(family, tiny_checkpoint,
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_hits_with_chunked_prefill_and_preemption(block_size, tiny_checkpoint, hf_oracle, run_factory):
+def test_hits_with_chunked_prefill_and_preemption(block_size, hybrid, hf_oracle, run_factory):
     """Three waves over prompts that branch at different depths, in chunks of 24 tokens, in a KV pool too small
     for every sequence: hits start mid-prompt from snapshots, preempted sequences recompute (and may hit)."""
-    model = tiny_checkpoint("qwen3.5")
+    model = hybrid("qwen3.5")
     base = random_prompts([200], seed=510)[0]
     tails = random_prompts([5, 20, 7, 9, 15], seed=511)
     prompts = [base[:cut] + tail for cut, tail in zip([70, 100, 120, 60, 110], tails)]
@@ -58,10 +83,10 @@ def test_hits_with_chunked_prefill_and_preemption(block_size, tiny_checkpoint, h
     assert stats.prefix_cache_hit_tokens > 0 and stats.state_snapshot_hits > 0, stats
 
 
-def test_lru_eviction_of_snapshot_slots(tiny_checkpoint, hf_oracle, run_factory):
+def test_lru_eviction_of_snapshot_slots(hybrid, hf_oracle, run_factory):
     """Two snapshot slots for three system prompts in turn: snapshots are recycled least recently used first
     while sequences read and write others; every output stays right."""
-    model = tiny_checkpoint("qwen3.5")
+    model = hybrid("qwen3.5")
     groups = [shared_prefix_prompts(3, seed=s, prefix=48, lengths=(10, 20)) for s in (520, 530, 540)]
     run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=48, num_state_snapshots=2,
                       max_model_len=256)
@@ -73,10 +98,10 @@ def test_lru_eviction_of_snapshot_slots(tiny_checkpoint, hf_oracle, run_factory)
     assert stats.state_snapshots_taken > 2 and stats.state_snapshot_hits > 0, stats
 
 
-def test_snapshots_off_computes_every_prompt_token(tiny_checkpoint, hf_oracle, run_factory):
+def test_snapshots_off_computes_every_prompt_token(hybrid, hf_oracle, run_factory):
     """num_state_snapshots=0: no prefix hit may skip tokens whose linear-attention state is nowhere."""
     prompt = random_prompts([80], seed=420)
-    run = run_factory(tiny_checkpoint("qwen3.5"), kvcache_block_size=16, num_state_snapshots=0)
+    run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, num_state_snapshots=0)
     check_against_hf(run, hf_oracle, prompt, max_new=4)
     check_against_hf(run, hf_oracle, prompt, max_new=4)
     assert run.llm.engine.stats.prefix_cache_hit_tokens == 0
@@ -84,7 +109,7 @@ def test_snapshots_off_computes_every_prompt_token(tiny_checkpoint, hf_oracle, r
     assert report.num_state_snapshots == 0 and any("prefix caching is off" in n for n in report.notes)
 
 
-def test_memory_report_counts_the_snapshot_slots(tiny_checkpoint, run_factory):
+def test_memory_report_counts_the_snapshot_slots(hybrid, run_factory):
     """The probe counts the snapshot slots beside the sequences' state slots, and probe-memory shows them."""
     import io
 
@@ -93,7 +118,7 @@ def test_memory_report_counts_the_snapshot_slots(tiny_checkpoint, run_factory):
     from llmcli.cli.probe import render
     from llmcli.engine.state_pool import state_bytes_per_slot
 
-    run = run_factory(tiny_checkpoint("qwen3.5"), kvcache_block_size=16, max_num_seqs=6, num_state_snapshots=5)
+    run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_seqs=6, num_state_snapshots=5)
     runner = run.llm.engine.model_runner
     report = runner.memory_report
     per_slot = state_bytes_per_slot(runner.model, torch.float32)
@@ -118,7 +143,7 @@ def _torch_varlen(q, k, v, g, beta, initial, cu_seqlens):
     return out, torch.stack(finals)
 
 
-def test_varlen_passes_of_the_cuda_path(tiny_checkpoint, hf_oracle, run_factory, monkeypatch):
+def test_varlen_passes_of_the_cuda_path(hybrid, hf_oracle, run_factory, monkeypatch):
     """The CUDA path's varlen delta rule in passes (chunks cut at snapshots), run on CPU with a torch stand-in
     for fla's kernel: same tokens as transformers, with hits."""
     import llmcli.layers.gated_delta_net as gdn
@@ -133,19 +158,23 @@ def test_varlen_passes_of_the_cuda_path(tiny_checkpoint, hf_oracle, run_factory,
     real = gdn.GatedDeltaNet._chunk_passes
     monkeypatch.setattr(gdn.GatedDeltaNet, "_chunk_passes",
                         lambda self, *a: calls.append(len(a[-1].passes)) or real(self, *a))
-    prompts = shared_prefix_prompts(6, seed=550, prefix=40, lengths=(8, 30))
-    run = run_factory(tiny_checkpoint("qwen3.5"), kvcache_block_size=16, max_num_batched_tokens=40,
+    first = shared_prefix_prompts(1, seed=550, prefix=40, lengths=(30, 30))  # its last boundary is past the branch
+    prompts = first + shared_prefix_prompts(5, seed=550, prefix=40, lengths=(1, 30))
+    run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_batched_tokens=256,
                       max_model_len=256)
-    check_against_hf(run, hf_oracle, prompts, max_new=5)
-    assert run.llm.engine.stats.state_snapshot_hits > 0 and max(calls) > 1, calls
+    # the second wave starts in one step: its first request snapshots the branching point, which the others
+    # may only read from the next step on (this path reads every chunk's initial state before any write)
+    check_against_hf(run, hf_oracle, prompts[:1], max_new=5)
+    check_against_hf(run, hf_oracle, prompts[1:], max_new=5)
+    assert run.llm.engine.stats.state_snapshot_hits >= 4 and max(calls) > 1, calls
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
-def test_tp2_hits_from_snapshots(tiny_checkpoint, hf_oracle):
+def test_tp2_hits_from_snapshots(hybrid, hf_oracle):
     """Each rank holds its heads' snapshots; the plan's snapshot fields reach every rank."""
     from llmcli import LLM
 
-    model = tiny_checkpoint("qwen3.5")
+    model = hybrid("qwen3.5")
     prompts = shared_prefix_prompts(5, seed=560, prefix=48, lengths=(5, 30))
     llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
               num_kvcache_blocks=64, max_num_batched_tokens=40, max_num_seqs=8, max_model_len=256,
@@ -160,7 +189,7 @@ def test_tp2_hits_from_snapshots(tiny_checkpoint, hf_oracle):
     assert hits > 0
 
 
-def test_bench_shared_system_prompt_on_a_hybrid(tiny_checkpoint):
+def test_bench_shared_system_prompt_on_a_hybrid(hybrid):
     """`llmcli bench`'s shared-prefix workload (the GPU preset's shape) on Qwen3.5: the prompt tokens it
     computes stay within 1.1x the unique ones, and its report counts the snapshots."""
     import orjson
@@ -169,7 +198,7 @@ def test_bench_shared_system_prompt_on_a_hybrid(tiny_checkpoint):
     from llmcli.cli.app import app
 
     result = CliRunner().invoke(app, [
-        "bench", "--model", str(tiny_checkpoint("qwen3.5")), "--device", "cpu", "--dtype", "float32",
+        "bench", "--model", str(hybrid("qwen3.5")), "--device", "cpu", "--dtype", "float32",
         "--load-format", "dummy", "--num-prompts", "40", "--prefix-len", "96", "--input-len", "30:50",
         "--output-len", "2", "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
         "--max-model-len", "256", "--num-kvcache-blocks", "256", "--warmup", "0", "--json"])
@@ -181,13 +210,13 @@ def test_bench_shared_system_prompt_on_a_hybrid(tiny_checkpoint):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_snapshot_hits_on_cuda_with_fla(hf_oracle, tiny_checkpoint):
+def test_snapshot_hits_on_cuda_with_fla(hf_oracle, hybrid):
     """fp32 on the GPU through fla's varlen kernel in passes (chunks cut at snapshots), eager and with decode
     graphs: transformers' tokens (on the CPU), with hits. Run on the GPU machine:
     ``python -m pytest -q tests/test_hybrid_prefix_cache.py -m gpu``."""
     from llmcli import LLM
 
-    model = tiny_checkpoint("qwen3.5")
+    model = hybrid("qwen3.5")
     prompts = shared_prefix_prompts(12, seed=570, lengths=(1, 40))
     want = hf_oracle.greedy(model, prompts, 8)
     for eager in (True, False):
