@@ -57,6 +57,9 @@ def state_segments(rows: list[int], cu: list[int], reads: list[tuple[int, int]],
         tokens = np.concatenate([np.arange(lo, hi) for lo, hi in seg])
         cu_p = np.zeros(len(seg) + 1, dtype=np.int64)
         np.cumsum([hi - lo for lo, hi in seg], out=cu_p[1:])
-        as_tensor = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)  # noqa: E731
-        passes.append(Pass(as_tensor(entries), as_tensor(tokens), as_tensor(cu_p), snaps))
-    return StateSegments(torch.tensor(sources, dtype=torch.int64).to(device), sources, cuts, passes)
+        passes.append(Pass(_on(device, entries), _on(device, tokens), _on(device, cu_p), snaps))
+    return StateSegments(_on(device, sources), sources, cuts, passes)
+
+
+def _on(device: torch.device, values) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device)
