@@ -7,6 +7,7 @@ snapshot (taken at the wrong token, read before it is written, overwritten while
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 
@@ -229,3 +230,22 @@ def test_snapshot_hits_on_cuda_with_fla(hf_oracle, hybrid):
             llm.shutdown()
         assert_same_tokens(hf_oracle, model, prompts, outs, want, f"CUDA fla, enforce_eager={eager}")
         assert hits >= 10
+
+
+def test_generate_summary_reports_the_snapshots(hybrid, tmp_path):
+    """`llmcli generate`'s summary says how many snapshot slots a hybrid model has, their memory, and how
+    often prompts started from one."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from llmcli.cli.app import app
+
+    records = [{"prompt_token_ids": p, "max_tokens": 2} for p in shared_prefix_prompts(4, seed=580, lengths=(3, 9))]
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    result = CliRunner().invoke(app, ["generate", str(inp), "--model", str(hybrid("qwen3.5")), "--device", "cpu",
+                                      "--block-size", "16", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+                                      "--num-kvcache-blocks", "64", "--num-state-snapshots", "3"])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.stderr.splitlines() if "state snapshots (hybrid prefix cache)" in x)
+    assert re.search(r"3 slots \(0\.\d\d GiB\), [1-9]\d* taken, [1-9]\d* hits", line), line

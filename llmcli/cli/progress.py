@@ -210,7 +210,7 @@ class GenerateSummary:
     preemptions: int
     interrupted: bool
     default_limited: int = 0  # records cut at a length limit they did not set (--max-tokens or the built-in one)
-    state_snapshots: tuple[int, int, int] = (0, 0, 0)  # hybrid models' prefix cache: slots, taken, hits
+    state_snapshots: tuple[int, int, int, int] = (0, 0, 0, 0)  # hybrid models' prefix cache: slots, bytes, taken, hits
 
 
 def summary_table(s: GenerateSummary) -> Table:
@@ -232,8 +232,9 @@ def summary_table(s: GenerateSummary) -> Table:
         ("preemptions", str(s.preemptions)),
     ]
     if s.state_snapshots[0]:
-        rows.insert(-1, ("state snapshots (hybrid prefix cache)", "{:,} slots, {:,} taken, {:,} hits".format(
-            *s.state_snapshots)))
+        slots, size, taken, hits = s.state_snapshots
+        rows.insert(-1, ("state snapshots (hybrid prefix cache)",
+                         f"{slots:,} slots ({size / 2**30:.2f} GiB), {taken:,} taken, {hits:,} hits"))
     return key_value_table("llmcli generate" + (" (interrupted)" if s.interrupted else ""), rows)
 
 

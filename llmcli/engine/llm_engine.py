@@ -64,7 +64,8 @@ class LLMEngine:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
         self.model_runner = self._start_runner(config)
         self.clock.check()
-        self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks)
+        self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks, state_snapshot_bytes=getattr(
+            self.model_runner.memory_report, "state_snapshot_bytes", 0))
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)

@@ -136,8 +136,10 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_finished: int = 0
-    # hybrid models' prefix cache (engine/state_snapshots.py): snapshot slots, snapshots taken, hits from one
+    # hybrid models' prefix cache (engine/state_snapshots.py): snapshot slots and their bytes (per rank),
+    # snapshots taken, hits from one
     state_snapshot_slots: int = 0
+    state_snapshot_bytes: int = 0
     state_snapshots_taken: int = 0
     state_snapshot_hits: int = 0
 
