@@ -249,3 +249,51 @@ def test_generate_summary_reports_the_snapshots(hybrid, tmp_path):
     assert result.exit_code == 0, result.output
     line = next(x for x in result.stderr.splitlines() if "state snapshots (hybrid prefix cache)" in x)
     assert re.search(r"3 slots \(0\.\d\d GiB\), [1-9]\d* taken, [1-9]\d* hits", line), line
+
+
+def test_registry_hits_waits_recycles_and_releases():
+    """The registry alone: a hit is the deepest snapshot written in an earlier step; a request whose deeper
+    snapshot is still to be written waits; slots are recycled least recently used first, never one a step
+    reads or one not written yet; a creator that gives its blocks back drops what it had not written."""
+    from llmcli.engine.state_snapshots import WAIT, SnapshotRegistry
+    from llmcli.engine.step_plan import StepPlan
+    from llmcli.sampling_params import SamplingParams
+
+    def seq(tokens):
+        from llmcli.engine.sequence import Sequence
+
+        s = Sequence(tokens, SamplingParams(max_tokens=1), 4)
+        s.num_scheduled_tokens = len(tokens)  # the whole prompt in one chunk
+        return s
+
+    def plan_step(reg, *seqs):
+        plan = StepPlan(True, *([None] * 6))
+        reg.plan(plan, list(seqs))
+        return plan
+
+    reg = SnapshotRegistry(2, 4)
+    a = seq(list(range(10)))  # boundaries after 4 and 8 tokens
+    assert reg.admit(a, reg.hashes(a), 0) == 0 and a.state_source == -1
+    assert [w[0] for w in a.snapshot_writes] == [8]  # no KV match: only its last boundary
+    b = seq(list(range(9)) + [99])  # the same first 8 tokens
+    assert reg.admit(b, reg.hashes(b), 2) == WAIT  # a's snapshot at 8 is not written yet
+    slot = a.snapshot_writes[0][2].slot
+    assert plan_step(reg, a).state_writes == [(0, 8, slot)] and not a.snapshot_writes
+    assert reg.admit(b, reg.hashes(b), 2) == 2 and b.state_source == slot and reg.hits == 1
+    c = seq([7] * 10)  # another prompt in the same step takes the free slot
+    assert reg.admit(c, reg.hashes(c), 0) == 0 and [w[2].slot for w in c.snapshot_writes] == [1 - slot]
+    x = seq([6] * 10)  # and then none is left: a's is read in this step, c's not written yet
+    reg.admit(x, reg.hashes(x), 0)
+    assert x.snapshot_writes == []
+    plan = plan_step(reg, b, c)
+    assert plan.state_reads == [(0, slot)] and plan.state_writes == [(1, 8, 1 - slot)]
+    d = seq([8] * 10)  # the next step: a's snapshot, least recently used, is recycled
+    reg.admit(d, reg.hashes(d), 0)
+    assert [w[2].slot for w in d.snapshot_writes] == [slot] and len(reg.by_hash) == 2
+    e = seq([9] * 10)  # then c's; then none (both wait to be written)
+    reg.admit(e, reg.hashes(e), 0)
+    f = seq([5] * 10)
+    reg.admit(f, reg.hashes(f), 0)
+    assert [w[2].slot for w in e.snapshot_writes] == [1 - slot] and f.snapshot_writes == []
+    reg.release(d)  # d is preempted before its chunk ran: its slot comes back
+    assert reg.free_slots == [slot] and d.snapshot_writes == []
