@@ -27,6 +27,8 @@
 #           speed_gpu.py --preset moe: Qwen3-30B-A3B against the MoE bound (~6 min)
 #   blocks  issue 45's default KV block: speed_gpu.py --preset blocks (0.6B and 8B at 64 vs 256, one call), then
 #           the shared-system-prompt preset at the default (hit rate, wall time; JSON in $OUT) (~5 min)
+#   hybrid-prefix  the shared-system-prompt preset (5,000 records) on Qwen3.5-9B dummy, prefix cache (state
+#           snapshots) on, then off: prompt tokens computed vs unique, wall time (JSON in $OUT) (~6 min)
 #   e2e-all tests/test_gpu_e2e.py whole, at the default block size: Qwen3-0.6B, Llama-3.2-1B and the 4-layer
 #           Qwen3-30B-A3B (#31's noise-aware near-tie rule; xfail until it passes) (~6 min)
 # Retired stages and scripts (decode-gemm, prefill-graphs, elementwise, host-diag, gaps, real_path_gpu.py,
@@ -94,6 +96,8 @@ for stage in "$@"; do
     blocks) timeout 330 python3 benchmarks/speed_gpu.py --preset blocks 2>&1 | tee "$OUT/blocks.log"
       timeout 200 python3 -m llmcli bench --config configs/bench-shared-system-prompt.toml --model configs/Qwen3-0.6B \
         --output "$OUT/shared_system_prompt.json" 2>&1 | tee "$OUT/shared_system_prompt.log" ;;
+    hybrid-prefix) for c in enable no-enable; do timeout 280 python3 -m llmcli bench --config configs/bench-shared-system-prompt.toml \
+      --model configs/Qwen3.5-9B --num-prompts 5000 --$c-prefix-caching --output "$OUT/hybrid_prefix_$c.json" 2>&1 | tee -a "$OUT/hybrid_prefix.log"; done ;;
     e2e-all) timeout 540 python3 -m pytest -q -s -rxX -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e_all.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
   esac

@@ -199,7 +199,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                     say(f"SKIPPED {facts['name']} {variant} {job} mixed_steps={mixed}: past the time budget")
                     continue
                 engine.scheduler.mixed_steps = mixed
-                engine.scheduler.block_manager.reset_prefix_cache()  # no run reuses an earlier run's prompts
+                engine.scheduler.reset_prefix_cache()  # no run reuses an earlier run's prompts
                 r = timed_run(llm, prompts, outs, replace(workload, sampling=sampling), args.device, records,
                               logprobs)
                 cfg = engine.config

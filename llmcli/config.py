@@ -20,6 +20,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GENERATION_CONFIGS = ("auto", "ignore", "vllm")  # "vllm": vLLM's name for "ignore" (its own neutral defaults)
 # Upper ends of the size knobs (README, reliability): past them host arrays, block ids (int32) or the
 # pool's size in bytes overflow, or the warm-up allocates more than any machine has.
+MAX_STATE_SNAPSHOTS = 1 << 16
 MAX_SIZES = {"max_num_batched_tokens": 1 << 24, "max_num_seqs": 1 << 16, "tensor_parallel_size": 1 << 10,
              "kvcache_block_size": 1 << 16, "max_model_len": 1 << 24, "num_kvcache_blocks": (1 << 31) - 1}
 MAX_KV_CACHE_GIB = float(1 << 20)
@@ -140,6 +141,8 @@ class Config:
     num_kvcache_blocks: int | None = None
     kv_cache_memory_gib: float | None = None
     enable_prefix_caching: bool = True
+    # hybrid models: slots of linear-attention state snapshots that let prefix hits skip tokens (None: auto, 0: off)
+    num_state_snapshots: int | None = None
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -201,6 +204,12 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise self._fail(name, "must be a positive integer or None (derived automatically)")
+        snapshots = self.num_state_snapshots
+        if snapshots is not None and (not isinstance(snapshots, int) or isinstance(snapshots, bool)
+                                      or not 0 <= snapshots <= MAX_STATE_SNAPSHOTS):
+            raise self._fail("num_state_snapshots", f"must be an integer from 0 (no snapshots: a hybrid model "
+                                                    f"computes every prompt token) to {MAX_STATE_SNAPSHOTS}, or None "
+                                                    "(sized from max_num_seqs)")
         for name, most in MAX_SIZES.items():
             value = getattr(self, name)
             if value is not None and value > most:

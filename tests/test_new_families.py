@@ -4,7 +4,8 @@ and Qwen3-Next (Gated DeltaNet layers with a per-sequence state in the engine's 
 
 Prompts run several windows long (the tiny windows are 24 keys); chunked prefill with a budget below the
 window and below a DeltaNet chunk; preemption, which must recompute a hybrid sequence's state from scratch;
-block sizes 16 and 64. The torch gated delta rule is checked against transformers' own torch fallbacks.
+block sizes 16 and 64 (a hybrid model's prefix hits from state snapshots: tests/test_hybrid_prefix_cache.py).
+The torch gated delta rule is checked against transformers' own torch fallbacks.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import torch
 from test_engine_vs_hf import check_against_hf, random_prompts, run_factory  # noqa: F401 (a fixture)
 
 NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next")
-HYBRID = ("qwen3.5", "qwen3.5-moe", "qwen3-next")
 LENGTHS = [1, 9, 24, 25, 70, 130]  # around and several times the 24-key window; past a 64-token DeltaNet chunk
 MAX_NEW = 16
 
@@ -42,20 +42,6 @@ def test_chunked_prefill_and_preemption(new_family, hf_oracle, run_factory):
                       max_num_batched_tokens=20)
     check_against_hf(run, hf_oracle, prompts, max_new=40)
     assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
-
-
-@pytest.mark.parametrize("family", HYBRID)
-def test_hybrid_models_compute_every_prompt_token(family, tiny_checkpoint, hf_oracle, run_factory):
-    """No prefix hit may skip tokens whose linear-attention state is nowhere: a repeated prompt is recomputed
-    (and still right), and the memory report counts the state pool."""
-    model = tiny_checkpoint(family)
-    prompt = random_prompts([80], seed=420)
-    run = run_factory(model, kvcache_block_size=16)
-    check_against_hf(run, hf_oracle, prompt, max_new=4)
-    check_against_hf(run, hf_oracle, prompt, max_new=4)
-    assert run.llm.engine.stats.prefix_cache_hit_tokens == 0
-    report = run.llm.engine.model_runner.memory_report
-    assert report.state_pool_bytes > 0 and any("state pool" in note for note in report.notes)
 
 
 def test_gemma3_and_mistral_need_no_max_model_len_cap(tiny_checkpoint):
@@ -219,7 +205,8 @@ def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
 def test_hybrid_memory_report_counts_the_state_pool_and_attention_layers_only(tiny_checkpoint, run_factory):
     """The probe's numbers from config.json's sizes: KV per token over the full-attention layers alone, and
     (max_num_seqs + 2) state slots (one per block-table row a running sequence may hold, one spare, one scratch
-    for graph padding rows) of conv state in the model dtype and a float32 recurrent state per linear layer."""
+    for graph padding rows) plus the prefix cache's state snapshots (4 by default at 6 sequences) of conv state
+    in the model dtype and a float32 recurrent state per linear layer."""
     import json
 
     cfg = json.loads((tiny_checkpoint("qwen3.5") / "config.json").read_text())
@@ -234,7 +221,8 @@ def test_hybrid_memory_report_counts_the_state_pool_and_attention_layers_only(ti
         cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     conv = (2 * key + value) * (cfg["linear_conv_kernel_dim"] - 1) * itemsize
     ssm = cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4
-    assert report.state_pool_bytes == (6 + 2) * linear * (conv + ssm)
+    assert report.state_pool_bytes == (6 + 2 + 4) * linear * (conv + ssm)
+    assert report.num_state_snapshots == 4 and report.state_snapshot_bytes == 4 * linear * (conv + ssm)
 
 
 @pytest.mark.parametrize("tensor,damage", [

@@ -172,3 +172,19 @@ def test_workers_plan_drops_what_only_sampling_reads(mixed):
     sent = plan.for_workers().extras
     assert sent.prompt_rows == plan.extras.prompt_rows == [0, 1, 2, 3]
     assert sent.prompt_targets == sent.lp_rows == sent.pen_rows == []
+
+
+def test_a_preempted_sequence_queues_behind_a_prompt_cut_mid_prefill():
+    """The cut prompt holds its blocks at the head of the queue; a preempted sequence put in front of it that
+    cannot get blocks would stop every step (the engine hung)."""
+    sched = scheduler(num_blocks=5, budget=8)
+    a = request(sched, 7)  # two blocks; its second token needs a third
+    plan, batch = step(sched)
+    read_back(batch)
+    b = request(sched, 12, start=50)  # three blocks, prefilled in chunks
+    plan, batch = step(sched)  # a's first decode; b's first chunk takes the last free blocks
+    read_back(batch)
+    assert b.block_table and sched.block_manager.num_free_blocks == 0 and sched.waiting[0] is b
+    batch = sched.schedule()  # a needs a block: it preempts itself, and queues behind b, which goes on
+    assert sched.stats.num_preemptions == 1 and batch is not None and batch.seqs == [b]
+    assert batch.plan.computed.tolist() == [7] and list(sched.waiting) == [a]

@@ -157,6 +157,10 @@ def render(result: dict[str, Any], console: Console) -> None:
                             ("unique prompt tokens", "unique_prompt_tokens", "{:,d}"),
                             ("preemptions", "num_preemptions", "{:d}")):
         table.add_row(label, fmt.format(result[key]))
+    snaps = result.get("state_snapshots") or {}
+    if snaps.get("slots"):
+        table.add_row("state snapshots (hybrid prefix cache)",
+                      f"{snaps['slots']:,} slots, {snaps['taken']:,} taken, {snaps['hits']:,} hits")
     for label, key in (("time to first token (ms)", "ttft_ms"), ("time per output token (ms)", "tpot_ms"),
                        ("request latency (ms)", "latency_ms")):
         p = result[key]
@@ -204,6 +208,7 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         before = engine.stats
         queried, hits, preempt, computed = (before.prefix_cache_queried_tokens, before.prefix_cache_hit_tokens,
                                             before.num_preemptions, before.prefill_tokens_computed)
+        taken, state_hits = before.state_snapshots_taken, before.state_snapshot_hits
         engine.step_timer.reset()
         outputs, elapsed = run_timed(engine, requests, w)
         after = engine.stats
@@ -222,6 +227,9 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         # prompt tokens run through the model (prefix-cache hits are not; a preempted one's recompute is)
         "prompt_tokens_computed": after.prefill_tokens_computed - computed,
         "unique_prompt_tokens": unique_prompt_tokens(requests),
+        # hybrid models' prefix cache (0 slots: not a hybrid model, or prefix caching off)
+        "state_snapshots": {"slots": after.state_snapshot_slots, "taken": after.state_snapshots_taken - taken,
+                            "hits": after.state_snapshot_hits - state_hits},
         "kv_cache": {"num_blocks": report.num_blocks, "block_size": report.block_size,
                      "cache_tokens": report.cache_tokens},
         "step_timer": steps,

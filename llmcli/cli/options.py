@@ -58,6 +58,10 @@ ENGINE_KNOBS = (
     Knob("kv_cache_memory_gib", float, "Give the KV cache exactly this many GiB instead of sizing it from "
                                        "free memory.", "sized from free memory; on CPU 4 GiB or less"),
     Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens.", "on"),
+    Knob("num_state_snapshots", int, "Hybrid models (Qwen3.5, Qwen3-Next): slots of linear-attention state "
+                                     "snapshots at shared prompt prefixes, which give those models prefix-cache "
+                                     "hits; each slot takes one sequence's state memory (0: off).",
+         "max_num_seqs / 16, from 4 to 32"),
     Knob("mixed_steps", bool, "Decode running requests in the same step as new prompts' prefill chunks "
                               "(off: a step is all prefill or all decode, prefill first).", "on"),
     Knob("sample_in_graph", bool, "CUDA: run the lm_head and the sampler inside the decode CUDA graph (once the "

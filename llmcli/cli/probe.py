@@ -80,6 +80,8 @@ def render(r: MemoryReport, hint: str | None, console: Console) -> None:
         ("CUDA-graph pool", "n/a" if cpu else _gib(r.cuda_graph_bytes)),
         ("other (context, allocator)", "n/a" if cpu and r.other_bytes == 0 else _gib(r.other_bytes)),
         *([("linear-attention state pool", _gib(r.state_pool_bytes))] if r.state_pool_bytes else []),
+        *([("  of which prefix-cache state snapshots", f"{r.num_state_snapshots:,} ({_gib(r.state_snapshot_bytes)})")]
+          if r.num_state_snapshots else []),
         ("KV bytes per token", f"{r.kv_bytes_per_token:,} ({r.kv_cache_dtype or r.dtype})"),
         ("KV bytes per block", f"{r.kv_bytes_per_block:,} ({r.block_size} tokens)"),
         ("KV blocks", f"{r.num_blocks:,} ({_gib(r.num_blocks * r.kv_bytes_per_block)})"),

@@ -210,6 +210,7 @@ class GenerateSummary:
     preemptions: int
     interrupted: bool
     default_limited: int = 0  # records cut at a length limit they did not set (--max-tokens or the built-in one)
+    state_snapshots: tuple[int, int, int, int] = (0, 0, 0, 0)  # hybrid models' prefix cache: slots, bytes, taken, hits
 
 
 def summary_table(s: GenerateSummary) -> Table:
@@ -230,6 +231,10 @@ def summary_table(s: GenerateSummary) -> Table:
         ("prefix-cache hit rate", f"{s.prefix_cache_hit_rate:.1%}"),
         ("preemptions", str(s.preemptions)),
     ]
+    if s.state_snapshots[0]:
+        slots, size, taken, hits = s.state_snapshots
+        rows.insert(-1, ("state snapshots (hybrid prefix cache)",
+                         f"{slots:,} slots ({size / 2**30:.2f} GiB), {taken:,} taken, {hits:,} hits"))
     return key_value_table("llmcli generate" + (" (interrupted)" if s.interrupted else ""), rows)
 
 

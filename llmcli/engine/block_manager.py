@@ -76,8 +76,17 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_free_blocks >= seq.num_blocks
 
-    def allocate(self, seq: Sequence) -> int:
-        """Give ``seq`` blocks for all its tokens; returns how many tokens came from the prefix cache."""
+    def cached_blocks(self, seq: Sequence, hashes: list[int]) -> int:
+        """How many leading blocks of ``seq`` (whose chained ``hashes`` are given) the prefix cache holds."""
+        for i, h in enumerate(hashes):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+                return i
+        return len(hashes)
+
+    def allocate(self, seq: Sequence, max_cached_blocks: int | None = None) -> int:
+        """Give ``seq`` blocks for all its tokens, at most ``max_cached_blocks`` of them from the prefix cache
+        (a hybrid model's hit ends at its deepest state snapshot); returns how many tokens came from the cache."""
         assert not seq.block_table, "sequence already holds blocks"
         if self.free_rows:
             seq.table_row = self.free_rows.pop()
@@ -92,7 +101,7 @@ class BlockManager:
         hit_possible = self.enable_prefix_caching and seq.params.reads_prefix_cache
         for i in range(seq.num_blocks):
             # A block holding the last token is never reused: one token must be computed to sample from.
-            if hit_possible and (i + 1) * bs < seq.num_tokens:
+            if hit_possible and (i + 1) * bs < seq.num_tokens and (max_cached_blocks is None or i < max_cached_blocks):
                 tokens = seq.block_tokens(i)
                 h = chain_hash(prev, tokens)
                 block_id = self.hash_to_block.get(h)

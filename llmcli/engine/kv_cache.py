@@ -44,9 +44,13 @@ def device_name(device: torch.device) -> str:
 
 
 def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_bytes: int,
-                  activation_peak: int, state_pool_bytes: int = 0) -> MemoryReport:
+                  activation_peak: int, state_pool_bytes: int = 0, snapshots: tuple[int, int] = (0, 0),
+                  ) -> MemoryReport:
     """Decide the number of blocks: the explicit count, else the memory budget that is left (after the
-    linear-attention state pool's ``state_pool_bytes``)."""
+    linear-attention state pool's ``state_pool_bytes`` and its ``snapshots``: (slots, bytes) of the prefix
+    cache's state snapshots)."""
+    num_snapshots, snapshot_bytes = snapshots
+    state_pool_bytes += snapshot_bytes
     bs = config.kvcache_block_size
     per_block = per_token * bs
     notes: list[str] = []
@@ -83,8 +87,10 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
                      f"{per_block / 2**20:.1f} MiB; change {knob}")
     cache_tokens = num_blocks * bs
     if state_pool_bytes:
+        cache = f"{num_snapshots} prefix-cache state snapshots ({snapshot_bytes / GIB:.3f} GiB)" if num_snapshots \
+            else "no state snapshots: prefix caching is off for this hybrid model"
         notes.append(f"linear-attention state pool: {state_pool_bytes / GIB:.3f} GiB ({config.max_num_seqs} "
-                     "sequences' conv and recurrent states); prefix caching is off for this hybrid model")
+                     f"sequences' conv and recurrent states, {cache})")
     return MemoryReport(
         device=str(device), device_name=device_name(device), total_bytes=total, budget_bytes=budget,
         weights_bytes=weights_bytes, activation_peak_bytes=activation_peak, cuda_graph_bytes=0,
@@ -92,6 +98,7 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         num_blocks=num_blocks, cache_tokens=cache_tokens, max_model_len=config.max_model_len,
         max_concurrent_full_seqs=cache_tokens / config.max_model_len, dtype=str(config.torch_dtype).removeprefix("torch."),
         kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), state_pool_bytes=state_pool_bytes,
+        num_state_snapshots=num_snapshots, state_snapshot_bytes=snapshot_bytes,
         notes=notes,
     )
 

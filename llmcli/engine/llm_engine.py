@@ -64,7 +64,8 @@ class LLMEngine:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
         self.model_runner = self._start_runner(config)
         self.clock.check()
-        self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks)
+        self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks, state_snapshot_bytes=getattr(
+            self.model_runner.memory_report, "state_snapshot_bytes", 0))
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)
@@ -300,6 +301,10 @@ class LLMEngine:
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting) + (self.structured.num_compiling if self.structured else 0)
         self.stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
+        snapshots = self.scheduler.snapshots
+        if snapshots is not None:
+            self.stats.state_snapshot_slots = snapshots.num_slots
+            self.stats.state_snapshots_taken, self.stats.state_snapshot_hits = snapshots.taken, snapshots.hits
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(

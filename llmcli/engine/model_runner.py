@@ -14,7 +14,7 @@ from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
 from llmcli.engine.row_table import RowTable
-from llmcli.engine.state_pool import allocate_state_pool, linear_layers, state_bytes_per_slot
+from llmcli.engine.state_pool import allocate_state_pool, linear_layers, num_snapshot_slots, state_bytes_per_slot
 from llmcli.engine.sampling_extras import StepExtras, StepLogprobs, upload_extras
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_plan import StepPlan
@@ -27,6 +27,7 @@ from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.logprobs import worker_prompt_logits
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler, greedy_tokens
+from llmcli.layers.state_segments import StateSegments, state_segments
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
 from llmcli.layers.quantization.loading import finish_fp8
@@ -120,10 +121,13 @@ class ModelRunner:
                 activation_peak = measure_activation_peak(self)
                 per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
                                                self.model)
-                # one state slot per sequence that may run at once (its block-table row), plus a scratch slot
-                state_bytes = state_bytes_per_slot(self.model, config.torch_dtype) * (config.max_num_seqs + 2)
+                # one state slot per block-table row a sequence may hold, the prefix cache's snapshots, a scratch
+                # slot
+                self.num_snapshots = num_snapshot_slots(config)
+                per_slot = state_bytes_per_slot(self.model, config.torch_dtype)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
-                                                   activation_peak, state_bytes)
+                                                   activation_peak, per_slot * (config.max_num_seqs + 2),
+                                                   (self.num_snapshots, per_slot * self.num_snapshots))
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
             if self.num_blocks == 0:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
@@ -132,7 +136,7 @@ class ModelRunner:
                                                   self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
                                                   self.device)
                 self.state_pool = allocate_state_pool(self.model, config.max_num_seqs + 1, config.torch_dtype,
-                                                      self.device)
+                                                      self.device, self.num_snapshots)
             if self.device.type == "cuda":
                 with clock.phase("compile"):
                     compile_variants(self)
@@ -254,6 +258,8 @@ class ModelRunner:
             self.rows.update(plan, self.uploader)
             prepare = prepare_prefill if plan.is_prefill else prepare_decode
             inputs = prepare(plan, self.uploader, self.block_tables)
+            if plan.state_reads or plan.state_writes:  # a hybrid model's prefix hits and state snapshots
+                inputs.metadata.state_segments = self._state_segments(plan)
             sampling = self.rows.sampling(*self.rows.sampled(plan), self.uploader) \
                 if self.rank == 0 and inputs.num_sampled else None
             # penalties, logit biases and logprobs (rank 0 samples alone); None when no request of the step asks
@@ -289,6 +295,14 @@ class ModelRunner:
                 token_ids = self._share_tokens(token_ids, inputs.num_sampled)
             self.prev_tokens = token_ids
             return LaunchedStep(token_ids if self.rank == 0 else None, extras, self.readback)
+
+    def _state_segments(self, plan: StepPlan) -> StateSegments:
+        """Snapshot ``i`` is pool slot ``max_num_seqs + 1 + i`` (engine/state_pool.py)."""
+        base = self.config.max_num_seqs + 1
+        cu = np.zeros(plan.num_entries + 1, dtype=np.int64)
+        np.cumsum(plan.scheduled, out=cu[1:])
+        return state_segments(plan.rows.tolist(), cu.tolist(), [(e, base + s) for e, s in plan.state_reads],
+                              [(e, o, base + s) for e, o, s in plan.state_writes], self.device)
 
     def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask

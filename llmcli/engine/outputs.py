@@ -136,6 +136,12 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_finished: int = 0
+    # hybrid models' prefix cache (engine/state_snapshots.py): snapshot slots and their bytes (per rank),
+    # snapshots taken, hits from one
+    state_snapshot_slots: int = 0
+    state_snapshot_bytes: int = 0
+    state_snapshots_taken: int = 0
+    state_snapshot_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -169,6 +175,8 @@ class MemoryReport:
     dtype: str
     kv_cache_dtype: str = ""  # the KV pool's element type (float8_e4m3fn with kv_cache_dtype='fp8')
     state_pool_bytes: int = 0  # the linear-attention layers' state pool (hybrid models), beside the KV pool
+    num_state_snapshots: int = 0  # of which: slots of the prefix cache's state snapshots, and their bytes
+    state_snapshot_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from llmcli.engine.block_manager import BlockManager
 from llmcli.engine.outputs import EngineStats
 from llmcli.engine.plan_builder import PlanBuilder
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from llmcli.engine.state_pool import has_linear_layers
+from llmcli.engine.state_pool import has_linear_layers, num_snapshot_slots
+from llmcli.engine.state_snapshots import WAIT, SnapshotRegistry
 from llmcli.engine.step_plan import StepPlan
 
 
@@ -40,10 +41,12 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.mixed_steps = config.mixed_steps
-        # a prefix hit skips tokens whose linear-attention state no slot holds (state snapshots at block
-        # boundaries would make hits possible: not built yet), so hybrid models compute every prompt token
-        caching = config.enable_prefix_caching and not has_linear_layers(config.hf_config)
+        # a prefix hit skips tokens whose linear-attention state must then come from a snapshot: a hybrid model
+        # without snapshot slots computes every prompt token
+        snapshots = num_snapshot_slots(config)
+        caching = config.enable_prefix_caching and (snapshots > 0 or not has_linear_layers(config.hf_config))
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching)
+        self.snapshots = SnapshotRegistry(snapshots, config.kvcache_block_size) if snapshots else None
         self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -61,6 +64,8 @@ class Scheduler:
         if batch is not None:
             batch.plan = self.plans.prefill(batch.seqs, batch.sampled) if batch.is_prefill \
                 else self.plans.decode(batch.seqs)
+            if self.snapshots is not None and batch.is_prefill:
+                self.snapshots.plan(batch.plan, batch.seqs)
         return batch
 
     def _schedule(self) -> ScheduledBatch | None:
@@ -90,7 +95,10 @@ class Scheduler:
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     break
-                hit = self.block_manager.allocate(seq)
+                cached = self._snapshot_depth(seq) if self.snapshots is not None else None
+                if cached == WAIT:
+                    break
+                hit = self.block_manager.allocate(seq, cached)
                 self.stats.prefix_cache_queried_tokens += seq.num_tokens
                 self.stats.prefix_cache_hit_tokens += hit
             seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -104,6 +112,14 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return batch, start - budget, batch
+
+    def _snapshot_depth(self, seq: Sequence) -> int | None:
+        """A hybrid model's prefix hit: the blocks ``seq`` may take from the cache (its deepest state
+        snapshot), or ``WAIT`` (a deeper one is being written)."""
+        if not seq.params.reads_prefix_cache:
+            return None
+        hashes = self.snapshots.hashes(seq)
+        return self.snapshots.admit(seq, hashes, self.block_manager.cached_blocks(seq, hashes))
 
     def _schedule_decode(self) -> list[Sequence]:
         running = self.running
@@ -150,11 +166,24 @@ class Scheduler:
         self.block_manager.append_slot(seq)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.snapshots is not None:
+            self.snapshots.release(seq)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, KV blocks and state snapshots (benchmarks: each run starts cold)."""
+        self.block_manager.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
-        self.waiting.appendleft(seq)
+        # a prompt cut mid-prefill holds its blocks at the head of the queue: it stays first (behind a preempted
+        # sequence that cannot get blocks, nothing would ever run again)
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.stats.num_preemptions += 1
 
     def launched(self, seqs: list[Sequence], sampled: list[Sequence]) -> list[int]:
@@ -198,5 +227,5 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
         seq.status = SequenceStatus.FINISHED
-        self.block_manager.free(seq)
+        self._release(seq)
         queue.remove(seq)

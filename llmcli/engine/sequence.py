@@ -62,6 +62,10 @@ class Sequence:
         self.decode_until = 0
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.last_block_hash = 0  # chained hash of those blocks
+        # hybrid models (engine/state_snapshots.py): the snapshot its first chunk starts from (-1: none), and the
+        # snapshots it is to take, (token position, block hash, Snapshot)
+        self.state_source = -1
+        self.snapshot_writes: list[tuple[int, int, Any]] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0

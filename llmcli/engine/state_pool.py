@@ -3,7 +3,10 @@
 A sequence's slot is its block-table row (``Sequence.table_row``: given at admission, taken back at finish or
 preemption), so the runner's ``AttentionMetadata.rows`` says where each batch entry's state lives. A chunk
 with no computed prefix starts from a zero state (layers/gated_delta_net.py), which is what makes a preempted
-sequence recompute from scratch. The last slot is scratch for the padding rows of a CUDA-graph batch (row -1).
+sequence recompute from scratch. After the sequences' slots come the prefix cache's state snapshots
+(``engine/state_snapshots.py``: snapshot ``i`` is slot ``slots + i``), so one gather index serves "start
+from my row" and "start from a snapshot". The last slot is scratch for the padding rows of a CUDA-graph batch
+(row -1).
 """
 from __future__ import annotations
 
@@ -20,6 +23,16 @@ def has_linear_layers(hf_config: Any) -> bool:
     return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
 
 
+def num_snapshot_slots(config: Any) -> int:
+    """State-snapshot slots (engine/state_snapshots.py) for ``config``: none for a model without linear-attention
+    layers or with prefix caching off; ``num_state_snapshots`` when set; else max_num_seqs / 16, from 4 to 32."""
+    if not config.enable_prefix_caching or not has_linear_layers(config.hf_config):
+        return 0
+    if config.num_state_snapshots is not None:
+        return config.num_state_snapshots
+    return max(4, min(32, config.max_num_seqs // 16))
+
+
 def linear_layers(model: nn.Module) -> list[GatedDeltaNet]:
     return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
 
@@ -34,13 +47,16 @@ def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
     return total
 
 
-def allocate_state_pool(model: nn.Module, slots: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Zeroed states for ``slots`` rows plus the scratch slot, attached to each linear layer; the tensors."""
+def allocate_state_pool(model: nn.Module, slots: int, dtype: torch.dtype, device: torch.device,
+                        snapshots: int = 0) -> list[torch.Tensor]:
+    """Zeroed states for ``slots`` rows, ``snapshots`` snapshot slots and the scratch slot, attached to each
+    linear layer; the tensors."""
     held = []
+    rows = slots + snapshots + 1
     for layer in linear_layers(model):
         conv, ssm = layer.state_shapes()
-        layer.conv_state = torch.zeros(slots + 1, *conv, dtype=dtype, device=device)
-        layer.ssm_state = torch.zeros(slots + 1, *ssm, dtype=layer.spec.state_dtype or torch.float32, device=device)
+        layer.conv_state = torch.zeros(rows, *conv, dtype=dtype, device=device)
+        layer.ssm_state = torch.zeros(rows, *ssm, dtype=layer.spec.state_dtype or torch.float32, device=device)
         held += [layer.conv_state, layer.ssm_state]
     return held
 

@@ -12,7 +12,7 @@ kind (a sliding window's blocks, a recurrent-state slot) is one more field here,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -97,6 +97,11 @@ class StepPlan:
     # a decode step of the previous plan's entries, each one token further, its token in flight in row i
     follows: bool = False
     extras: ExtrasPlan | None = None
+    # hybrid models' prefix hits (engine/state_snapshots.py): (entry, snapshot) pairs whose chunk starts from
+    # that snapshot's state instead of its row's, and (entry, token offset in its chunk, snapshot) of the
+    # snapshots to take after that many of the chunk's tokens
+    state_reads: list[tuple[int, int]] = field(default_factory=list)
+    state_writes: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_entries(self) -> int:
@@ -116,6 +121,4 @@ class StepPlan:
         if self.extras is None and not self.new_rows:
             return self
         prompt = self.extras.prompt_rows if self.extras is not None else None
-        return StepPlan(self.is_prefill, self.rows, self.computed, self.scheduled, self.pending, self.samples,
-                        self.tokens, [], self.blocks, self.freed, self.follows,
-                        ExtrasPlan(prompt_rows=prompt) if prompt else None)
+        return replace(self, new_rows=[], extras=ExtrasPlan(prompt_rows=prompt) if prompt else None)

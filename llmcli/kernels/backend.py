@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,6 +67,9 @@ class AttentionMetadata:
     rows: torch.Tensor | None = None
     # prefill: [batch] bool, the chunk continues a sequence whose state is cached (computed tokens > 0)
     has_initial_state: torch.Tensor | None = None
+    # prefill of a hybrid model with prefix caching: where each chunk's linear-attention state comes from and the
+    # snapshots to take inside chunks (layers/state_segments.py's StateSegments; None: each from its own row)
+    state_segments: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -159,11 +159,16 @@ class GatedDeltaNet(nn.Module):
 
     def _chunks(self, mixed, g, beta, weight, meta) -> torch.Tensor:
         """Each chunk of a varlen step (prompt chunks and, in a mixed step, decode rows): the conv per chunk, then
-        the delta rule per chunk (torch) or over the whole varlen batch at once (fla on CUDA)."""
+        the delta rule per chunk (torch) or over the whole varlen batch at once (fla on CUDA). With prefix
+        caching on a hybrid model, ``meta.state_segments`` says which slot each chunk starts from (a snapshot's,
+        for a prefix hit) and where to cut chunks to store snapshots (layers/state_segments.py)."""
         cu = meta.cu_seqlens_q.tolist()
         lens = meta.context_lens.tolist()
         rows = meta.rows.tolist()
         pool = self.conv_state is not None  # none yet in the start-up warm-up: nothing read or kept
+        segments = meta.state_segments if pool else None
+        sources = segments.sources if segments is not None else rows
+        cuts = segments.cuts if segments is not None else {}
         # a chunk with no computed prefix starts from zeros (its slot may hold a finished sequence's state)
         if not pool:
             fresh = [True] * len(rows)
@@ -171,16 +176,26 @@ class GatedDeltaNet(nn.Module):
             fresh = [not cached for cached in meta.has_initial_state.tolist()]
         else:  # metadata built by hand (the warm-up, tests): the computed prefix is what the keys add
             fresh = [lens[i] == cu[i + 1] - cu[i] for i in range(len(rows))]
+        width = weight.shape[1] - 1
+        starts = [None if fresh[i] else self.conv_state[sources[i]] for i in range(len(rows))]
+        for i, offsets in cuts.items():  # the conv state after a cut: the K-1 inputs before it
+            before = starts[i] if starts[i] is not None else self.conv_state.new_zeros(self.conv_dim, width)
+            window = torch.cat([before, mixed[cu[i]:cu[i + 1]].t().to(before.dtype)], dim=1)
+            for offset, slot in offsets:
+                self.conv_state[slot].copy_(window[:, offset:offset + width])
         if use_cuda_kernels(mixed):  # every chunk's conv in one launch, the conv states updated in place
             from llmcli.kernels.triton_gated_delta import conv_varlen_
 
+            if pool:  # a chunk starting from a snapshot: its conv state into its own row first
+                for i, row in enumerate(rows):
+                    if starts[i] is not None and sources[i] != row:
+                        self.conv_state[row].copy_(starts[i])
             carried = torch.tensor([not f for f in fresh], device=mixed.device)
             x = conv_varlen_(mixed, weight, self.conv_state, meta.rows, carried, meta.cu_seqlens_q)
         else:
             x = torch.empty_like(mixed)
             for i, row in enumerate(rows):
-                lo, hi = cu[i], cu[i + 1]
-                x[lo:hi], new_conv = causal_conv1d(mixed[lo:hi], weight, None if fresh[i] else self.conv_state[row])
+                x[cu[i]:cu[i + 1]], new_conv = causal_conv1d(mixed[cu[i]:cu[i + 1]], weight, starts[i])
                 if pool:
                     self.conv_state[row].copy_(new_conv)
         q, k, v = self._split_heads(x)
@@ -189,22 +204,50 @@ class GatedDeltaNet(nn.Module):
 
             if pool:
                 index = torch.remainder(meta.rows, self.ssm_state.shape[0])
-                initial = self.ssm_state[index].float()
+                initial = self.ssm_state[segments.source if segments is not None else index].float()
                 initial[torch.tensor(fresh, device=initial.device)] = 0.0
             else:
                 initial = q.new_zeros(len(rows), self.hv, self.dk, self.dv, dtype=torch.float32)
-            out, final = chunked_varlen(q, k, v, g, beta, initial, meta.cu_seqlens_q)
+            if segments is None:
+                out, final = chunked_varlen(q, k, v, g, beta, initial, meta.cu_seqlens_q)
+            else:
+                out, final = self._chunk_passes(q, k, v, g, beta, initial, meta.cu_seqlens_q, segments)
             if pool:
                 self.ssm_state.index_copy_(0, index, final.to(self.ssm_state.dtype))
             return out
         out = v.new_empty(v.shape)
         for i, row in enumerate(rows):
             lo, hi = cu[i], cu[i + 1]
-            out[lo:hi], new_ssm = gated_delta_rule_chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
-                                                           None if fresh[i] else self.ssm_state[row])
+            state = None if fresh[i] else self.ssm_state[sources[i]]
+            ends = dict(cuts.get(i, ()))
+            bounds = [lo, *sorted(lo + o for o in ends if o < hi - lo), hi]
+            for a, b in zip(bounds, bounds[1:]):
+                out[a:b], state = gated_delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
+                if b - lo in ends:
+                    self.ssm_state[ends[b - lo]].copy_(state)
             if pool:
-                self.ssm_state[row].copy_(new_ssm)
+                self.ssm_state[row].copy_(state)
         return out
+
+    def _chunk_passes(self, q, k, v, g, beta, state, cu_seqlens, segments):
+        """fla's varlen delta rule in the passes ``segments`` cuts the chunks into, storing the snapshots."""
+        from llmcli.kernels.gated_delta_fla import chunked_varlen
+
+        out = None
+        for p in segments.passes:
+            if p.tokens is None:
+                out, state = chunked_varlen(q, k, v, g, beta, state, cu_seqlens)
+                final = state
+            else:
+                part, final = chunked_varlen(q[p.tokens], k[p.tokens], v[p.tokens], g[p.tokens], beta[p.tokens],
+                                             state[p.entries], p.cu_seqlens)
+                if out is None:
+                    out = part.new_empty(v.shape)
+                out[p.tokens] = part
+                state[p.entries] = final
+            for j, slot in p.snapshots:
+                self.ssm_state[slot].copy_(final[j])
+        return out, state
 
     def _decode(self, mixed, g, beta, weight, rows) -> torch.Tensor:
         """One token per row, batched, in torch (padding rows of a graph batch have a scratch slot)."""

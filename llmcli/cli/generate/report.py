@@ -29,7 +29,9 @@ def report(outcome: Outcome) -> int:
             wall_s=time.perf_counter() - job.started, generate_s=outcome.generate_s,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             preemptions=stats.num_preemptions, interrupted=counts.interrupted,
-            default_limited=counts.default_limited)))
+            default_limited=counts.default_limited, state_snapshots=(
+                stats.state_snapshot_slots, stats.state_snapshot_bytes, stats.state_snapshots_taken,
+                stats.state_snapshot_hits))))
         if counts.block_size_hint:
             _note(console, counts.block_size_hint)
     if counts.default_limited:  # records cut at a limit nobody set (--max-tokens sets one for every record)

@@ -1,0 +1,65 @@
+"""Where a prefill step's linear-attention states come from and where snapshots of them go (hybrid models with
+prefix caching: engine/state_snapshots.py).
+
+Each chunk of the varlen step starts from a slot of the state pool: its own row's (a continued chunk), or a
+snapshot's (a prefix hit), or zeros (a fresh chunk: ``AttentionMetadata.has_initial_state``). A snapshot to
+take after ``o`` tokens of a chunk cuts the chunk there: the delta rule runs over the batch in passes, pass
+``p`` over every chunk's ``p``-th segment from the state the previous pass left, and the state after a cut is
+copied into its snapshot slot. Built once per step on the host; every Gated DeltaNet layer reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Pass:
+    """One varlen call of the delta rule: a segment of some chunks (``tokens`` None: the whole step)."""
+
+    entries: torch.Tensor | None  # int64: the chunks this pass continues (None: every chunk)
+    tokens: torch.Tensor | None  # int64: their segments' token rows, flat
+    cu_seqlens: torch.Tensor | None  # int64 [len(entries) + 1]
+    snapshots: list[tuple[int, int]]  # (index in this pass's chunks, pool slot): the state after the segment
+
+
+@dataclass
+class StateSegments:
+    source: torch.Tensor  # [chunks] int64: the pool slot each chunk's initial state is read from
+    sources: list[int]  # the same, on the host
+    cuts: dict[int, list[tuple[int, int]]]  # chunk -> [(token offset in the chunk, pool slot)], offsets ascending
+    passes: list[Pass]
+
+
+def state_segments(rows: list[int], cu: list[int], reads: list[tuple[int, int]],
+                   writes: list[tuple[int, int, int]], device: torch.device) -> StateSegments:
+    """``rows``: each chunk's pool row; ``cu``: the chunks' token boundaries; ``reads``: (chunk, pool slot)
+    to start from; ``writes``: (chunk, offset, pool slot) to store the state in after ``offset`` tokens."""
+    sources = list(rows)
+    for entry, slot in reads:
+        sources[entry] = slot
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    for entry, offset, slot in sorted(writes):
+        cuts.setdefault(entry, []).append((offset, slot))
+    lens = [cu[i + 1] - cu[i] for i in range(len(rows))]
+    bounds = [[0, *sorted({o for o, _ in cuts.get(i, ()) if o < lens[i]}), lens[i]] for i in range(len(rows))]
+    passes = []
+    for p in range(max((len(b) - 1 for b in bounds), default=1)):
+        entries = [i for i, b in enumerate(bounds) if len(b) - 1 > p]
+        ends = {i: bounds[i][p + 1] for i in entries}
+        snaps = [(j, slot) for j, i in enumerate(entries) for o, slot in cuts.get(i, ()) if o == ends[i]]
+        if len(entries) == len(rows) and all(len(b) == 2 for b in bounds):
+            passes.append(Pass(None, None, None, snaps))
+            break
+        seg = [(cu[i] + bounds[i][p], cu[i] + ends[i]) for i in entries]
+        tokens = np.concatenate([np.arange(lo, hi) for lo, hi in seg])
+        cu_p = np.zeros(len(seg) + 1, dtype=np.int64)
+        np.cumsum([hi - lo for lo, hi in seg], out=cu_p[1:])
+        passes.append(Pass(_on(device, entries), _on(device, tokens), _on(device, cu_p), snaps))
+    return StateSegments(_on(device, sources), sources, cuts, passes)
+
+
+def _on(device: torch.device, values) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device)

@@ -1,0 +1,299 @@
+"""Prefix caching for hybrid models (Qwen3.5, Qwen3-Next) through linear-attention state snapshots
+(engine/state_snapshots.py), against transformers (fp32 greedy, CPU, tiny random checkpoints).
+
+A hit skips the prompt tokens whose KV blocks are cached and whose Gated DeltaNet state a snapshot holds; a wrong
+snapshot (taken at the wrong token, read before it is written, overwritten while in use) changes the tokens.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from test_engine_vs_hf import assert_same_tokens, check_against_hf, greedy, random_prompts, run_factory  # noqa: F401
+
+PREFIX = 96  # the shared system prompt: six blocks of 16
+
+
+@pytest.fixture(scope="session")
+def hybrid(tiny_checkpoint, tmp_path_factory):
+    """``hybrid(family)``: the tiny checkpoint with a recurrent state that remembers. Its random decays forget a
+    token within a few (exp(A_log) up to 16), so a wrong snapshot would hardly move a logit; here each head keeps
+    ~99.7% of its state per token, as trained models' slow heads do."""
+    from test_model_checks import _copy, _edit_tensors
+
+    made = {}
+
+    def slow(state):
+        g = torch.Generator().manual_seed(0)
+        for name in [n for n in state if n.endswith(("A_log", "dt_bias"))]:
+            t = state[name]
+            state[name] = torch.full_like(t, -2.0) if name.endswith("dt_bias") else \
+                torch.empty_like(t).uniform_(0.005, 0.05, generator=g).log()
+
+    def get(family: str):
+        if family not in made:
+            folder = _copy(tiny_checkpoint(family), tmp_path_factory.mktemp("long_memory"), family)
+            made[family] = _edit_tensors(folder, slow)
+        return made[family]
+
+    return get
+
+
+def shared_prefix_prompts(n: int, seed: int, prefix: int = PREFIX, lengths=(32, 48)) -> list[list[int]]:
+    system = random_prompts([prefix], seed=seed)[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=g).tolist()
+    return [system + tail for tail in random_prompts(sizes, seed=seed + 2)]
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
+def test_shared_system_prompt_computes_each_prefix_once(family, hybrid, hf_oracle, run_factory):
+    """40 requests behind one system prompt, a few per step: the first request to find the prefix cached
+    recomputes it and snapshots its state at the branching point; every later one starts there."""
+    model = hybrid(family)
+    prompts = shared_prefix_prompts(40, seed=500, lengths=(1, 48))
+    run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=256)
+    outs = check_against_hf(run, hf_oracle, prompts, max_new=4)
+    cached = [out.metrics.num_cached_prompt_tokens for out in outs]
+    assert cached[0] == 0 and all(c == PREFIX for c in cached[2:]), cached
+    stats = run.llm.engine.stats
+    unique = PREFIX + sum(len(p) - PREFIX for p in prompts)
+    assert stats.prefill_tokens_computed <= 1.1 * unique, (stats.prefill_tokens_computed, unique)
+    assert stats.state_snapshot_hits >= 38 and stats.state_snapshots_taken >= 2, stats
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_hits_with_chunked_prefill_and_preemption(block_size, hybrid, hf_oracle, run_factory):
+    """Three waves over prompts that branch at different depths, in chunks of 24 tokens, in a KV pool too small
+    for every sequence: hits start mid-prompt from snapshots, preempted sequences recompute (and may hit)."""
+    model = hybrid("qwen3.5")
+    base = random_prompts([200], seed=510)[0]
+    tails = random_prompts([5, 20, 7, 9, 15], seed=511)
+    prompts = [base[:cut] + tail for cut, tail in zip([70, 100, 120, 60, 110], tails)]
+    run = run_factory(model, kvcache_block_size=block_size, num_kvcache_blocks=14 if block_size == 16 else 4,
+                      max_model_len=320, max_num_batched_tokens=24)
+    for wave in (prompts[:2], prompts, prompts[::-1]):
+        check_against_hf(run, hf_oracle, wave, max_new=40)
+    stats = run.llm.engine.stats
+    assert stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+    assert stats.prefix_cache_hit_tokens > 0 and stats.state_snapshot_hits > 0, stats
+
+
+def test_lru_eviction_of_snapshot_slots(hybrid, hf_oracle, run_factory):
+    """Two snapshot slots for three system prompts in turn: snapshots are recycled least recently used first
+    while sequences read and write others; every output stays right."""
+    model = hybrid("qwen3.5")
+    groups = [shared_prefix_prompts(3, seed=s, prefix=48, lengths=(10, 20)) for s in (520, 530, 540)]
+    run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=48, num_state_snapshots=2,
+                      max_model_len=256)
+    for wave in range(2):
+        check_against_hf(run, hf_oracle, [p for g in groups for p in g], max_new=6)
+    registry = run.llm.engine.scheduler.snapshots
+    assert registry.num_slots == 2 and len(registry.by_hash) <= 2
+    stats = run.llm.engine.stats
+    assert stats.state_snapshots_taken > 2 and stats.state_snapshot_hits > 0, stats
+
+
+def test_snapshots_off_computes_every_prompt_token(hybrid, hf_oracle, run_factory):
+    """num_state_snapshots=0: no prefix hit may skip tokens whose linear-attention state is nowhere."""
+    prompt = random_prompts([80], seed=420)
+    run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, num_state_snapshots=0)
+    check_against_hf(run, hf_oracle, prompt, max_new=4)
+    check_against_hf(run, hf_oracle, prompt, max_new=4)
+    assert run.llm.engine.stats.prefix_cache_hit_tokens == 0
+    report = run.llm.engine.model_runner.memory_report
+    assert report.num_state_snapshots == 0 and any("prefix caching is off" in n for n in report.notes)
+
+
+def test_memory_report_counts_the_snapshot_slots(hybrid, run_factory):
+    """The probe counts the snapshot slots beside the sequences' state slots, and probe-memory shows them."""
+    import io
+
+    from rich.console import Console
+
+    from llmcli.cli.probe import render
+    from llmcli.engine.state_pool import state_bytes_per_slot
+
+    run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_seqs=6, num_state_snapshots=5)
+    runner = run.llm.engine.model_runner
+    report = runner.memory_report
+    per_slot = state_bytes_per_slot(runner.model, torch.float32)
+    assert report.num_state_snapshots == 5 and report.state_snapshot_bytes == 5 * per_slot
+    assert report.state_pool_bytes == (6 + 2 + 5) * per_slot
+    assert runner.state_pool[0].shape[0] == 6 + 1 + 5 + 1  # rows, snapshots, scratch
+    out = io.StringIO()
+    render(report, None, Console(file=out, width=200))
+    assert "state snapshots" in out.getvalue() and "5 (" in out.getvalue()
+
+
+def _torch_varlen(q, k, v, g, beta, initial, cu_seqlens):
+    """fla's ``chunked_varlen`` contract in torch, one sequence at a time."""
+    from llmcli.kernels.gated_delta_torch import gated_delta_rule_chunked
+
+    cu = cu_seqlens.tolist()
+    out, finals = v.new_empty(v.shape), []
+    for i in range(len(cu) - 1):
+        a, b = cu[i], cu[i + 1]
+        out[a:b], s = gated_delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], initial[i])
+        finals.append(s)
+    return out, torch.stack(finals)
+
+
+def test_varlen_passes_of_the_cuda_path(hybrid, hf_oracle, run_factory, monkeypatch):
+    """The CUDA path's varlen delta rule in passes (chunks cut at snapshots), run on CPU with a torch stand-in
+    for fla's kernel: same tokens as transformers, with hits."""
+    import llmcli.layers.gated_delta_net as gdn
+    from llmcli.kernels.gated_delta_torch import gated_delta_rule_step
+
+    fake = types.ModuleType("llmcli.kernels.gated_delta_fla")
+    fake.chunked_varlen = _torch_varlen
+    fake.recurrent_step = gated_delta_rule_step  # the same contract
+    monkeypatch.setitem(sys.modules, "llmcli.kernels.gated_delta_fla", fake)
+    monkeypatch.setattr(gdn, "use_fla", lambda x: True)
+    calls = []
+    real = gdn.GatedDeltaNet._chunk_passes
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_chunk_passes",
+                        lambda self, *a: calls.append(len(a[-1].passes)) or real(self, *a))
+    first = shared_prefix_prompts(1, seed=550, prefix=40, lengths=(30, 30))  # its last boundary is past the branch
+    prompts = first + shared_prefix_prompts(5, seed=550, prefix=40, lengths=(1, 30))
+    run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_batched_tokens=256,
+                      max_model_len=256)
+    # the second wave starts in one step: its first request snapshots the branching point, which the others
+    # may only read from the next step on (this path reads every chunk's initial state before any write)
+    check_against_hf(run, hf_oracle, prompts[:1], max_new=5)
+    check_against_hf(run, hf_oracle, prompts[1:], max_new=5)
+    assert run.llm.engine.stats.state_snapshot_hits >= 4 and max(calls) > 1, calls
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
+def test_tp2_hits_from_snapshots(hybrid, hf_oracle):
+    """Each rank holds its heads' snapshots; the plan's snapshot fields reach every rank."""
+    from llmcli import LLM
+
+    model = hybrid("qwen3.5")
+    prompts = shared_prefix_prompts(5, seed=560, prefix=48, lengths=(5, 30))
+    llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
+              num_kvcache_blocks=64, max_num_batched_tokens=40, max_num_seqs=8, max_model_len=256,
+              enforce_eager=True)
+    try:
+        outs = llm.generate(prompts, greedy(8))
+        hits = llm.engine.stats.state_snapshot_hits
+    finally:
+        llm.shutdown()
+    want = hf_oracle.greedy(model, prompts, 8)
+    assert_same_tokens(hf_oracle, model, prompts, outs, want, "TP=2 qwen3.5 with snapshot hits")
+    assert hits > 0
+
+
+def test_bench_shared_system_prompt_on_a_hybrid(hybrid):
+    """`llmcli bench`'s shared-prefix workload (the GPU preset's shape) on Qwen3.5: the prompt tokens it
+    computes stay within 1.1x the unique ones, and its report counts the snapshots."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from llmcli.cli.app import app
+
+    result = CliRunner().invoke(app, [
+        "bench", "--model", str(hybrid("qwen3.5")), "--device", "cpu", "--dtype", "float32",
+        "--load-format", "dummy", "--num-prompts", "40", "--prefix-len", "96", "--input-len", "30:50",
+        "--output-len", "2", "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+        "--max-model-len", "256", "--num-kvcache-blocks", "256", "--warmup", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    data = orjson.loads(result.stdout)
+    assert data["prompt_tokens_computed"] <= 1.1 * data["unique_prompt_tokens"], data
+    assert data["state_snapshots"]["slots"] == 4 and data["state_snapshots"]["hits"] >= 30, data["state_snapshots"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_snapshot_hits_on_cuda_with_fla(hf_oracle, hybrid):
+    """fp32 on the GPU through fla's varlen kernel in passes (chunks cut at snapshots), eager and with decode
+    graphs: transformers' tokens (on the CPU), with hits. Run on the GPU machine:
+    ``python -m pytest -q tests/test_hybrid_prefix_cache.py -m gpu``."""
+    from llmcli import LLM
+
+    model = hybrid("qwen3.5")
+    prompts = shared_prefix_prompts(12, seed=570, lengths=(1, 40))
+    want = hf_oracle.greedy(model, prompts, 8)
+    for eager in (True, False):
+        llm = LLM(str(model), device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=256,
+                  max_num_batched_tokens=64, enforce_eager=eager, gpu_memory_utilization=0.3)
+        try:
+            outs = llm.generate(prompts, greedy(8))
+            hits = llm.engine.stats.state_snapshot_hits
+        finally:
+            llm.shutdown()
+        assert_same_tokens(hf_oracle, model, prompts, outs, want, f"CUDA fla, enforce_eager={eager}")
+        assert hits >= 10
+
+
+def test_generate_summary_reports_the_snapshots(hybrid, tmp_path):
+    """`llmcli generate`'s summary says how many snapshot slots a hybrid model has, their memory, and how
+    often prompts started from one."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from llmcli.cli.app import app
+
+    records = [{"prompt_token_ids": p, "max_tokens": 2} for p in shared_prefix_prompts(4, seed=580, lengths=(3, 9))]
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    result = CliRunner().invoke(app, ["generate", str(inp), "--model", str(hybrid("qwen3.5")), "--device", "cpu",
+                                      "--block-size", "16", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+                                      "--num-kvcache-blocks", "64", "--num-state-snapshots", "3"])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.stderr.splitlines() if "state snapshots (hybrid prefix cache)" in x)
+    assert re.search(r"3 slots \(0\.\d\d GiB\), [1-9]\d* taken, [1-9]\d* hits", line), line
+
+
+def test_registry_hits_waits_recycles_and_releases():
+    """The registry alone: a hit is the deepest snapshot written in an earlier step; a request whose deeper
+    snapshot is still to be written waits; slots are recycled least recently used first, never one a step
+    reads or one not written yet; a creator that gives its blocks back drops what it had not written."""
+    from llmcli.engine.state_snapshots import WAIT, SnapshotRegistry
+    from llmcli.engine.step_plan import StepPlan
+    from llmcli.sampling_params import SamplingParams
+
+    def seq(tokens):
+        from llmcli.engine.sequence import Sequence
+
+        s = Sequence(tokens, SamplingParams(max_tokens=1), 4)
+        s.num_scheduled_tokens = len(tokens)  # the whole prompt in one chunk
+        return s
+
+    def plan_step(reg, *seqs):
+        plan = StepPlan(True, *([None] * 6))
+        reg.plan(plan, list(seqs))
+        return plan
+
+    reg = SnapshotRegistry(2, 4)
+    a = seq(list(range(10)))  # boundaries after 4 and 8 tokens
+    assert reg.admit(a, reg.hashes(a), 0) == 0 and a.state_source == -1
+    assert [w[0] for w in a.snapshot_writes] == [8]  # no KV match: only its last boundary
+    b = seq(list(range(9)) + [99])  # the same first 8 tokens
+    assert reg.admit(b, reg.hashes(b), 2) == WAIT  # a's snapshot at 8 is not written yet
+    slot = a.snapshot_writes[0][2].slot
+    assert plan_step(reg, a).state_writes == [(0, 8, slot)] and not a.snapshot_writes
+    assert reg.admit(b, reg.hashes(b), 2) == 2 and b.state_source == slot and reg.hits == 1
+    c = seq([7] * 10)  # another prompt in the same step takes the free slot
+    assert reg.admit(c, reg.hashes(c), 0) == 0 and [w[2].slot for w in c.snapshot_writes] == [1 - slot]
+    x = seq([6] * 10)  # and then none is left: a's is read in this step, c's not written yet
+    reg.admit(x, reg.hashes(x), 0)
+    assert x.snapshot_writes == []
+    plan = plan_step(reg, b, c)
+    assert plan.state_reads == [(0, slot)] and plan.state_writes == [(1, 8, 1 - slot)]
+    d = seq([8] * 10)  # the next step: a's snapshot, least recently used, is recycled
+    reg.admit(d, reg.hashes(d), 0)
+    assert [w[2].slot for w in d.snapshot_writes] == [slot] and len(reg.by_hash) == 2
+    e = seq([9] * 10)  # then c's; then none (both wait to be written)
+    reg.admit(e, reg.hashes(e), 0)
+    f = seq([5] * 10)
+    reg.admit(f, reg.hashes(f), 0)
+    assert [w[2].slot for w in e.snapshot_writes] == [1 - slot] and f.snapshot_writes == []
+    reg.release(d)  # d is preempted before its chunk ran: its slot comes back
+    assert reg.free_slots == [slot] and d.snapshot_writes == []
