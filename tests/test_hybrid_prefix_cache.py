@@ -144,17 +144,40 @@ def _torch_varlen(q, k, v, g, beta, initial, cu_seqlens):
     return out, torch.stack(finals)
 
 
+def _torch_conv_varlen_(x, weight, conv_state, rows, has_initial_state, cu_seqlens):
+    """kernels/triton_gated_delta.conv_varlen_'s contract in torch: each chunk continues its row's conv state
+    when carried, and leaves its last K-1 inputs there."""
+    from llmcli.kernels.gated_delta_torch import causal_conv1d
+
+    out = torch.empty_like(x)
+    cu = cu_seqlens.tolist()
+    for i, row in enumerate(rows.tolist()):
+        start = conv_state[row] if conv_state is not None and bool(has_initial_state[i]) else None
+        out[cu[i]:cu[i + 1]], new = causal_conv1d(x[cu[i]:cu[i + 1]], weight, start)
+        if conv_state is not None:
+            conv_state[row].copy_(new)
+    return out
+
+
+def _torch_decode_in_place(self, mixed, a, b, weight, rows):
+    g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias.float())
+    return self._decode(mixed, g, torch.sigmoid(b), weight, rows)
+
+
 def test_varlen_passes_of_the_cuda_path(hybrid, hf_oracle, run_factory, monkeypatch):
     """The CUDA path's varlen delta rule in passes (chunks cut at snapshots), run on CPU with a torch stand-in
     for fla's kernel: same tokens as transformers, with hits."""
     import llmcli.layers.gated_delta_net as gdn
-    from llmcli.kernels.gated_delta_torch import gated_delta_rule_step
 
     fake = types.ModuleType("llmcli.kernels.gated_delta_fla")
     fake.chunked_varlen = _torch_varlen
-    fake.recurrent_step = gated_delta_rule_step  # the same contract
     monkeypatch.setitem(sys.modules, "llmcli.kernels.gated_delta_fla", fake)
-    monkeypatch.setattr(gdn, "use_fla", lambda x: True)
+    # the Triton kernels of the same path, by torch stand-ins with their contracts (they need CUDA here)
+    kernels = types.ModuleType("llmcli.kernels.triton_gated_delta")
+    kernels.conv_varlen_ = _torch_conv_varlen_
+    monkeypatch.setitem(sys.modules, "llmcli.kernels.triton_gated_delta", kernels)
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_decode_in_place", _torch_decode_in_place)
+    monkeypatch.setattr(gdn, "use_cuda_kernels", lambda x: True)
     calls = []
     real = gdn.GatedDeltaNet._chunk_passes
     monkeypatch.setattr(gdn.GatedDeltaNet, "_chunk_passes",
