@@ -1,6 +1,7 @@
 """The layer kinds of 2026's models against transformers (fp32 greedy, CPU, tiny random checkpoints written by
-transformers): Gemma 3 (local/global layers, two rope bases), Mistral with a sliding window, Qwen3.5, Qwen3.5-MoE
-and Qwen3-Next (Gated DeltaNet layers with a per-sequence state in the engine's state pool).
+transformers): Gemma 3 (local/global layers, two rope bases), Mistral with a sliding window, gpt-oss (sinks,
+biased experts, YaRN), Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers with a per-sequence
+state in the engine's state pool).
 
 Prompts run several windows long (the tiny windows are 24 keys); chunked prefill with a budget below the
 window and below a DeltaNet chunk; preemption, which must recompute a hybrid sequence's state from scratch;
@@ -15,7 +16,7 @@ import torch
 
 from test_engine_vs_hf import check_against_hf, random_prompts, run_factory  # noqa: F401 (a fixture)
 
-NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next")
+NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next", "gpt-oss")
 HYBRID = ("qwen3.5", "qwen3.5-moe", "qwen3-next")
 LENGTHS = [1, 9, 24, 25, 70, 130]  # around and several times the 24-key window; past a 64-token DeltaNet chunk
 MAX_NEW = 16
@@ -64,13 +65,29 @@ def test_gemma3_and_mistral_need_no_max_model_len_cap(tiny_checkpoint):
 
     from llmcli.models import check_model_config
 
-    for family in ("gemma3", "mistral-window"):
+    for family in ("gemma3", "mistral-window", "gpt-oss"):
         check_model_config(AutoConfig.from_pretrained(tiny_checkpoint(family)), 4096)
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_refused_in_one_line(tiny_checkpoint, tmp_path):
+    """MXFP4 experts are not implemented: config.json's quant_method says so before any weight loads."""
+    import json
+    import shutil
+
+    from llmcli.config import Config, ConfigError
+
+    model = shutil.copytree(tiny_checkpoint("gpt-oss"), tmp_path / "mxfp4")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"quant_method='mxfp4'.*no MXFP4 expert kernel.*16-bit") as info:
+        Config(str(model), device="cpu")
+    assert "\n" not in str(info.value)
 
 
 # published sizes (configs/): the text model llmcli builds has the parameter count the model card gives
 PUBLISHED = {"Qwen3.5-9B": 8.95e9, "Qwen3.6-27B": 26.9e9, "Qwen3.6-35B-A3B": 34.7e9, "gemma-3-12b-it": 11.77e9,
-             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9}
+             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9, "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

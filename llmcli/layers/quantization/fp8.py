@@ -90,6 +90,10 @@ def parse_quant_config(hf_config: Any, quantization: str | None) -> QuantConfig 
         return QuantConfig("fp8", tuple(block) if block else None, ignore, kv_scales=True)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "mxfp4":
+        raise QuantizationError("config.json quantization_config.quant_method='mxfp4' (gpt-oss's 4-bit experts): "
+                                "llmcli has no MXFP4 expert kernel or dequantizing load yet; use a 16-bit (bf16) "
+                                "checkpoint of the model")
     raise QuantizationError(f"config.json quantization_config.quant_method={method!r}: llmcli loads 'fp8' and "
                             "'compressed-tensors' (FP8) checkpoints")
 
