@@ -157,13 +157,20 @@ class GptOssMoeBlock(nn.Module):
         param.data.copy_(loaded.unflatten(1, (full, 2)).narrow(1, start, n).transpose(1, 2).reshape(num_experts, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gpt-oss's experts run as a per-expert loop that reads expert counts back to the "
-                               "host, which a CUDA graph cannot hold: run with enforce_eager=True (--enforce-eager)")
         top, ids = torch.topk(F.linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1, dtype=torch.float32)
         e = self.experts
-        out = moe_reference(x, e.gate_up_proj, e.down_proj, weights, ids,
-                            act=lambda h: clamped_swiglu(h, self.alpha, self.limit), b13=e.gate_up_proj_bias,
-                            b2=e.down_proj_bias if self.tp_rank == 0 else None)
+        b2 = e.down_proj_bias if self.tp_rank == 0 else None  # once over the ranks' sum
+        if use_fused_moe(x):
+            from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
+
+            out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
+                            clamp=(self.alpha, self.limit))
+        else:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
+                                   "cannot hold: run it with enforce_eager=True (--enforce-eager)")
+            out = moe_reference(x, e.gate_up_proj, e.down_proj, weights, ids,
+                                act=lambda h: clamped_swiglu(h, self.alpha, self.limit), b13=e.gate_up_proj_bias,
+                                b2=b2)
         return all_reduce(out)
