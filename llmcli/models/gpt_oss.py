@@ -26,8 +26,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def check(cls, config: Any, max_model_len: int) -> None:
-        """Every config runs exactly: the windows are applied, not refused (an MXFP4 checkpoint is refused by
-        ``layers/quantization/fp8.parse_quant_config``)."""
+        """Every config runs exactly: the windows are applied, not refused (MXFP4 experts: ``config.py`` refuses
+        them off the CPU, where ``layers/quantization/mxfp4.py`` dequantizes them at load)."""
 
     def make_model(self, spec: DecoderSpec, backend: AttentionBackend, max_positions: int) -> nn.Module:
         c = self.hf_config
