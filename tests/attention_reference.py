@@ -3,10 +3,27 @@ nowhere in llmcli, and paged cases whose cache blocks outside every query's wind
 one shows it: a NaN value times a zero weight is still NaN)."""
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
+
+TRITON_MODULES = ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend")
+
+
+def interpret_triton_without_cuda() -> bool:
+    """Whether CUDA is here; without it, Triton's interpreter switched on and llmcli's Triton modules already
+    imported (decorated before the switch) reloaded. Call before importing them."""
+    if torch.cuda.is_available():
+        return True
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in TRITON_MODULES:
+        if f"llmcli.kernels.{name}" in sys.modules:
+            importlib.reload(sys.modules[f"llmcli.kernels.{name}"])
+    return False
 
 
 def masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -6,21 +6,12 @@ Without CUDA the kernels run under Triton's interpreter in float32 (float16 too)
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from attention_reference import interpret_triton_without_cuda, masked_softmax_attention, paged_case, rel_err
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend"):
-        if f"llmcli.kernels.{_name}" in sys.modules:  # decorated before the switch: redo it
-            importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
+ON_GPU = interpret_triton_without_cuda()
 
-from attention_reference import masked_softmax_attention, paged_case, rel_err  # noqa: E402
 from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
 from llmcli.kernels.torch_attention import causal_attention  # noqa: E402
 from llmcli.kernels.torch_backend import TorchAttentionBackend  # noqa: E402

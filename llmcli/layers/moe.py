@@ -34,6 +34,13 @@ def use_fused_moe(x: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and x.is_cuda)
 
 
+def local_intermediate(size: int, field: str) -> int:
+    """This rank's share of every expert's intermediate dimension (``field``: config.json's name for it)."""
+    if size % tp_size():
+        raise ValueError(f"{field} ({size}) is not divisible by tensor_parallel_size ({tp_size()})")
+    return size // tp_size()
+
+
 class SparseMoeBlock(nn.Module):
     """Router softmax top-k (renormalised when ``norm_topk_prob``), then each token through its k experts."""
 
@@ -41,11 +48,8 @@ class SparseMoeBlock(nn.Module):
                  normalize: bool) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        if intermediate_size % self.tp_size:
-            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
-                             f"tensor_parallel_size ({self.tp_size})")
+        self.local_inter = local_intermediate(intermediate_size, "moe_intermediate_size")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
-        self.local_inter = intermediate_size // self.tp_size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, the same on every rank
         self.gate.weight.requires_grad_(False)
         self.experts = StackedExperts(num_experts, hidden_size, self.local_inter)
@@ -123,11 +127,8 @@ class GptOssMoeBlock(nn.Module):
                  limit: float) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        if intermediate_size % self.tp_size:
-            raise ValueError(f"intermediate_size ({intermediate_size}) is not divisible by "
-                             f"tensor_parallel_size ({self.tp_size})")
+        self.local_inter = local_intermediate(intermediate_size, "intermediate_size")
         self.top_k, self.alpha, self.limit = top_k, alpha, limit
-        self.local_inter = intermediate_size // self.tp_size
         self.router = nn.Linear(hidden_size, num_experts, bias=True)  # replicated
         self.router.requires_grad_(False)
         self.experts = StackedExperts(num_experts, hidden_size, self.local_inter)
