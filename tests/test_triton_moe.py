@@ -140,3 +140,56 @@ def test_moe_layer_runs_either_backend(monkeypatch):
     ref = block(x)
     monkeypatch.setenv("LLMCLI_MOE", "triton")
     assert rel_err(block(x), ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("tokens", [1, 17, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_with_biases_and_the_clamped_swiglu(tokens, dtype):
+    """gpt-oss's experts: both biases and the clamped SwiGLU (alpha 1.702, limit 7; the weights are scaled up so
+    that many gate and up values pass the limit) against the reference loop; odd sizes leave partial tiles."""
+    from llmcli.layers.activation import clamped_swiglu
+
+    x, w13, w2, logits = make_case(tokens, 8, 2, 48, 40, dtype, seed=100 + tokens)
+    w13 = w13 * 10
+    g = torch.Generator(device="cpu").manual_seed(tokens)
+    b13 = torch.randn(8, 80, generator=g).to(DEVICE, dtype)
+    b2 = torch.randn(8, 48, generator=g).to(DEVICE, dtype)
+    weights, ids = route(logits, 2, normalize=True)
+    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids, act=lambda h: clamped_swiglu(h, 1.702, 7.0),
+                        b13=b13.float(), b2=b2.float())
+    h = torch.nn.functional.linear(x.float(), w13[0].float(), b13[0].float())
+    assert (h.abs() > 7).float().mean() > 0.1, "the case should exercise the clamp"
+    got = fused_moe(x, w13, w2, weights, ids, b13=b13, b2=b2, clamp=(1.702, 7.0))
+    assert rel_err(got, ref) < TOL[dtype]
+    assert rel_err(fused_moe(x, w13, w2, weights, ids), ref) > 10 * TOL[dtype]  # the switches change the result
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gpt_oss_block_matches_transformers_mlp(backend, monkeypatch):
+    """``layers/moe.GptOssMoeBlock`` loaded from transformers' ``GptOssMLP`` (its interleaved gate/up tensor and
+    biases through the block's loaders) gives the same output, through the loop and through the fused kernel."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from llmcli.layers.moe import GptOssMoeBlock
+
+    monkeypatch.setenv("LLMCLI_MOE", backend)
+    config = GptOssConfig(hidden_size=48, intermediate_size=40, num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    theirs = GptOssMLP(config).eval()
+    with torch.no_grad():
+        for param in theirs.parameters():
+            param.normal_(0.0, 0.5)
+    ours = GptOssMoeBlock(48, 40, 8, 2, config.swiglu_alpha, config.swiglu_limit)
+    state = theirs.state_dict()
+    ours.router.weight.data.copy_(state["router.weight"])
+    ours.router.bias.data.copy_(state["router.bias"])
+    e = ours.experts
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias"):
+        getattr(e, name).weight_loader(getattr(e, name), state[f"experts.{name}"])
+    e.down_proj_bias.data.copy_(state["experts.down_proj_bias"])
+    x = torch.randn(1, 23, 48)
+    with torch.no_grad():
+        want = theirs(x)[0][0]
+        got = ours.to(DEVICE)(x[0].to(DEVICE))
+    assert rel_err(got.cpu(), want) < 1e-5

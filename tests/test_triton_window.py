@@ -197,12 +197,12 @@ for head_dim, windowed in ((128, True), (256, True), (256, False)):
     tuning = td.default_tuning(head_dim)
     print("decode", head_dim, windowed, build(td._decode_partition_kernel, dict(
         GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=True,
-        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed), DEC, num_warps=tuning.num_warps,
+        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed, SINKS=False), DEC, num_warps=tuning.num_warps,
         num_stages=tuning.num_stages))
     t = tp._tiles(head_dim, 2, 16, 4)
     print("prefill", head_dim, windowed, build(tp._prefill_kernel, dict(
         GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
-        QPT=t.block_m // 4, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed), PRE,
+        QPT=t.block_m // 4, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed, SINKS=False), PRE,
         num_warps=t.num_warps, num_stages=t.num_stages))
 """
 

@@ -177,6 +177,14 @@ GEMMA3 = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "query_p
           "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}
+# gpt-oss: sliding (24 keys) and full layers, 8 experts top-2, YaRN stretching 256 positions 4x (its frequencies
+# and attention factor act at every position), no truncation of its correction range (as published: "truncate":
+# false)
+GPT_OSS = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24,
+           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_local_experts": 8,
+           "num_experts_per_tok": 2, "intermediate_size": 32, "attention_bias": True, "max_position_embeddings": 1024,
+           "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150_000.0}}
 HYBRID_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 48}
 
@@ -237,6 +245,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3-vl": Family("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA3),
                         vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
                                        "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS)),
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
                       tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
@@ -338,8 +347,10 @@ def write_tiny_model(
                     param.mul_(1.0 + 0.1 * torch.randn_like(param))
                     if not param.any():  # a zero-centred norm (gain 1 + w) starts at w = 0
                         param.normal_(0.0, 0.1)
-                elif name.endswith(".bias"):
+                elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                     param.normal_(0.0, initializer_range)
+                elif name.endswith(".sinks"):  # gpt-oss's sink logits: around the scores' size, so they matter
+                    param.normal_(0.0, 1.0)
     finally:
         torch.random.set_rng_state(state)
     model = model.to(dtype)

@@ -4,6 +4,8 @@ CPU runs use it as the MoE layer's backend; ``kernels/triton_moe.py`` is tested 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -21,12 +23,20 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     return weights, ids
 
 
-def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """``sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = topk_ids[t, j]``.
+def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
-    ``w13`` is [E, 2I, H] (each expert's gate rows, then its up rows), ``w2`` [E, H, I]; one batched matmul
-    per expert that has tokens. Syncs with the device (which experts have tokens), so not for CUDA graphs.
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] = _silu_and_mul,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_j weight_j * down_e(act(gate_up_e(x)))`` over each token's experts ``e = topk_ids[t, j]``.
+
+    ``w13`` is [E, 2I, H] (each expert's gate rows, then its up rows), ``w2`` [E, H, I]; ``b13`` [E, 2I] and
+    ``b2`` [E, H] their biases (gpt-oss), ``act`` the gated activation over gate then up (default SwiGLU). One
+    batched matmul per expert that has tokens. Syncs with the device (which experts have tokens), so not for
+    CUDA graphs.
     """
     out = torch.zeros_like(x)
     flat_ids = topk_ids.flatten()
@@ -39,8 +49,8 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         picked = order[start:start + count]
         start += count
         tokens = picked // topk_ids.shape[1]
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        h = F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert])
+        y = F.linear(act(h), w2[expert], None if b2 is None else b2[expert])
         weight = topk_weights.flatten()[picked].unsqueeze(1)
         out.index_add_(0, tokens, (y * weight).to(x.dtype))
     return out

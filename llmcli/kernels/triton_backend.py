@@ -142,7 +142,8 @@ class TritonAttentionBackend(AttentionBackend):
     writes_out = True  # forward(..., out=) writes a prefill or mixed step's attention where the caller says
 
     def forward(self, q, k, v, k_cache, v_cache, qk_norm: QKNormRotary | None = None,
-                out: torch.Tensor | None = None, kv_scales: KVScales = (1.0, 1.0), window: int | None = None):
+                out: torch.Tensor | None = None, kv_scales: KVScales = (1.0, 1.0), window: int | None = None,
+                sinks: torch.Tensor | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         has_cache = k_cache is not None and k_cache.numel()
@@ -159,27 +160,29 @@ class TritonAttentionBackend(AttentionBackend):
         elif has_cache:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if meta.is_prefill and meta.num_decode:
-            return self._mixed(q, k, v, k_cache, v_cache, meta, out, kv_scales, window)
+            return self._mixed(q, k, v, k_cache, v_cache, meta, out, kv_scales, window, sinks)
         if meta.is_prefill:
             assert meta.cu_seqlens_q is not None
             if meta.has_prefix:
                 assert meta.block_tables is not None and k_cache is not None
                 return prefill_paged(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                      meta.context_lens, meta.max_seqlen_q, self.scale, out=out,
-                                     kv_scales=kv_scales, window=window)
-            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out, window=window)
+                                     kv_scales=kv_scales, window=window, sinks=sinks)
+            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out, window=window,
+                                  sinks=sinks)
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                             num_splits=self._decode_splits(window), part_out=self._part_out, part_lse=self._part_lse,
                             tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales,
-                            window=window)
+                            window=window, sinks=sinks)
 
     def _order(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The decode rows' launch order (longest first), where the launch settings take one."""
         return meta.row_order if self.decode_tuning.heads_fastest else None
 
     def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None,
-               kv_scales: KVScales = (1.0, 1.0), window: int | None = None) -> torch.Tensor:
+               kv_scales: KVScales = (1.0, 1.0), window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows (the first ``num_decode``) by the decode kernel, the prompt chunks after them by prefill."""
         nd = meta.num_decode
         out = torch.empty_like(q) if out is None else out
@@ -187,13 +190,13 @@ class TritonAttentionBackend(AttentionBackend):
         paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
                      num_splits=self._decode_splits(window), part_out=self._part_out, part_lse=self._part_lse,
                      out=out[:nd], tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales,
-                     window=window)
+                     window=window, sinks=sinks)
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
                 prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,
                               self._rest_lens, meta.rest_max_seqlen_q, self.scale, out=out[nd:],
-                              kv_scales=kv_scales, window=window)
+                              kv_scales=kv_scales, window=window, sinks=sinks)
             else:
                 prefill_varlen(q[nd:], k[nd:], v[nd:], self._rest_cu_q, meta.rest_max_seqlen_q, self.scale,
-                               out=out[nd:], window=window)
+                               out=out[nd:], window=window, sinks=sinks)
         return out

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcli.kernels.moe_reference import moe_reference, route
+from llmcli.layers.activation import clamped_swiglu
 from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
@@ -33,6 +34,13 @@ def use_fused_moe(x: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and x.is_cuda)
 
 
+def local_intermediate(size: int, field: str) -> int:
+    """This rank's share of every expert's intermediate dimension (``field``: config.json's name for it)."""
+    if size % tp_size():
+        raise ValueError(f"{field} ({size}) is not divisible by tensor_parallel_size ({tp_size()})")
+    return size // tp_size()
+
+
 class SparseMoeBlock(nn.Module):
     """Router softmax top-k (renormalised when ``norm_topk_prob``), then each token through its k experts."""
 
@@ -40,11 +48,8 @@ class SparseMoeBlock(nn.Module):
                  normalize: bool) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        if intermediate_size % self.tp_size:
-            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
-                             f"tensor_parallel_size ({self.tp_size})")
+        self.local_inter = local_intermediate(intermediate_size, "moe_intermediate_size")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
-        self.local_inter = intermediate_size // self.tp_size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, the same on every rank
         self.gate.weight.requires_grad_(False)
         self.experts = StackedExperts(num_experts, hidden_size, self.local_inter)
@@ -105,3 +110,68 @@ class SharedExpertMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return self.sparse[0](x) + shared
+
+
+class GptOssMoeBlock(nn.Module):
+    """gpt-oss's experts: a router with a bias whose ``top_k`` largest logits are softmaxed among themselves, and
+    experts with biases and the clamped SwiGLU (``layers/activation.clamped_swiglu``).
+
+    The checkpoint stacks each layer's experts as transformers does: ``experts.gate_up_proj`` [E, H, 2I] with
+    gate and up *interleaved* along the last dimension (gate at even columns), ``gate_up_proj_bias`` [E, 2I] the
+    same way, ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. They load into ``StackedExperts``' layout
+    (gate rows then up rows, [E, 2I, H]; down [E, H, I]), this rank's intermediate slice. The down bias is
+    added on rank 0 only, before the all-reduce that sums the ranks' partial outputs.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, alpha: float,
+                 limit: float) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.local_inter = local_intermediate(intermediate_size, "intermediate_size")
+        self.top_k, self.alpha, self.limit = top_k, alpha, limit
+        self.router = nn.Linear(hidden_size, num_experts, bias=True)  # replicated
+        self.router.requires_grad_(False)
+        self.experts = StackedExperts(num_experts, hidden_size, self.local_inter)
+        experts, n = self.experts, self.local_inter
+        experts.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * n), requires_grad=False)
+        # replicated: the loader's default (a shape-checked copy)
+        experts.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
+        for param in (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias):
+            param.weight_loader = self._load_stacked  # one stacked tensor each, not a tensor per expert
+            param.checkpoint_shards = {}
+
+    def _load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n, start = self.local_inter, self.tp_rank * self.local_inter
+        full = n * self.tp_size
+        experts = self.experts
+        num_experts, hidden = param.shape[0], experts.down_proj.shape[1]
+        if param is experts.down_proj:  # [E, I, H] -> [E, H, I_local]
+            expect_shape(loaded, (num_experts, full, hidden))
+            param.data.copy_(loaded.narrow(1, start, n).transpose(1, 2))
+            return
+        if param is experts.gate_up_proj:  # [E, H, 2I] interleaved -> [E, 2 I_local, H], gate rows then up rows
+            expect_shape(loaded, (num_experts, hidden, 2 * full))
+            pairs = loaded.unflatten(2, (full, 2)).narrow(2, start, n)  # [E, H, I_local, (gate, up)]
+            param.data.copy_(pairs.permute(0, 3, 2, 1).reshape(num_experts, 2 * n, hidden))
+            return
+        expect_shape(loaded, (num_experts, 2 * full))  # the gate/up bias, interleaved as its weight
+        param.data.copy_(loaded.unflatten(1, (full, 2)).narrow(1, start, n).transpose(1, 2).reshape(num_experts, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, ids = torch.topk(F.linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+        e = self.experts
+        b2 = e.down_proj_bias if self.tp_rank == 0 else None  # once over the ranks' sum
+        if use_fused_moe(x):
+            from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
+
+            out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
+                            clamp=(self.alpha, self.limit))
+        else:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
+                                   "cannot hold: run it with enforce_eager=True (--enforce-eager)")
+            out = moe_reference(x, e.gate_up_proj, e.down_proj, weights, ids,
+                                act=lambda h: clamped_swiglu(h, self.alpha, self.limit), b13=e.gate_up_proj_bias,
+                                b2=b2)
+        return all_reduce(out)

@@ -21,6 +21,8 @@ from llmcli.layers.gated_delta_net import GatedDeltaNet, GatedDeltaNetSpec
 from llmcli.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmcli.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from llmcli.layers.rotary import RopeSettings, RotaryEmbedding, rope_settings
+from llmcli.layers.weight_shape import expect_shape
+from llmcli.parallel import tp_rank, tp_size
 
 
 def head_dim_of(config: Any) -> int:
@@ -63,6 +65,7 @@ class DecoderSpec:
     sandwich_norms: bool = False  # Gemma: a norm after attention, and before and after the MLP
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
     linear: GatedDeltaNetSpec | None = None  # the linear-attention layers' shape (Qwen3.5/Next)
+    attention_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss's self_attn.sinks)
 
     @classmethod
     def from_config(cls, config: Any, **family: Any) -> DecoderSpec:
@@ -121,7 +124,17 @@ class DecoderAttention(nn.Module):
         self.eps = spec.rms_norm_eps
         self.rotary = rotary
         self.rotary_dim = spec.rotary_dim if spec.rotary_dim is not None and spec.rotary_dim < spec.head_dim else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim, backend, sliding_window=sliding_window)
+        self.sinks = None
+        if spec.attention_sinks:  # this rank's heads' logits, [num_heads / tp]
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim, backend, sliding_window=sliding_window,
+                              sinks=self.sinks)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = self.num_heads
+        expect_shape(loaded, (n * tp_size(),))
+        param.data.copy_(loaded.narrow(0, tp_rank() * n, n))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

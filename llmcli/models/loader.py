@@ -138,6 +138,7 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
                 if name is None or name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") \
                         or fp8.consumes(stored):
                     continue
+                name = fp8.parameter_name(name)
                 target, shard = stacked.get(name) or _target(name, mapping)
                 param = params.get(target)
                 if param is None:
