@@ -15,6 +15,7 @@ TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
 }
 # both layouts transformers has written: model.language_model.* (5.x) and language_model.model.* (4.x, the
