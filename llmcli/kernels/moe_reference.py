@@ -22,8 +22,9 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """``sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = topk_ids[t, j]``.
+                  topk_ids: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = topk_ids[t, j]``
+    (``gelu``: tanh-GELU in place of SiLU, Gemma 4's experts).
 
     ``w13`` is [E, 2I, H] (each expert's gate rows, then its up rows), ``w2`` [E, H, I]; one batched matmul
     per expert that has tokens. Syncs with the device (which experts have tokens), so not for CUDA graphs.
@@ -40,7 +41,8 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         start += count
         tokens = picked // topk_ids.shape[1]
         gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        gated = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+        y = F.linear(gated * up, w2[expert])
         weight = topk_weights.flatten()[picked].unsqueeze(1)
         out.index_add_(0, tokens, (y * weight).to(x.dtype))
     return out

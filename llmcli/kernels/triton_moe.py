@@ -133,7 +133,7 @@ def _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, num_cols, BLOCK_M: tl.co
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, inter, hidden,
                         stride_xm, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, GELU: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
@@ -156,10 +156,16 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr
         x_tile += BLOCK_K
         gate_tile += BLOCK_K
         up_tile += BLOCK_K
-    # rounded where the eager silu(gate) * up over a stored projection rounds: gate, up, then SiLU
+    # rounded where the eager silu(gate) * up over a stored projection rounds: gate, up, then SiLU (GELU: its tanh
+    # form, Gemma 4's experts: 0.5 g (1 + tanh(y)) = g sigmoid(2y))
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    if GELU:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        gated = gate * tl.sigmoid(2.0 * inner)
+    else:
+        gated = gate * tl.sigmoid(gate)
+    act = gated.to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -192,8 +198,9 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, tuning: MoeTuning | None = None) -> torch.Tensor:
-    """[T, H] -> [T, H]: each token through its ``k`` experts of ``w13`` [E, 2I, H] / ``w2`` [E, H, I], weighted."""
+              topk_ids: torch.Tensor, tuning: MoeTuning | None = None, gelu: bool = False) -> torch.Tensor:
+    """[T, H] -> [T, H]: each token through its ``k`` experts of ``w13`` [E, 2I, H] / ``w2`` [E, H, I], weighted;
+    ``gelu``: GeGLU experts (tanh GELU) instead of SwiGLU."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -210,7 +217,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     _moe_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13, act, pairs, experts, total, num_pairs, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, **launch)
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, GELU=gelu, **launch)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(tiles_m * triton.cdiv(hidden, tuning.block_n),)](
         act, w2, down, topk_weights.float().contiguous(), pairs, experts, total, num_pairs, hidden, inter,

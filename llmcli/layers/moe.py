@@ -4,7 +4,8 @@
 every expert's intermediate dimension like the dense MLP's (each rank holds I/tp of all E experts: no token
 moves between ranks), so the down projection's partial sums need one all-reduce per block. The checkpoint's
 per-expert ``experts.N.gate_proj/up_proj/down_proj`` tensors reach their slices through ``weight_loader``;
-``checkpoint_shards`` tells the loader which names feed which parameter.
+``checkpoint_shards`` tells the loader which names feed which parameter. Checkpoints that store the experts
+already stacked (Gemma 4's ``experts.gate_up_proj`` / ``experts.down_proj``) load whole (``stored_stacked``).
 
 The experts run as ``kernels/triton_moe.fused_moe`` on CUDA and as the reference loop elsewhere.
 """
@@ -51,31 +52,48 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.normalize)
-        experts = self.experts
-        if use_fused_moe(x):
-            from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
-
-            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-        else:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
-                                   "cannot hold: run it with enforce_eager=True (--enforce-eager)")
-            out = moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-        return all_reduce(out)
+        return all_reduce(self.experts(x, weights, ids))
 
 
 class StackedExperts(nn.Module):
     """The experts' weights as two parameters, named after transformers' own stacked layout."""
 
-    def __init__(self, num_experts: int, hidden_size: int, local_inter: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, local_inter: int, stored_stacked: bool = False,
+                 gelu: bool = False) -> None:
+        """``gelu``: GeGLU experts (tanh GELU, Gemma 4) rather than SwiGLU."""
         super().__init__()
-        self.tp_rank, self.tp_size, self.local_inter = tp_rank(), tp_size(), local_inter
+        self.tp_rank, self.tp_size, self.local_inter, self.gelu = tp_rank(), tp_size(), local_inter, gelu
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local_inter, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local_inter), requires_grad=False)
         for param, slots in ((self.gate_up_proj, SLOTS[:2]), (self.down_proj, SLOTS[2:])):
-            param.weight_loader = self.weight_loader
-            # checkpoint name (relative to this module) -> the weight_loader's shard argument
-            param.checkpoint_shards = {f"{e}.{slot}.weight": (e, slot) for e in range(num_experts) for slot in slots}
+            param.weight_loader = self.load_stacked if stored_stacked else self.weight_loader
+            if not stored_stacked:
+                # checkpoint name (relative to this module) -> the weight_loader's shard argument
+                param.checkpoint_shards = {f"{e}.{slot}.weight": (e, slot) for e in range(num_experts)
+                                           for slot in slots}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of each token's weighted experts (the caller all-reduces)."""
+        if use_fused_moe(x):
+            from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, gelu=self.gelu)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
+                               "cannot hold: run it with enforce_eager=True (--enforce-eager)")
+        return moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids, gelu=self.gelu)
+
+    def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """All experts at once: gate_up [E, 2I, H] (this rank's gate rows and up rows), down [E, H, I]."""
+        n, start = self.local_inter, self.tp_rank * self.local_inter
+        full = n * self.tp_size
+        if param is self.down_proj:
+            expect_shape(loaded, (param.shape[0], param.shape[1], full))
+            param.data.copy_(loaded.narrow(2, start, n))
+        else:
+            expect_shape(loaded, (param.shape[0], 2 * full, param.shape[2]))
+            param.data[:, :n].copy_(loaded.narrow(1, start, n))
+            param.data[:, n:].copy_(loaded.narrow(1, full + start, n))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
         expert, slot = shard

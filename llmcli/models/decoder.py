@@ -210,6 +210,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size)
             self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size)
         self.mlp = mlp if mlp is not None else DecoderMLP(spec)
+        self.mlp_takes_stream = getattr(self.mlp, "takes_stream", False)  # Gemma 4's MoE reads the stream too
         if spec.layer_scalar:
             self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
             self.layer_scalar.dummy_value = 1.0
@@ -229,7 +230,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
-        hidden = self.post_feedforward_layernorm(self.mlp(hidden))
+        hidden = self.mlp(hidden, residual) if self.mlp_takes_stream else self.mlp(hidden)
+        hidden = self.post_feedforward_layernorm(hidden)
         if self.layer_scalar is not None:  # (hidden + residual) * s, with the sum left to the next norm
             return hidden * self.layer_scalar, residual * self.layer_scalar
         return hidden, residual

@@ -8,20 +8,32 @@ local / global layers, sandwich norms, GeGLU and final-logit softcapping, with
 - proportional rotary on the global layers (``rope_parameters.full_attention``: only the first
   ``partial_rotary_factor`` of each head's angles turn, layers/rotary.py);
 - each layer's output times its checkpoint ``layer_scalar``;
-- on 26B-A4B (``enable_moe_block``) a routed mixture of experts beside the dense MLP (models/gemma4_moe.py).
+- on 26B-A4B (``enable_moe_block``) a routed mixture of GeGLU experts beside each dense MLP, routed from the
+  residual stream (not the MLP's normed input) by a gain-free RMSNorm, a learned per-dim scale and a per-expert
+  scale on the renormalised top-k weights (``Gemma4MoeMLP``).
 
 The edge models' per-layer input embeddings and cross-layer KV sharing are refused by name."""
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmcli.kernels.backend import AttentionBackend
+from llmcli.kernels.moe_reference import route
+from llmcli.layers.moe import StackedExperts
+from llmcli.layers.norm import rms_norm_no_gain
 from llmcli.layers.rotary import rope_settings
 from llmcli.models.decoder import (
-    DecoderForCausalLM, DecoderModel, DecoderSpec, UnsupportedModelError, layer_types_of,
+    DecoderForCausalLM, DecoderMLP, DecoderModel, DecoderSpec, UnsupportedModelError, layer_types_of, make_norm,
 )
+from llmcli.parallel import all_reduce, tp_size
+
+# the MoE layer's tensors sit beside the layer's mlp in the checkpoint; here they are the mlp's (Gemma4MoeMLP)
+MOE_NAMES = ("router", "experts", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+             "post_feedforward_layernorm_2")
 
 
 def global_attention_shape(config: Any, kinds: tuple[str, ...]) -> tuple[int | None, int | None]:
@@ -37,8 +49,53 @@ def global_attention_shape(config: Any, kinds: tuple[str, ...]) -> tuple[int | N
     return shapes.pop()
 
 
+class Gemma4Router(nn.Module):
+    """Top-k of a softmax over ``proj(rmsnorm(x) * scale / sqrt(hidden))``, renormalised, times each chosen
+    expert's ``per_expert_scale``; the same on every rank."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float) -> None:
+        super().__init__()
+        self.top_k, self.eps, self.root = top_k, eps, hidden_size ** -0.5
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.proj.weight.requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts), requires_grad=False)
+        self.scale.dummy_value = self.per_expert_scale.dummy_value = 1.0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = rms_norm_no_gain(x, self.eps) * self.scale * self.root
+        weights, ids = route(F.linear(h, self.proj.weight), self.top_k, normalize=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class Gemma4MoeMLP(DecoderMLP):
+    """The dense GeGLU MLP and the routed experts side by side, each with its own norms, summed."""
+
+    takes_stream = True  # DecoderLayer passes the residual stream too: the router and the experts read it
+
+    def __init__(self, spec: DecoderSpec, config: Any) -> None:
+        super().__init__(spec)
+        hidden, inter = spec.hidden_size, config.moe_intermediate_size
+        if inter % tp_size():
+            raise ValueError(f"moe_intermediate_size ({inter}) is not divisible by tensor_parallel_size "
+                             f"({tp_size()})")
+        self.router = Gemma4Router(hidden, config.num_experts, config.top_k_experts, spec.rms_norm_eps)
+        self.experts = StackedExperts(config.num_experts, hidden, inter // tp_size(), stored_stacked=True, gelu=True)
+        self.post_feedforward_layernorm_1 = make_norm(spec, hidden)
+        self.pre_feedforward_layernorm_2 = make_norm(spec, hidden)
+        self.post_feedforward_layernorm_2 = make_norm(spec, hidden)
+
+    def forward(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        dense = self.post_feedforward_layernorm_1(super().forward(x))
+        weights, ids = self.router(stream)
+        experts = all_reduce(self.experts(self.pre_feedforward_layernorm_2(stream), weights, ids))
+        return dense + self.post_feedforward_layernorm_2(experts)
+
+
 class Gemma4ForCausalLM(DecoderForCausalLM):
     hidden_acts = ("gelu_pytorch_tanh",)  # GeGLU (config_checks reads config.json's hidden_activation against it)
+    packed_modules_mapping = {**DecoderForCausalLM.packed_modules_mapping,
+                              **{name: (f"mlp.{name}", None) for name in MOE_NAMES}}
 
     def __init__(self, config: Any, backend: AttentionBackend, max_model_len: int | None = None) -> None:
         self.hf_config = config  # make_model reads the MoE fields, which DecoderSpec does not carry
@@ -80,6 +137,4 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         config = self.hf_config
         if not getattr(config, "enable_moe_block", False):
             return DecoderModel(spec, backend, max_positions)
-        from llmcli.models.gemma4_moe import Gemma4MoeMLP
-
         return DecoderModel(spec, backend, max_positions, lambda i: Gemma4MoeMLP(spec, config))
