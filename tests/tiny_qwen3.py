@@ -177,10 +177,10 @@ GEMMA3 = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "query_p
           "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}
-# Gemma 4: 16-wide local heads (2 KV heads) and 32-wide global ones (1 KV head, K = V), proportional rotary turning
+# Gemma 4: 16-wide local heads (4 KV heads) and 32-wide global ones (2 KV heads, K = V), proportional rotary turning
 # a quarter of the global angles, final-logit softcapping; no per-layer inputs (the E2B/E4B feature llmcli refuses)
-GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
-          "num_hidden_layers": 4, "sliding_window": 24, "hidden_size_per_layer_input": 0,
+GEMMA4 = {"head_dim": 16, "num_key_value_heads": 4, "global_head_dim": 32, "num_global_key_value_heads": 2,
+          "attention_k_eq_v": True, "num_hidden_layers": 4, "sliding_window": 24, "hidden_size_per_layer_input": 0,
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
           "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False, "final_logit_softcapping": 30.0,
           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -250,6 +250,10 @@ FAMILIES: dict[str, Family] = {
     "gemma3-vl": Family("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA3),
                         vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
                                        "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "gemma4-vl": Family("Gemma4Config", "Gemma4ForConditionalGeneration", dict(GEMMA4),
+                        vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                                       "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+                                       "patch_size": 4, "position_embedding_size": 64}),
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
                       tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
