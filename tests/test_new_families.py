@@ -70,7 +70,7 @@ def test_gemma3_and_mistral_need_no_max_model_len_cap(tiny_checkpoint):
 
 # published sizes (configs/): the text model llmcli builds has the parameter count the model card gives
 PUBLISHED = {"Qwen3.5-9B": 8.95e9, "Qwen3.6-27B": 26.9e9, "Qwen3.6-35B-A3B": 34.7e9, "gemma-3-12b-it": 11.77e9,
-             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9}
+             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9, "gemma-4-31B": 30.7e9, "gemma-4-26B-A4B": 25.2e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
