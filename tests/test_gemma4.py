@@ -61,3 +61,28 @@ def test_router_and_experts_match_transformers():
         want = experts(x, want_ids, want_weights)
         got = moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids, gelu=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gemma-4-31B", "gemma-4-26B-A4B"])
+def test_rotary_tables_of_published_configs_match_transformers(name):
+    """Both kinds of layer at the published sizes: the local 256-wide default rotary and the global 512-wide
+    proportional one (a quarter of the angles turning, the rest fixed), against Gemma4TextRotaryEmbedding."""
+    from pathlib import Path
+
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from llmcli.layers.rotary import RotaryEmbedding
+    from llmcli.models.gemma4 import Gemma4ForCausalLM
+    from llmcli.models.hub import load_hf_config
+
+    config = load_hf_config(Path(__file__).resolve().parent.parent / "configs" / name)
+    spec = Gemma4ForCausalLM.spec(config)
+    assert (spec.head_dim, spec.global_head_dim, spec.global_k_eq_v) == (256, 512, True)
+    theirs = Gemma4TextRotaryEmbedding(config)
+    positions = torch.tensor([0, 1, 7, 1000, 8191, 20000])
+    for kind, dim, rope in (("sliding_attention", spec.head_dim, spec.local_rope),
+                            ("full_attention", spec.global_head_dim, spec.rope)):
+        ours = RotaryEmbedding(dim, 20001, rope.theta, rope, spec.max_position_embeddings)
+        cos, sin = theirs(torch.zeros(1, len(positions), dim), positions[None], kind)
+        torch.testing.assert_close(ours.cos[positions], cos[0], rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(ours.sin[positions], sin[0], rtol=1e-5, atol=2e-5)
