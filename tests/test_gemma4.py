@@ -86,3 +86,18 @@ def test_rotary_tables_of_published_configs_match_transformers(name):
         cos, sin = theirs(torch.zeros(1, len(positions), dim), positions[None], kind)
         torch.testing.assert_close(ours.cos[positions], cos[0], rtol=1e-5, atol=2e-5)
         torch.testing.assert_close(ours.sin[positions], sin[0], rtol=1e-5, atol=2e-5)
+
+
+def test_tensor_parallel_sizes_are_checked_against_the_global_kv_heads_too():
+    """Gemma-4-31B's 16 local KV heads split 8 ways, its 4 global ones do not: refused before ranks start."""
+    from pathlib import Path
+
+    from llmcli.config import ConfigError
+    from llmcli.models.hub import load_hf_config
+    from llmcli.parallel.tp_runner import check_tensor_parallel_shapes
+
+    config = load_hf_config(Path(__file__).resolve().parent.parent / "configs" / "gemma-4-31B")
+    check_tensor_parallel_shapes(config, 4)
+    with pytest.raises(ConfigError, match=r"num_global_key_value_heads=4 is not divisible by 8\..* may be one of "
+                                          r"1, 2, 4$"):
+        check_tensor_parallel_shapes(config, 8)
