@@ -16,7 +16,8 @@ import torch
 
 from test_engine_vs_hf import check_against_hf, greedy, random_prompts, run_factory  # noqa: F401 (a fixture)
 
-NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next", "gpt-oss")
+NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next", "gpt-oss", "gemma4",
+                "gemma4-moe")
 HYBRID = ("qwen3.5", "qwen3.5-moe", "qwen3-next")
 LENGTHS = [1, 9, 24, 25, 70, 130]  # around and several times the 24-key window; past a 64-token DeltaNet chunk
 MAX_NEW = 16
@@ -142,7 +143,8 @@ def test_gpt_oss_mxfp4_is_refused_off_the_cpu_in_one_line(tiny_checkpoint, tmp_p
 
 # published sizes (configs/): the text model llmcli builds has the parameter count the model card gives
 PUBLISHED = {"Qwen3.5-9B": 8.95e9, "Qwen3.6-27B": 26.9e9, "Qwen3.6-35B-A3B": 34.7e9, "gemma-3-12b-it": 11.77e9,
-             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9, "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9}
+             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9, "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9,
+             "gemma-4-31B": 30.7e9, "gemma-4-26B-A4B": 25.2e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -224,7 +226,7 @@ def test_recurrent_step_and_chunks_continue_each_other():
 # --------------------------------------------------------------------------
 # multimodal checkpoints, language model only
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3.5-vl", "gemma3-vl"])
+@pytest.mark.parametrize("family", ["qwen3.5-vl", "gemma3-vl", "gemma4-vl"])
 def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, hf_oracle, run_factory, monkeypatch,
                                                        caplog):
     """A Qwen3.5 / Gemma 3 checkpoint with its vision tower: the text decoder gives transformers' tokens, the
@@ -267,7 +269,7 @@ def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, 
 # tensor parallelism: linear-attention heads (and the shared expert) split over 2 CPU ranks
 # --------------------------------------------------------------------------
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3", "gemma4-moe"])
 def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
     """Qwen3.5's separate and Qwen3-Next's per-key-head fused projections reach each rank's heads; the
     state pool holds each rank's heads; Gemma 3's two rotaries and window per rank."""

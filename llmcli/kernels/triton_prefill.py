@@ -66,6 +66,10 @@ WIDE = Tiles(64, 32, 4, 2)    # float32: smaller K/V tiles so the pipeline fits
 # registers; compiled for sm_90 by Triton 3.9 it takes 64 KiB of shared memory and ~207 registers a thread, no
 # spills (4 warps: 255 and spills; 128 rows or 64-key tiles: spills). Not yet timed on a GPU.
 HEAD256 = Tiles(64, 32, 8, 2)
+# head_dim 512 (Gemma 4's global layers): 16-key tiles halve the K/V bytes again; compiled for sm_90 by Triton 3.9 it
+# takes 96 KiB of shared memory and 255 registers with a 108-byte spill (32-key tiles: 1.4 KiB of spills; 32 rows or
+# 16 warps spill more). Not yet timed on a GPU.
+HEAD512 = Tiles(64, 16, 8, 2)
 
 
 @triton.jit
@@ -265,8 +269,10 @@ def _prefill_kernel(
 
 
 def _tiles(head_dim: int, elem_size: int, max_seqlen_q: int, group: int) -> Tiles:
-    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LONG/LARGE/SMALL/WIDE/HEAD256 above)."""
-    if head_dim > 128:
+    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LONG/LARGE/SMALL/WIDE/HEAD256/HEAD512)."""
+    if head_dim > 256:
+        tiles = HEAD512
+    elif head_dim > 128:
         tiles = HEAD256
     elif elem_size > 2:
         tiles = WIDE

@@ -1,5 +1,6 @@
 """SiLU(gate) * up over a fused gate/up projection (SwiGLU), GELU(gate, tanh approximation) * up (GeGLU:
-Gemma's ``gelu_pytorch_tanh``), and gpt-oss's clamped SwiGLU."""
+Gemma's ``gelu_pytorch_tanh``). The experts' activations (gpt-oss's clamped SwiGLU) are
+``kernels/moe_reference.expert_activation``'s."""
 from __future__ import annotations
 
 import torch
@@ -23,15 +24,6 @@ class SiluAndMul(nn.Module):
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
-
-
-def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's expert activation over gate then up halves: gate clamped above at ``limit``, up to
-    ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    gate, up = x.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(-limit, limit)
-    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 class GeluTanhAndMul(nn.Module):

@@ -1,0 +1,76 @@
+"""llmcli's Triton attention at head size 512 (Gemma 4's global layers) without a fallback to torch: its launch
+shapes, the kernels under Triton's interpreter (float32, float16) against a plain softmax
+(tests/attention_reference.py), their sm_90 build within Hopper's shared memory (no GPU needed), and with CUDA
+bfloat16 at model sizes against the torch backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_reference import paged_case
+from test_triton_window import (
+    _COMPILE, DEVICE, DTYPES, ON_GPU, check, check_bf16_against_torch, compile_for_sm90, run_decode, run_prefill,
+)
+
+from llmcli.config import fastest_backend
+from llmcli.kernels.triton_backend import TritonAttentionBackend
+from llmcli.kernels.triton_decode import HEAD256_TUNING, HEAD512_TUNING, default_tuning
+from llmcli.kernels.triton_prefill import HEAD256, HEAD512, _tiles
+
+
+def test_head_dim_512_launch_choices():
+    """512 gets its own prefill tiles and 16-key decode tiles (256 keeps its own), and ``auto`` picks llmcli's
+    Triton kernels for it on Hopper."""
+    assert _tiles(512, 2, 16, 8) == HEAD512 and _tiles(512, 2, 8192, 8) == HEAD512 and _tiles(512, 4, 16, 8) == HEAD512
+    assert _tiles(256, 2, 16, 4) == HEAD256 and HEAD512.block_n == 16
+    assert default_tuning(512) == HEAD512_TUNING and HEAD512_TUNING.block_n == 16
+    assert default_tuning(256) == HEAD256_TUNING
+    assert TritonAttentionBackend(32, 4, 512, 0.1, 16).decode_tuning == HEAD512_TUNING
+    assert fastest_backend((9, 0), 512, True, None) == "triton"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 20])
+def test_head_dim_512_prefill_and_decode(dtype, window):
+    """Chunks with and without a cached prefix, and decode over two splits, at GQA group 4, through the default
+    launch shapes."""
+    shape = (8, 2, 512, 16)
+    case = paged_case([0, 40], [30, 9], shape, dtype, DEVICE, window)
+    check(run_prefill(case, window, paged=True), case, dtype)
+    plain = paged_case([0], [21], shape, dtype, DEVICE, window)
+    check(run_prefill(plain, window, paged=False), plain, dtype)
+    dec = paged_case([70, 5], [1, 1], shape, dtype, DEVICE, window)
+    check(run_decode(dec, window, 2), dec, dtype)
+
+
+_COMPILE_512 = _COMPILE.split("# Mistral")[0] + r"""
+for windowed in (False, True):
+    tuning = td.default_tuning(512)
+    print("decode", build(td._decode_partition_kernel, dict(
+        GROUP=8, GROUP_PAD=16, HEAD_DIM=512, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=True,
+        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed), DEC, num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages))
+    t = tp._tiles(512, 2, 16, 8)
+    print("prefill", build(tp._prefill_kernel, dict(
+        GROUP=8, HEAD_DIM=512, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
+        QPT=t.block_m // 8, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed), PRE,
+        num_warps=t.num_warps, num_stages=t.num_stages))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests here compile and run these kernels for real")
+def test_head_dim_512_kernels_compile_for_sm90():
+    """The head-512 variants build for an H100/H200 (Triton's own ptxas) within 227 KiB of shared memory."""
+    out = compile_for_sm90(_COMPILE_512)
+    assert out.count("decode") == 2 and out.count("prefill") == 2, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 1024])
+@pytest.mark.parametrize("shape", [(32, 4, 512, 16), (16, 2, 512, 256)])
+def test_gpu_bf16_head_dim_512_matches_torch(window, shape):
+    """Gemma-4-31B's global layers (32 heads over 4 KV heads) and 26B-A4B's (16 over 2), bfloat16: long chunked
+    prefills behind prefixes, and decode over contexts to 12k keys with 1 and 8 splits."""
+    check_bf16_against_torch(shape, window)
