@@ -16,13 +16,22 @@ TRITON_MODULES = ("triton_store", "triton_elementwise", "triton_decode", "triton
 
 def interpret_triton_without_cuda() -> bool:
     """Whether CUDA is here; without it, Triton's interpreter switched on and llmcli's Triton modules already
-    imported (decorated before the switch) reloaded. Call before importing them."""
+    imported with compiled kernels (decorated before the switch) reloaded. Call before importing them. A second
+    call reloads nothing: a reload makes new classes and constants, and a test module that imported the old ones
+    would compare them unequal to the new."""
     if torch.cuda.is_available():
         return True
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: its own library kernels follow it too
+    from triton.runtime.jit import JITFunction  # the interpreter's kernels are InterpretedFunction instead
+
+    compiled = False  # once a kernel module needed it, the ones importing from it are reloaded too
     for name in TRITON_MODULES:
-        if f"llmcli.kernels.{name}" in sys.modules:
-            importlib.reload(sys.modules[f"llmcli.kernels.{name}"])
+        module = sys.modules.get(f"llmcli.kernels.{name}")
+        if module is None:
+            continue
+        compiled = compiled or any(isinstance(v, JITFunction) for v in vars(module).values())
+        if compiled:
+            importlib.reload(module)
     return False
 
 

@@ -19,6 +19,7 @@ from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_decode import paged_decode, scratch_numel  # noqa: E402
 from llmcli.kernels.triton_prefill import Tiles, prefill_paged, prefill_varlen  # noqa: E402
 from llmcli.layers.attention import Attention  # noqa: E402
+from test_triton_window import COMPILE_HEADER, compile_for_sm90  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TOL = {torch.float32: 5e-3 if ON_GPU else 1e-5, torch.float16: 5e-3}
@@ -148,32 +149,18 @@ def test_flash_attn_refuses_sinks_in_one_line():
 
 
 # -- sm_90 ------------------------------------------------------------------------------
-_COMPILE_SINKS = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from llmcli.kernels import triton_decode as td, triton_prefill as tp
-
-def build(kernel, constexprs, ptrs, **options):
-    sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in kernel.arg_names}
-    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                   options=options)
-    print("compiled", kernel.__name__)
-
-BF16 = dict.fromkeys(("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr"), "*bf16")
-PTRS = {**BF16, "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
-        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*bf16", "row_order_ptr": "*i64",
-        "scale_log2": "fp32", "v_scale": "fp32", "qk_scale": "fp32", "k_scale": "fp32"}
+_COMPILE_SINKS = COMPILE_HEADER + r"""
 tuning = td.default_tuning(64)  # gpt-oss: head_dim 64, 8 heads per KV head
 for split in (True, False):
-    build(td._decode_partition_kernel, dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16,
+    print("compiled", build(td._decode_partition_kernel, dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16,
           BLOCK_N=tuning.block_n, SPLIT=split, HEADS_FASTEST=True, FP8=False, WINDOWED=True, SINKS=True), PTRS,
-          num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-build(td._decode_reduce_kernel, dict(HEAD_DIM=64, MAX_SPLITS_PAD=td.MAX_SPLITS, SINKS=True), PTRS, num_warps=4)
+          num_warps=tuning.num_warps, num_stages=tuning.num_stages))
+print("compiled", build(td._decode_reduce_kernel, dict(HEAD_DIM=64, MAX_SPLITS_PAD=td.MAX_SPLITS, SINKS=True), PTRS,
+                        num_warps=4))
 t = tp._tiles(64, 2, 16, 8)
-build(tp._prefill_kernel, dict(GROUP=8, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-      PAGED=True, QPT=t.block_m // 8, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=True, SINKS=True), PTRS,
-      num_warps=t.num_warps, num_stages=t.num_stages)
+print("compiled", build(tp._prefill_kernel, dict(GROUP=8, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=t.block_m,
+      BLOCK_N=t.block_n, PAGED=True, QPT=t.block_m // 8, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=True,
+      SINKS=True), PTRS, num_warps=t.num_warps, num_stages=t.num_stages))
 """
 
 
@@ -182,15 +169,5 @@ build(tp._prefill_kernel, dict(GROUP=8, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=t.bl
 def test_sink_kernels_compile_for_sm90():
     """The sink variants (gpt-oss's shapes, windowed) build for an H100/H200 with Triton's own ptxas, no GPU: the
     interpreter accepts code the compiler rejects."""
-    import os
-    import subprocess
-    import sys
-
-    if "nvidia" not in __import__("triton.backends").backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SINKS], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4, done.stdout
+    out = compile_for_sm90(_COMPILE_SINKS)
+    assert out.count("compiled") == 4, out

@@ -9,7 +9,7 @@ import torch
 
 from attention_reference import paged_case
 from test_triton_window import (
-    _COMPILE, DEVICE, DTYPES, ON_GPU, check, check_bf16_against_torch, compile_for_sm90, run_decode, run_prefill,
+    COMPILE_HEADER, DEVICE, DTYPES, ON_GPU, check, check_bf16_against_torch, compile_for_sm90, run_decode, run_prefill,
 )
 
 from llmcli.config import fastest_backend
@@ -43,17 +43,17 @@ def test_head_dim_512_prefill_and_decode(dtype, window):
     check(run_decode(dec, window, 2), dec, dtype)
 
 
-_COMPILE_512 = _COMPILE.split("# Mistral")[0] + r"""
+_COMPILE_512 = COMPILE_HEADER + r"""
 for windowed in (False, True):
     tuning = td.default_tuning(512)
     print("decode", build(td._decode_partition_kernel, dict(
         GROUP=8, GROUP_PAD=16, HEAD_DIM=512, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=True,
-        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed), DEC, num_warps=tuning.num_warps,
+        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed, SINKS=False), PTRS, num_warps=tuning.num_warps,
         num_stages=tuning.num_stages))
     t = tp._tiles(512, 2, 16, 8)
     print("prefill", build(tp._prefill_kernel, dict(
         GROUP=8, HEAD_DIM=512, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
-        QPT=t.block_m // 8, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed), PRE,
+        QPT=t.block_m // 8, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed, SINKS=False), PTRS,
         num_warps=t.num_warps, num_stages=t.num_stages))
 """
 

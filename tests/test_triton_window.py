@@ -7,21 +7,15 @@ run bfloat16 at model sizes against the torch backend. The sm_90 compile check n
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 import pytest
 import torch
+from attention_reference import interpret_triton_without_cuda, paged_case, rel_err
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend"):
-        if f"llmcli.kernels.{_name}" in sys.modules:  # decorated before the switch: redo it
-            importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
+ON_GPU = interpret_triton_without_cuda()
 
-from attention_reference import paged_case, rel_err  # noqa: E402
 from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
 from llmcli.kernels.torch_backend import TorchAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -173,7 +167,9 @@ def test_backend_decode_splits_of_a_window_follow_its_length():
 
 
 # -- sm_90 ---------------------------------------------------------------------------
-_COMPILE = r"""
+# a script's first part: build(kernel, constexprs, ptrs) compiles one variant for sm_90 (Triton's ptxas, no GPU),
+# checks it within Hopper's 227 KiB of shared memory and returns its shared bytes; PTRS types every kernel's pointer
+COMPILE_HEADER = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -186,23 +182,24 @@ def build(kernel, constexprs, ptrs, **options):
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
     return compiled.metadata.shared
 
-DEC = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
-       "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-       "scale_log2": "fp32", "row_order_ptr": "*i64", "v_scale": "fp32"}
-PRE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-       "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
-       "qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
+BF16 = dict.fromkeys(("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr",
+                      "sinks_ptr"), "*bf16")
+PTRS = {**BF16, "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "row_order_ptr": "*i64", "scale_log2": "fp32",
+        "v_scale": "fp32", "qk_scale": "fp32", "k_scale": "fp32"}
+"""
+_COMPILE = COMPILE_HEADER + r"""
 # Mistral's windowed 128, Gemma 3's windowed 256, Qwen3.5's full 256 (full 128: tests/test_triton_kernels.py)
 for head_dim, windowed in ((128, True), (256, True), (256, False)):
     tuning = td.default_tuning(head_dim)
     print("decode", head_dim, windowed, build(td._decode_partition_kernel, dict(
         GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=True,
-        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed, SINKS=False), DEC, num_warps=tuning.num_warps,
+        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed, SINKS=False), PTRS, num_warps=tuning.num_warps,
         num_stages=tuning.num_stages))
     t = tp._tiles(head_dim, 2, 16, 4)
     print("prefill", head_dim, windowed, build(tp._prefill_kernel, dict(
         GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
-        QPT=t.block_m // 4, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed, SINKS=False), PRE,
+        QPT=t.block_m // 4, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed, SINKS=False), PTRS,
         num_warps=t.num_warps, num_stages=t.num_stages))
 """
 
