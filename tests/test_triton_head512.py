@@ -19,13 +19,16 @@ from llmcli.kernels.triton_prefill import HEAD256, HEAD512, _tiles
 
 
 def test_head_dim_512_launch_choices():
-    """512 gets its own prefill tiles and 16-key decode tiles (256 keeps its own), and ``auto`` picks llmcli's
-    Triton kernels for it on Hopper."""
+    """512 gets its own prefill tiles and 16-key decode tiles (256 keeps its own, also in a model of both), and
+    ``auto`` picks llmcli's Triton kernels for it on Hopper."""
     assert _tiles(512, 2, 16, 8) == HEAD512 and _tiles(512, 2, 8192, 8) == HEAD512 and _tiles(512, 4, 16, 8) == HEAD512
     assert _tiles(256, 2, 16, 4) == HEAD256 and HEAD512.block_n == 16
     assert default_tuning(512) == HEAD512_TUNING and HEAD512_TUNING.block_n == 16
     assert default_tuning(256) == HEAD256_TUNING
     assert TritonAttentionBackend(32, 4, 512, 0.1, 16).decode_tuning == HEAD512_TUNING
+    # Gemma 4: a backend built at the local layers' 256 decodes a global layer with 512's tiles
+    gemma4 = TritonAttentionBackend(32, 16, 256, 0.1, 16)
+    assert gemma4.decode_tuning_for(256) == HEAD256_TUNING and gemma4.decode_tuning_for(512) == HEAD512_TUNING
     assert fastest_backend((9, 0), 512, True, None) == "triton"
 
 
