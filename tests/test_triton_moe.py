@@ -1,7 +1,9 @@
 """The fused MoE kernel (kernels/triton_moe.py) against the reference loop over experts (kernels/moe_reference.py).
 
 Without CUDA the kernels run under Triton's interpreter in float32 and float16 (its bfloat16 dot is wrong);
-with CUDA in bfloat16 too, at Qwen3-30B-A3B's expert shapes, and captured in a CUDA graph.
+with CUDA in bfloat16 too, at Qwen3-30B-A3B's and Gemma-4-26B-A4B's expert shapes, and captured in a CUDA graph.
+The activation switches (GeGLU, gpt-oss's biases and clamped SwiGLU) are checked together, and gpt-oss's block
+against transformers' GptOssMLP (Gemma 4's router and experts: tests/test_gemma4.py).
 """
 from __future__ import annotations
 
@@ -88,16 +90,44 @@ def test_align_groups_pairs_by_expert_in_padded_runs():
     assert 3 not in tile_expert.tolist()
 
 
-@pytest.mark.parametrize("tokens", [1, 17])
+# the experts' activation switches, as fused_moe and moe_reference both take them: SwiGLU (Qwen), GeGLU (Gemma 4),
+# gpt-oss's clamped SwiGLU (alpha 1.702, limit 7)
+ACTIVATIONS = {"swiglu": {}, "geglu": {"gelu": True}, "clamped": {"clamp": (1.702, 7.0)}}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_moe_gelu_experts_match_reference(tokens, dtype):
-    """Gemma 4's GeGLU experts (tanh GELU) through the same kernel, top-2 of 8, partial tiles."""
-    x, w13, w2, logits = make_case(tokens, 8, 2, 48, 40, dtype, seed=tokens + 100)
+def test_fused_moe_switches_compose(act, bias, dtype):
+    """Each activation with and without biases on both projections (gpt-oss's; they go with GeGLU too) against the
+    loop, 17 tokens through top-2 of 8 at odd sizes (partial tiles); in float32, turning any one switch off
+    changes the result, so none is ignored. The clamped case's weights are scaled so many values pass the limit."""
+    x, w13, w2, logits = make_case(17, 8, 2, 48, 40, dtype, seed=117)
     weights, ids = route(logits, 2, normalize=True)
-    got = fused_moe(x, w13, w2, weights, ids, gelu=True)
-    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids, gelu=True)
-    assert rel_err(got, ref) < TOL[dtype]
-    assert rel_err(fused_moe(x, w13, w2, weights, ids), ref) > 10 * TOL[dtype]  # SiLU is not GELU
+    switches = dict(ACTIVATIONS[act])
+    if act == "clamped":
+        w13 = w13 * 10
+        assert (torch.nn.functional.linear(x.float(), w13[0].float()).abs() > 7).float().mean() > 0.1
+    if bias:
+        g = torch.Generator(device="cpu").manual_seed(17)
+        switches.update(b13=torch.randn(8, 80, generator=g).to(DEVICE, dtype),
+                        b2=torch.randn(8, 48, generator=g).to(DEVICE, dtype))
+    as_float = {k: v.float() if torch.is_tensor(v) else v for k, v in switches.items()}
+    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids, **as_float)
+    assert rel_err(fused_moe(x, w13, w2, weights, ids, **switches), ref) < TOL[dtype]
+    if dtype == torch.float32:
+        for off in switches:
+            fewer = {k: v for k, v in switches.items() if k != off}
+            assert rel_err(fused_moe(x, w13, w2, weights, ids, **fewer), ref) > 10 * TOL[dtype], off
+
+
+def test_geglu_and_the_clamp_are_refused_together():
+    """The clamp is a SwiGLU's: asking for it with GeGLU is one clear error in both paths, not a silent pick."""
+    x, w13, w2, logits = make_case(3, 8, 2, 48, 40, torch.float32)
+    weights, ids = route(logits, 2, normalize=True)
+    for path in (fused_moe, moe_reference):
+        with pytest.raises(ValueError, match=r"clamped SwiGLU .* and GeGLU .* are two activations: pass one"):
+            path(x, w13, w2, weights, ids, gelu=True, clamp=(1.702, 7.0))
 
 
 gpu = pytest.mark.gpu
@@ -164,26 +194,6 @@ def test_moe_layer_runs_either_backend(monkeypatch):
     ref = block(x)
     monkeypatch.setenv("LLMCLI_MOE", "triton")
     assert rel_err(block(x), ref) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("tokens", [1, 17, 40])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_moe_with_biases_and_the_clamped_swiglu(tokens, dtype):
-    """gpt-oss's experts: both biases and the clamped SwiGLU (alpha 1.702, limit 7; the weights are scaled up so
-    that many gate and up values pass the limit) against the reference loop; odd sizes leave partial tiles."""
-    x, w13, w2, logits = make_case(tokens, 8, 2, 48, 40, dtype, seed=100 + tokens)
-    w13 = w13 * 10
-    g = torch.Generator(device="cpu").manual_seed(tokens)
-    b13 = torch.randn(8, 80, generator=g).to(DEVICE, dtype)
-    b2 = torch.randn(8, 48, generator=g).to(DEVICE, dtype)
-    weights, ids = route(logits, 2, normalize=True)
-    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids, b13=b13.float(), b2=b2.float(),
-                        clamp=(1.702, 7.0))
-    h = torch.nn.functional.linear(x.float(), w13[0].float(), b13[0].float())
-    assert (h.abs() > 7).float().mean() > 0.1, "the case should exercise the clamp"
-    got = fused_moe(x, w13, w2, weights, ids, b13=b13, b2=b2, clamp=(1.702, 7.0))
-    assert rel_err(got, ref) < TOL[dtype]
-    assert rel_err(fused_moe(x, w13, w2, weights, ids), ref) > 10 * TOL[dtype]  # the switches change the result
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
