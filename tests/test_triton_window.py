@@ -3,7 +3,8 @@
 
 Without CUDA the kernels run under Triton's interpreter (float32 and float16, tiny sizes); cache blocks no query
 can see are NaN, so a kernel that reads one (rather than skipping its tile) fails. With CUDA the ``gpu`` cases
-run bfloat16 at model sizes against the torch backend. The sm_90 compile check needs no GPU.
+run bfloat16 at model sizes against the torch backend. The sm_90 compile check (no GPU needed) builds every
+model's variants: windows, head dims 256 and 512, sinks.
 """
 from __future__ import annotations
 
@@ -189,28 +190,42 @@ PTRS = {**BF16, "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "cu_seql
         "v_scale": "fp32", "qk_scale": "fp32", "k_scale": "fp32"}
 """
 _COMPILE = COMPILE_HEADER + r"""
-# Mistral's windowed 128, Gemma 3's windowed 256, Qwen3.5's full 256 (full 128: tests/test_triton_kernels.py)
-for head_dim, windowed in ((128, True), (256, True), (256, False)):
+def decode(head_dim, group, windowed, sinks=False, split=True):
     tuning = td.default_tuning(head_dim)
-    print("decode", head_dim, windowed, build(td._decode_partition_kernel, dict(
-        GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=True,
-        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed, SINKS=False), PTRS, num_warps=tuning.num_warps,
-        num_stages=tuning.num_stages))
-    t = tp._tiles(head_dim, 2, 16, 4)
-    print("prefill", head_dim, windowed, build(tp._prefill_kernel, dict(
-        GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
-        QPT=t.block_m // 4, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed, SINKS=False), PTRS,
-        num_warps=t.num_warps, num_stages=t.num_stages))
+    return build(td._decode_partition_kernel, dict(
+        GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=split,
+        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed, SINKS=sinks), PTRS, num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages)
+
+def prefill(head_dim, group, windowed, sinks=False):
+    t = tp._tiles(head_dim, 2, 16, group)
+    return build(tp._prefill_kernel, dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
+        QPT=t.block_m // group, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed, SINKS=sinks), PTRS,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+
+# Mistral's windowed 128, Gemma 3's and Gemma 4's local windowed 256, Qwen3.5's full 256 (full 128:
+# tests/test_triton_kernels.py), Gemma 4's global 512 (full; windowed too)
+for head_dim, group, windowed in ((128, 4, True), (256, 4, True), (256, 4, False), (512, 8, False), (512, 8, True)):
+    print("decode", head_dim, windowed, decode(head_dim, group, windowed))
+    print("prefill", head_dim, windowed, prefill(head_dim, group, windowed))
+# gpt-oss: head dim 64, 8 heads per KV head, windowed layers with sinks; the split decode adds them in its reduce
+for split in (True, False):
+    print("sinks-decode", split, decode(64, 8, True, sinks=True, split=split))
+print("sinks-reduce", build(td._decode_reduce_kernel, dict(HEAD_DIM=64, MAX_SPLITS_PAD=td.MAX_SPLITS, SINKS=True),
+                            PTRS, num_warps=4))
+print("sinks-prefill", prefill(64, 8, True, sinks=True))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile and run these kernels for real")
-def test_window_and_head_dim_256_kernels_compile_for_sm90():
-    """The windowed and head-dim-256 variants build for an H100/H200 (Triton's own ptxas, no GPU) within its
-    227 KiB of shared memory; the interpreter accepts code the compiler rejects."""
-    out = compile_for_sm90(_COMPILE)
-    assert out.count("decode") == 3 and out.count("prefill") == 3, out
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests here compile and run these kernels for real")
+def test_attention_kernel_variants_compile_for_sm90():
+    """The windowed, head-dim-256 and -512 (Gemma 4) and sink (gpt-oss) variants build for an H100/H200 (Triton's
+    own ptxas, no GPU) within its 227 KiB of shared memory: the interpreter accepts code the compiler rejects. One
+    process for all of them: each start imports torch and Triton."""
+    built = [line.split()[0] for line in compile_for_sm90(_COMPILE).splitlines()]  # each print: what, its bytes
+    assert built == ["decode", "prefill"] * 5 + ["sinks-decode"] * 2 + ["sinks-reduce", "sinks-prefill"], built
 
 
 def compile_for_sm90(script: str) -> str:
