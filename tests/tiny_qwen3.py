@@ -180,16 +180,16 @@ GEMMA3 = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "query_p
 # gpt-oss: sliding (24 keys) and full layers, 8 experts top-2, YaRN stretching 256 positions 4x (its frequencies
 # and attention factor act at every position), no truncation of its correction range (as published: "truncate":
 # false)
-GPT_OSS = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24,
-           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_local_experts": 8,
+GPT_OSS = {"head_dim": 16, "num_hidden_layers": 2, "sliding_window": 24,
+           "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 8,
            "num_experts_per_tok": 2, "intermediate_size": 32, "attention_bias": True, "max_position_embeddings": 1024,
            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150_000.0}}
 # Gemma 4: 16-wide local heads (4 KV heads) and 32-wide global ones (2 KV heads, K = V), proportional rotary turning
 # a quarter of the global angles, final-logit softcapping; no per-layer inputs (the E2B/E4B feature llmcli refuses)
 GEMMA4 = {"head_dim": 16, "num_key_value_heads": 4, "global_head_dim": 32, "num_global_key_value_heads": 2,
-          "attention_k_eq_v": True, "num_hidden_layers": 4, "sliding_window": 24, "hidden_size_per_layer_input": 0,
-          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+          "attention_k_eq_v": True, "num_hidden_layers": 2, "sliding_window": 24, "hidden_size_per_layer_input": 0,
+          "layer_types": ["sliding_attention", "full_attention"],
           "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False, "final_logit_softcapping": 30.0,
           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
