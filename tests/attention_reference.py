@@ -3,16 +3,43 @@ nowhere in llmcli, and paged cases whose cache blocks outside every query's wind
 one shows it: a NaN value times a zero weight is still NaN)."""
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
+TRITON_MODULES = ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend")
+
+
+def interpret_triton_without_cuda() -> bool:
+    """Whether CUDA is here; without it, Triton's interpreter switched on and llmcli's Triton modules already
+    imported with compiled kernels (decorated before the switch) reloaded. Call before importing them. A second
+    call reloads nothing: a reload makes new classes and constants, and a test module that imported the old ones
+    would compare them unequal to the new."""
+    if torch.cuda.is_available():
+        return True
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: its own library kernels follow it too
+    from triton.runtime.jit import JITFunction  # the interpreter's kernels are InterpretedFunction instead
+
+    compiled = False  # once a kernel module needed it, the ones importing from it are reloaded too
+    for name in TRITON_MODULES:
+        module = sys.modules.get(f"llmcli.kernels.{name}")
+        if module is None:
+            continue
+        compiled = compiled or any(isinstance(v, JITFunction) for v in vars(module).values())
+        if compiled:
+            importlib.reload(module)
+    return False
+
 
 def masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             window: int | None = None) -> torch.Tensor:
+                             window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, H, D] over k/v [Lk, KH, D] (the queries are the last Lq positions), float32: every score, the mask
-    ``key <= query`` (and ``key > query - window``), softmax, weighted sum."""
+    ``key <= query`` (and ``key > query - window``), softmax, weighted sum. ``sinks`` [H]: one more logit per
+    head in each softmax (gpt-oss's attention sinks), whose weight is dropped, not spent on a value."""
     q_len, num_heads, _ = q.shape
     k_len, num_kv_heads, _ = k.shape
     k = k.float().repeat_interleave(num_heads // num_kv_heads, dim=1)
@@ -23,7 +50,12 @@ def masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if window is not None:
         visible &= k_pos > q_pos - window
     scores = torch.einsum("qhd,khd->hqk", q.float().cpu(), k.cpu()) * scale
-    weights = scores.masked_fill(~visible, -math.inf).softmax(-1)
+    scores = scores.masked_fill(~visible, -math.inf)
+    if sinks is not None:
+        sink_col = sinks.float().cpu()[:, None, None].expand(num_heads, q_len, 1)
+        weights = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
+    else:
+        weights = scores.softmax(-1)
     return torch.einsum("hqk,khd->qhd", weights, v.cpu())
 
 
@@ -44,11 +76,13 @@ class PagedCase:
 
 
 def paged_case(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, int, int, int], dtype: torch.dtype,
-               device: torch.device, window: int | None, seed: int = 0, with_ref: bool = True) -> PagedCase:
+               device: torch.device, window: int | None, seed: int = 0, with_ref: bool = True,
+               sinks: torch.Tensor | None = None) -> PagedCase:
     """Chunk ``i``: ``q_lens[i]`` new tokens after ``prefix_lens[i]`` cached ones, in a pool of randomly
     permuted blocks; the new keys are stored in their slots, then every block that no query of its sequence can
     see (all its positions before the first query's window) is filled with NaN. ``with_ref=False``: no
-    reference (``ref`` is empty), for sizes a CPU softmax would take long over."""
+    reference (``ref`` is empty), for sizes a CPU softmax would take long over. ``sinks``: the reference's
+    per-head sink logits."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_dim, block_size = shape
     ctx = [p + n for p, n in zip(prefix_lens, q_lens)]
@@ -78,7 +112,7 @@ def paged_case(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, int,
         keys = k_cache[tables[i, : per_seq[i]].long()].reshape(-1, num_kv_heads, head_dim)[: ctx[i]]
         values = v_cache[tables[i, : per_seq[i]].long()].reshape(-1, num_kv_heads, head_dim)[: ctx[i]]
         if with_ref:
-            refs.append(masked_softmax_attention(q[row : row + n], keys, values, head_dim ** -0.5, window))
+            refs.append(masked_softmax_attention(q[row : row + n], keys, values, head_dim ** -0.5, window, sinks))
         row += n
     for i, p in enumerate(prefix_lens):  # after the reference has read the clean cache
         first_seen = 0 if window is None else max(0, p - window + 1)

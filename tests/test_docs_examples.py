@@ -315,3 +315,19 @@ def test_relative_links_resolve():
             elif anchor and target.suffix == ".md" and anchor not in headings.get(target, set()):
                 bad.append(f"{page.name}: {link}: no such heading")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/models.md"])
+def test_family_tables_list_every_architecture_once(page):
+    """Each architecture the registry runs has exactly one row in the page's family table (its first column), so a
+    merged family (gpt-oss, Gemma 4) is neither missing nor listed twice."""
+    from collections import Counter
+
+    from llmcli.models import MODEL_REGISTRY
+
+    rows = [line.split("|")[1] for line in (REPO / page).read_text().splitlines()
+            if re.match(r"^\| `\w+For(CausalLM|ConditionalGeneration)`", line)]
+    named = Counter(name for cell in rows for name in re.findall(r"`(\w+ForCausalLM)`", cell))
+    wrong = {arch: named[arch] for arch in MODEL_REGISTRY if named[arch] != 1}
+    assert not wrong, f"{page}: rows per architecture {wrong}"
+    assert set(named) <= set(MODEL_REGISTRY), f"{page}: no such architecture {sorted(set(named) - set(MODEL_REGISTRY))}"

@@ -143,13 +143,14 @@ def test_yarn_lets_max_model_len_pass_max_position_embeddings(tiny_checkpoint, t
 
 
 ROPE_CONFIGS = ["Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-7B", "Qwen2.5-0.5B", "Mistral-7B-v0.3", "Qwen3-8B",
-                "Qwen3-8B+yarn"]
+                "Qwen3-8B+yarn", "gpt-oss-20b"]
 
 
 @pytest.mark.parametrize("name", ROPE_CONFIGS)
 def test_rotary_tables_of_published_configs_match_transformers(name):
     """Our cos/sin tables at the real head_dim, theta and scaling (llama3 at 8B, YaRN as Qwen documents it for
-    131k) against transformers' rotary embedding, at positions up to the end of the stretched context."""
+    131k, gpt-oss's untruncated YaRN) against transformers' rotary embedding, at positions up to the end of the
+    stretched context."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

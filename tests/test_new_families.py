@@ -1,6 +1,7 @@
 """The layer kinds of 2026's models against transformers (fp32 greedy, CPU, tiny random checkpoints written by
-transformers): Gemma 3 (local/global layers, two rope bases), Mistral with a sliding window, Qwen3.5, Qwen3.5-MoE
-and Qwen3-Next (Gated DeltaNet layers with a per-sequence state in the engine's state pool).
+transformers): Gemma 3 (local/global layers, two rope bases), Mistral with a sliding window, gpt-oss (sinks,
+biased experts, YaRN), Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers with a per-sequence
+state in the engine's state pool).
 
 Prompts run several windows long (the tiny windows are 24 keys); chunked prefill with a budget below the
 window and below a DeltaNet chunk; preemption, which must recompute a hybrid sequence's state from scratch;
@@ -14,9 +15,10 @@ import os
 import pytest
 import torch
 
-from test_engine_vs_hf import check_against_hf, random_prompts, run_factory  # noqa: F401 (a fixture)
+from test_engine_vs_hf import check_against_hf, greedy, random_prompts, run_factory  # noqa: F401 (a fixture)
 
-NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next")
+NEW_FAMILIES = ("gemma3", "mistral-window", "qwen3.5", "qwen3.5-moe", "qwen3-next", "gpt-oss", "gemma4",
+                "gemma4-moe")
 LENGTHS = [1, 9, 24, 25, 70, 130]  # around and several times the 24-key window; past a 64-token DeltaNet chunk
 MAX_NEW = 16
 
@@ -50,13 +52,85 @@ def test_gemma3_and_mistral_need_no_max_model_len_cap(tiny_checkpoint):
 
     from llmcli.models import check_model_config
 
-    for family in ("gemma3", "mistral-window"):
+    for family in ("gemma3", "mistral-window", "gpt-oss"):
         check_model_config(AutoConfig.from_pretrained(tiny_checkpoint(family)), 4096)
+
+
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def to_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, out, in] -> (blocks [E, out, in/32, 16] uint8, scales [E, out, in/32] uint8, the values they hold):
+    a power-of-two scale per 32 values putting the largest at or under 6, each value rounded to e2m1."""
+    e, o, i = x.shape
+    groups = x.float().reshape(e, o, i // 32, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    idx = (scaled.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(-1)
+    values = (E2M1_MAGNITUDES[idx] * torch.where(scaled < 0, -1.0, 1.0) * torch.exp2(exp)[..., None]).reshape(e, o, i)
+    codes = (idx + 8 * (scaled < 0)).to(torch.uint8).reshape(e, o, i // 32, 16, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), (exp + 127).to(torch.uint8), values
+
+
+def test_gpt_oss_mxfp4_experts_equal_the_same_model_dequantized(tiny_checkpoint, tmp_path, hf_oracle, run_factory):
+    """An MXFP4 checkpoint (its experts as blocks and e8m0 scales, the rest 16-bit) dequantized at load gives
+    transformers' greedy tokens on the 16-bit checkpoint holding the very values the blocks encode."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_checkpoint("gpt-oss")
+    packed, plain = (shutil.copytree(base, tmp_path / n) for n in ("mxfp4", "dequantized"))
+    state = load_file(str(base / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, t in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] in the 16-bit form
+            blocks, scales, values = to_mxfp4(t.transpose(1, 2))
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            dequantized[name] = values.transpose(1, 2).contiguous()
+        else:
+            quantized[name] = dequantized[name] = t
+    assert sum(n.endswith("_blocks") for n in quantized) == 4  # two layers' gate_up and down
+    save_file(quantized, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((packed / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                  "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (packed / "config.json").write_text(json.dumps(cfg))
+
+    prompts = random_prompts([9, 40, 70], seed=430)
+    want = hf_oracle.greedy(plain, prompts, MAX_NEW)
+    assert want != hf_oracle.greedy(base, prompts, MAX_NEW), "rounding to MXFP4 should change the tokens"
+    run = run_factory(packed, kvcache_block_size=16, max_model_len=256)
+    got = [o["token_ids"] for o in run.llm.generate(prompts, greedy(MAX_NEW))]
+    assert got == want
+
+
+def test_gpt_oss_mxfp4_is_refused_off_the_cpu_in_one_line(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from llmcli.config import Config, ConfigError
+
+    model = shutil.copytree(tiny_checkpoint("gpt-oss"), tmp_path / "mxfp4")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (model / "config.json").write_text(json.dumps(cfg))
+    config = object.__new__(Config)  # the check alone: this machine may have no CUDA to ask Config for
+    config.model_path, config.device, config.quantization, config.load_format = model, "cuda", None, "auto"
+    from transformers import AutoConfig
+
+    config.hf_config = AutoConfig.from_pretrained(model)
+    with pytest.raises(ConfigError, match=r"quant_method='mxfp4'.*CPU only.*no GPU kernel reading MXFP4") as info:
+        config._resolve_quantization()
+    assert "\n" not in str(info.value)
 
 
 # published sizes (configs/): the text model llmcli builds has the parameter count the model card gives
 PUBLISHED = {"Qwen3.5-9B": 8.95e9, "Qwen3.6-27B": 26.9e9, "Qwen3.6-35B-A3B": 34.7e9, "gemma-3-12b-it": 11.77e9,
-             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9}
+             "gemma-3-27b-it": 27.0e9, "Mistral-7B-v0.1": 7.24e9, "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9,
+             "gemma-4-31B": 30.7e9, "gemma-4-26B-A4B": 25.2e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -138,7 +212,7 @@ def test_recurrent_step_and_chunks_continue_each_other():
 # --------------------------------------------------------------------------
 # multimodal checkpoints, language model only
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3.5-vl", "gemma3-vl"])
+@pytest.mark.parametrize("family", ["qwen3.5-vl", "gemma3-vl", "gemma4-vl"])
 def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, hf_oracle, run_factory, monkeypatch,
                                                        caplog):
     """A Qwen3.5 / Gemma 3 checkpoint with its vision tower: the text decoder gives transformers' tokens, the
@@ -181,7 +255,7 @@ def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, 
 # tensor parallelism: linear-attention heads (and the shared expert) split over 2 CPU ranks
 # --------------------------------------------------------------------------
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3", "gemma4-moe"])
 def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
     """Qwen3.5's separate and Qwen3-Next's per-key-head fused projections reach each rank's heads; the
     state pool holds each rank's heads; Gemma 3's two rotaries and window per rank."""

@@ -305,11 +305,13 @@ def test_expert_size_not_divisible_fails_at_start_up(tmp_path, tiny_checkpoint):
 # --------------------------------------------------------------------------
 # TP=2 == TP=1 == transformers
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("which", ["untied_odd_vocab", "tied", "llama", "qwen2", "qwen3-moe-top2"])
+@pytest.mark.parametrize("which", ["untied_odd_vocab", "tied", "llama", "qwen2", "qwen3-moe-top2", "gpt-oss"])
 def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, tiny_checkpoint, hf_oracle):
     """llama: q/k/v, o_proj and MLP biases (q/k/v and gate/up split like their weight rows, o_proj and down_proj
     added once, on rank 0); qwen2: q/k/v bias and tied embeddings; qwen3-moe-top2: each rank holds half of every
-    expert's intermediate dimension (and of the dense layer's MLP), the router on both."""
+    expert's intermediate dimension (and of the dense layer's MLP), the router on both; gpt-oss: half the heads'
+    sinks, half of every expert's interleaved gate/up columns and their bias, the down bias once (rank 0), with
+    prefix hits past its 24-key window."""
     model = {"untied_odd_vocab": tp_model, "tied": tp_model_tied}.get(which) or tiny_checkpoint(which)
     prefix = random_prompts([5 * BLOCK], seed=20)[0]
     first = random_prompts([1, 9, 17, 70, 130], seed=21) + [prefix + t for t in random_prompts([3, 30], seed=22)]

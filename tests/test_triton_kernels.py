@@ -220,16 +220,17 @@ for group in (1, 2, 4):
     for split, ordered in ((True, True), (False, True), (False, False)):
         order = {} if ordered else {"row_order_ptr": None}  # the engine's launch has an order; a bare call not
         build(td._decode_partition_kernel, dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256,
-              BLOCK_N=td.BLOCK_N, SPLIT=split, HEADS_FASTEST=ordered, FP8=False, WINDOWED=False, **order),
+              BLOCK_N=td.BLOCK_N, SPLIT=split, HEADS_FASTEST=ordered, FP8=False, WINDOWED=False, SINKS=False,
+              **order),
               num_warps=td.NUM_WARPS, num_stages=td.NUM_STAGES)
         print("partition compiled: group", group, "split", split, "ordered", ordered)
 # an FP8 KV cache: e4m3 tiles widened to q's bf16 for the dots
 build(td._decode_partition_kernel, dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=td.BLOCK_N,
-      SPLIT=True, HEADS_FASTEST=True, FP8=True, WINDOWED=False),
+      SPLIT=True, HEADS_FASTEST=True, FP8=True, WINDOWED=False, SINKS=False),
       {**PTRS, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
       num_warps=td.NUM_WARPS, num_stages=td.FP8_NUM_STAGES)
 print("fp8 partition compiled")
-build(td._decode_reduce_kernel, dict(HEAD_DIM=128, MAX_SPLITS_PAD=td.MAX_SPLITS), num_warps=td.NUM_WARPS)
+build(td._decode_reduce_kernel, dict(HEAD_DIM=128, MAX_SPLITS_PAD=td.MAX_SPLITS, SINKS=False), num_warps=td.NUM_WARPS)
 print("reduce compiled")
 """
 

@@ -1,7 +1,9 @@
 """The fused MoE kernel (kernels/triton_moe.py) against the reference loop over experts (kernels/moe_reference.py).
 
 Without CUDA the kernels run under Triton's interpreter in float32 and float16 (its bfloat16 dot is wrong);
-with CUDA in bfloat16 too, at Qwen3-30B-A3B's expert shapes, and captured in a CUDA graph.
+with CUDA in bfloat16 too, at Qwen3-30B-A3B's and Gemma-4-26B-A4B's expert shapes, and captured in a CUDA graph.
+The activation switches (GeGLU, gpt-oss's biases and clamped SwiGLU) are checked together, and gpt-oss's block
+against transformers' GptOssMLP (Gemma 4's router and experts: tests/test_gemma4.py).
 """
 from __future__ import annotations
 
@@ -88,6 +90,46 @@ def test_align_groups_pairs_by_expert_in_padded_runs():
     assert 3 not in tile_expert.tolist()
 
 
+# the experts' activation switches, as fused_moe and moe_reference both take them: SwiGLU (Qwen), GeGLU (Gemma 4),
+# gpt-oss's clamped SwiGLU (alpha 1.702, limit 7)
+ACTIVATIONS = {"swiglu": {}, "geglu": {"gelu": True}, "clamped": {"clamp": (1.702, 7.0)}}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_switches_compose(act, bias, dtype):
+    """Each activation with and without biases on both projections (gpt-oss's; they go with GeGLU too) against the
+    loop, 17 tokens through top-2 of 8 at odd sizes (partial tiles); in float32, turning any one switch off
+    changes the result, so none is ignored. The clamped case's weights are scaled so many values pass the limit."""
+    x, w13, w2, logits = make_case(17, 8, 2, 48, 40, dtype, seed=117)
+    weights, ids = route(logits, 2, normalize=True)
+    switches = dict(ACTIVATIONS[act])
+    if act == "clamped":
+        w13 = w13 * 10
+        assert (torch.nn.functional.linear(x.float(), w13[0].float()).abs() > 7).float().mean() > 0.1
+    if bias:
+        g = torch.Generator(device="cpu").manual_seed(17)
+        switches.update(b13=torch.randn(8, 80, generator=g).to(DEVICE, dtype),
+                        b2=torch.randn(8, 48, generator=g).to(DEVICE, dtype))
+    as_float = {k: v.float() if torch.is_tensor(v) else v for k, v in switches.items()}
+    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids, **as_float)
+    assert rel_err(fused_moe(x, w13, w2, weights, ids, **switches), ref) < TOL[dtype]
+    if dtype == torch.float32:
+        for off in switches:
+            fewer = {k: v for k, v in switches.items() if k != off}
+            assert rel_err(fused_moe(x, w13, w2, weights, ids, **fewer), ref) > 10 * TOL[dtype], off
+
+
+def test_geglu_and_the_clamp_are_refused_together():
+    """The clamp is a SwiGLU's: asking for it with GeGLU is one clear error in both paths, not a silent pick."""
+    x, w13, w2, logits = make_case(3, 8, 2, 48, 40, torch.float32)
+    weights, ids = route(logits, 2, normalize=True)
+    for path in (fused_moe, moe_reference):
+        with pytest.raises(ValueError, match=r"clamped SwiGLU .* and GeGLU .* are two activations: pass one"):
+            path(x, w13, w2, weights, ids, gelu=True, clamp=(1.702, 7.0))
+
+
 gpu = pytest.mark.gpu
 
 
@@ -103,6 +145,18 @@ def test_bf16_at_qwen3_30b_a3b_shapes(tokens):
     ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
     assert rel_err(got, ref) < TOL[torch.bfloat16]
     assert torch.equal(fused_moe(x, w13, w2, weights, ids), got)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+def test_bf16_gelu_at_gemma4_26b_a4b_shapes(tokens):
+    """128 experts, top-8, hidden 2816, expert intermediate 704, tanh-GELU, bf16 against a float32 loop."""
+    x, w13, w2, logits = make_case(tokens, 128, 8, 2816, 704, torch.bfloat16, seed=tokens)
+    weights, ids = route(logits, 8, normalize=True)
+    got = fused_moe(x, w13, w2, weights, ids, gelu=True)
+    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids, gelu=True)
+    assert rel_err(got, ref) < TOL[torch.bfloat16]
 
 
 @gpu
@@ -140,3 +194,34 @@ def test_moe_layer_runs_either_backend(monkeypatch):
     ref = block(x)
     monkeypatch.setenv("LLMCLI_MOE", "triton")
     assert rel_err(block(x), ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gpt_oss_block_matches_transformers_mlp(backend, monkeypatch):
+    """``layers/moe.GptOssMoeBlock`` loaded from transformers' ``GptOssMLP`` (its interleaved gate/up tensor and
+    biases through the block's loaders) gives the same output, through the loop and through the fused kernel."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from llmcli.layers.moe import GptOssMoeBlock
+
+    monkeypatch.setenv("LLMCLI_MOE", backend)
+    config = GptOssConfig(hidden_size=48, intermediate_size=40, num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    theirs = GptOssMLP(config).eval()
+    with torch.no_grad():
+        for param in theirs.parameters():
+            param.normal_(0.0, 0.5)
+    ours = GptOssMoeBlock(48, 40, 8, 2, config.swiglu_alpha, config.swiglu_limit)
+    state = theirs.state_dict()
+    ours.router.weight.data.copy_(state["router.weight"])
+    ours.router.bias.data.copy_(state["router.bias"])
+    e = ours.experts
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias"):
+        getattr(e, name).weight_loader(getattr(e, name), state[f"experts.{name}"])
+    e.down_proj_bias.data.copy_(state["experts.down_proj_bias"])
+    x = torch.randn(1, 23, 48)
+    with torch.no_grad():
+        want = theirs(x)[0][0]
+        got = ours.to(DEVICE)(x[0].to(DEVICE))
+    assert rel_err(got.cpu(), want) < 1e-5

@@ -3,25 +3,20 @@
 
 Without CUDA the kernels run under Triton's interpreter (float32 and float16, tiny sizes); cache blocks no query
 can see are NaN, so a kernel that reads one (rather than skipping its tile) fails. With CUDA the ``gpu`` cases
-run bfloat16 at model sizes against the torch backend. The sm_90 compile check needs no GPU.
+run bfloat16 at model sizes against the torch backend. The sm_90 compile check (no GPU needed) builds every
+model's variants: windows, head dims 256 and 512, sinks.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 import pytest
 import torch
+from attention_reference import interpret_triton_without_cuda, paged_case, rel_err
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("triton_store", "triton_elementwise", "triton_decode", "triton_prefill", "triton_backend"):
-        if f"llmcli.kernels.{_name}" in sys.modules:  # decorated before the switch: redo it
-            importlib.reload(sys.modules[f"llmcli.kernels.{_name}"])
+ON_GPU = interpret_triton_without_cuda()
 
-from attention_reference import paged_case, rel_err  # noqa: E402
 from llmcli.kernels.backend import AttentionMetadata  # noqa: E402
 from llmcli.kernels.torch_backend import TorchAttentionBackend  # noqa: E402
 from llmcli.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -173,7 +168,9 @@ def test_backend_decode_splits_of_a_window_follow_its_length():
 
 
 # -- sm_90 ---------------------------------------------------------------------------
-_COMPILE = r"""
+# a script's first part: build(kernel, constexprs, ptrs) compiles one variant for sm_90 (Triton's ptxas, no GPU),
+# checks it within Hopper's 227 KiB of shared memory and returns its shared bytes; PTRS types every kernel's pointer
+COMPILE_HEADER = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -186,36 +183,56 @@ def build(kernel, constexprs, ptrs, **options):
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
     return compiled.metadata.shared
 
-DEC = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
-       "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-       "scale_log2": "fp32", "row_order_ptr": "*i64", "v_scale": "fp32"}
-PRE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-       "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
-       "qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
-# Mistral's windowed 128, Gemma 3's windowed 256, Qwen3.5's full 256 (full 128: tests/test_triton_kernels.py)
-for head_dim, windowed in ((128, True), (256, True), (256, False)):
+BF16 = dict.fromkeys(("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr",
+                      "sinks_ptr"), "*bf16")
+PTRS = {**BF16, "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "row_order_ptr": "*i64", "scale_log2": "fp32",
+        "v_scale": "fp32", "qk_scale": "fp32", "k_scale": "fp32"}
+"""
+_COMPILE = COMPILE_HEADER + r"""
+def decode(head_dim, group, windowed, sinks=False, split=True):
     tuning = td.default_tuning(head_dim)
-    print("decode", head_dim, windowed, build(td._decode_partition_kernel, dict(
-        GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=True,
-        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed), DEC, num_warps=tuning.num_warps,
-        num_stages=tuning.num_stages))
-    t = tp._tiles(head_dim, 2, 16, 4)
-    print("prefill", head_dim, windowed, build(tp._prefill_kernel, dict(
-        GROUP=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
-        QPT=t.block_m // 4, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed), PRE,
-        num_warps=t.num_warps, num_stages=t.num_stages))
+    return build(td._decode_partition_kernel, dict(
+        GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=tuning.block_n, SPLIT=split,
+        HEADS_FASTEST=True, FP8=False, WINDOWED=windowed, SINKS=sinks), PTRS, num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages)
+
+def prefill(head_dim, group, windowed, sinks=False):
+    t = tp._tiles(head_dim, 2, 16, group)
+    return build(tp._prefill_kernel, dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGED=True,
+        QPT=t.block_m // group, ONE_LOOP=t.one_loop, FP8=False, WINDOWED=windowed, SINKS=sinks), PTRS,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+
+# each variant a model runs (a prefill build takes ~10 s cold, so no others): Mistral's windowed 128, Gemma 3's and
+# Gemma 4's local windowed 256, Qwen3.5's full 256 (full 128: tests/test_triton_kernels.py), Gemma 4's global full 512
+for head_dim, group, windowed in ((128, 4, True), (256, 4, True), (256, 4, False), (512, 8, False)):
+    print("decode", head_dim, windowed, decode(head_dim, group, windowed))
+    print("prefill", head_dim, windowed, prefill(head_dim, group, windowed))
+# gpt-oss: head dim 64, 8 heads per KV head, windowed layers with sinks; the split decode adds them in its reduce
+for split in (True, False):
+    print("sinks-decode", split, decode(64, 8, True, sinks=True, split=split))
+print("sinks-reduce", build(td._decode_reduce_kernel, dict(HEAD_DIM=64, MAX_SPLITS_PAD=td.MAX_SPLITS, SINKS=True),
+                            PTRS, num_warps=4))
+print("sinks-prefill", prefill(64, 8, True, sinks=True))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile and run these kernels for real")
-def test_window_and_head_dim_256_kernels_compile_for_sm90():
-    """The windowed and head-dim-256 variants build for an H100/H200 (Triton's own ptxas, no GPU) within its
-    227 KiB of shared memory; the interpreter accepts code the compiler rejects."""
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests here compile and run these kernels for real")
+def test_attention_kernel_variants_compile_for_sm90():
+    """The windowed, head-dim-256 and -512 (Gemma 4) and sink (gpt-oss) variants build for an H100/H200 (Triton's
+    own ptxas, no GPU) within its 227 KiB of shared memory: the interpreter accepts code the compiler rejects. One
+    process for all of them: each start imports torch and Triton."""
+    built = [line.split()[0] for line in compile_for_sm90(_COMPILE).splitlines()]  # each print: what, its bytes
+    assert built == ["decode", "prefill"] * 4 + ["sinks-decode"] * 2 + ["sinks-reduce", "sinks-prefill"], built
+
+
+def compile_for_sm90(script: str) -> str:
+    """Run ``script`` (building kernels for sm_90) outside the interpreter; its stdout."""
     from processes import compiled_without_interpreter
 
-    out = compiled_without_interpreter(_COMPILE, timeout=600)
-    assert out.count("decode") == 3 and out.count("prefill") == 3, out
+    return compiled_without_interpreter(script, timeout=600)
 
 
 # -- GPU: bfloat16 at model sizes against the torch backend ------------------------------
@@ -237,6 +254,11 @@ def test_gpu_bf16_window_and_head_dim_256_match_torch(window, shape):
     """Gemma-3-12B-like (16/8/256) and Qwen3.5-like (32/16/256 is wider than any: it bounds them) heads and
     Mistral-7B's (32/8/128): long chunked prefills with prefixes of several windows, and decode over contexts up to
     ~8 windows, in bfloat16, through the kernels' default launch shapes."""
+    check_bf16_against_torch(shape, window)
+
+
+def check_bf16_against_torch(shape, window):
+    """Prefill (paged, behind prefixes, and plain) and decode at 1 and 8 splits, bf16, against the torch backend."""
     dtype = torch.bfloat16
     case = paged_case([0, 6000, 1500, 9000], [3000, 2048, 700, 1], shape, dtype, DEVICE, window, with_ref=False)
     got = run_prefill(case, window, paged=True)

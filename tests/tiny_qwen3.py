@@ -177,6 +177,24 @@ GEMMA3 = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "query_p
           "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}
+# gpt-oss: sliding (24 keys) and full layers, 8 experts top-2, YaRN stretching 256 positions 4x (its frequencies
+# and attention factor act at every position), no truncation of its correction range (as published: "truncate":
+# false)
+GPT_OSS = {"head_dim": 16, "num_hidden_layers": 2, "sliding_window": 24,
+           "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 8,
+           "num_experts_per_tok": 2, "intermediate_size": 32, "attention_bias": True, "max_position_embeddings": 1024,
+           "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150_000.0}}
+# Gemma 4: 16-wide local heads (4 KV heads) and 32-wide global ones (2 KV heads, K = V), proportional rotary turning
+# a quarter of the global angles, final-logit softcapping; no per-layer inputs (the E2B/E4B feature llmcli refuses)
+GEMMA4 = {"head_dim": 16, "num_key_value_heads": 4, "global_head_dim": 32, "num_global_key_value_heads": 2,
+          "attention_k_eq_v": True, "num_hidden_layers": 2, "sliding_window": 24, "hidden_size_per_layer_input": 0,
+          "layer_types": ["sliding_attention", "full_attention"],
+          "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False, "final_logit_softcapping": 30.0,
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 1_000_000.0}}}
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32}
 HYBRID_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 48}
 
@@ -222,6 +240,9 @@ FAMILIES: dict[str, Family] = {
     # scale that is not head_dim ** -0.5, GeGLU, zero-centred norms (jittered off zero); untied, as tied ones with
     # the sqrt(hidden) embedding scale make a tiny random model repeat its input
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(GEMMA3)),
+    # Gemma 4 31B-like and 26B-A4B-like (a routed mixture of experts beside each dense MLP)
+    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4)),
+    "gemma4-moe": Family("Gemma4TextConfig", "Gemma4ForCausalLM", {**GEMMA4, **GEMMA4_MOE}),
     # Qwen3.5: Gated DeltaNet layers (2 key heads grouping 4 value heads) around a gated full-attention layer
     # with a half-head rotary; Qwen3.5-MoE and Qwen3-Next with the shared expert (Next: one dense layer)
     "qwen3.5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(HYBRID)),
@@ -237,6 +258,11 @@ FAMILIES: dict[str, Family] = {
     "gemma3-vl": Family("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA3),
                         vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
                                        "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS)),
+    "gemma4-vl": Family("Gemma4Config", "Gemma4ForConditionalGeneration", dict(GEMMA4),
+                        vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                                       "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+                                       "patch_size": 4, "position_embedding_size": 64}),
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {"head_dim": None, "sliding_window": None, "num_key_value_heads": 1, "bos_token_id": 1},
                       tuple(MISTRAL_SPECIAL_TOKENS), eos="</s>", pad="<unk>", generation_eos=("</s>",),
@@ -338,8 +364,15 @@ def write_tiny_model(
                     param.mul_(1.0 + 0.1 * torch.randn_like(param))
                     if not param.any():  # a zero-centred norm (gain 1 + w) starts at w = 0
                         param.normal_(0.0, 0.1)
-                elif name.endswith(".bias"):
+                elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                     param.normal_(0.0, initializer_range)
+                elif name.endswith(".sinks"):  # gpt-oss's sink logits: around the scores' size, so they matter
+                    param.normal_(0.0, 1.0)
+                elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router gains, at 1
+                    param.mul_(1.0 + 0.3 * torch.randn_like(param))
+            for name, buf in model.named_buffers():
+                if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, stored at 1
+                    buf.uniform_(0.5, 1.5)
     finally:
         torch.random.set_rng_state(state)
     model = model.to(dtype)

@@ -1,6 +1,7 @@
 """Sizing and allocating the KV block pool from what the warm-up left free."""
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -29,10 +30,11 @@ class KVCacheAllocationError(RuntimeError):
 
 def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        model: nn.Module | None = None) -> int:
-    """Over the attention layers of ``model``, else of config.json's ``layer_types`` (a hybrid's linear layers
-    keep no KV)."""
+    """Over the attention layers of ``model`` (each of its own KV heads and head size: Gemma 4's global layers
+    differ), else of config.json's ``layer_types`` (a hybrid's linear layers keep no KV)."""
     if model is not None:
-        layers = sum(isinstance(m, Attention) for m in model.modules())
+        return sum(2 * m.num_kv_heads * m.head_dim * dtype.itemsize for m in model.modules()
+                   if isinstance(m, Attention))
     else:
         kinds = getattr(hf_config, "layer_types", None) or ()
         layers = hf_config.num_hidden_layers - sum(kind == "linear_attention" for kind in kinds)
@@ -105,18 +107,33 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
 
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
+    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets its views. Where
+    layers differ in KV heads or head size (Gemma 4), one flat tensor, each layer's K and V views in turn."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
+    shapes = [(num_blocks, block_size, m.num_kv_heads, m.head_dim) for m in layers]
+    uniform = all(shape == (num_blocks, block_size, num_kv_heads, head_dim) for shape in shapes)
+    numel = 2 * sum(math.prod(shape) for shape in shapes)
     try:
-        cache = torch.empty(2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                            device=device)
+        if uniform:
+            cache = torch.empty(2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                                device=device)
+        else:
+            cache = torch.empty(numel, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        size = 2 * len(layers) * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+        size = numel * dtype.itemsize
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KVCacheAllocationError(f"cannot allocate the KV cache ({num_blocks} blocks, {size / GIB:.2f} GiB on "
                                      f"{device}): {why}; lower num_kvcache_blocks or kv_cache_memory_gib") from None
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+    if uniform:
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+        return cache
+    start = 0
+    for layer, shape in zip(layers, shapes):
+        n = math.prod(shape)
+        layer.k_cache = cache[start:start + n].view(shape)
+        layer.v_cache = cache[start + n:start + 2 * n].view(shape)
+        start += 2 * n
     return cache
 
 

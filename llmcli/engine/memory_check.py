@@ -108,7 +108,10 @@ def _weight_bytes(config: Config) -> int:
     attention = hidden * (2 * heads + 2 * kv_heads) * head_dim
     dense = 3 * hidden * (getattr(hf, "intermediate_size", 0) or 0)  # none in an all-MoE config (Qwen3.5-MoE)
     experts = getattr(hf, "num_experts", 0) or 0
-    sparse = experts * 3 * hidden * (getattr(hf, "moe_intermediate_size", 0) or 0) + hidden * experts
+    expert_size = getattr(hf, "moe_intermediate_size", 0) or 0
+    if experts and not expert_size:  # gpt-oss: every layer's MLP is experts of intermediate_size
+        expert_size = getattr(hf, "intermediate_size", 0) or 0
+    sparse = experts * 3 * hidden * expert_size + hidden * experts
     dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
     step = getattr(hf, "decoder_sparse_step", 1) or 1
     mlps = sum(sparse if experts and i not in dense_only and (i + 1) % step == 0 else dense for i in range(layers))

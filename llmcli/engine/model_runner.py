@@ -13,6 +13,7 @@ from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
 from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
+from llmcli.layers.attention import Attention
 from llmcli.engine.row_table import RowTable
 from llmcli.engine.state_pool import allocate_state_pool, linear_layers, num_snapshot_slots, state_bytes_per_slot
 from llmcli.engine.sampling_extras import StepExtras, StepLogprobs, upload_extras
@@ -112,6 +113,10 @@ class ModelRunner:
                                     config.kvcache_block_size)
         with clock.phase("weights"):
             self.model = self._build_model()
+        # layers of a wider head than config.json's head_dim (Gemma 4's global ones) size the decode scratch; the
+        # softmax scale stays head_dim ** -0.5 (such layers fold their own into q's norm)
+        self.backend.head_dim = max([self.head_dim] + [m.head_dim for m in self.model.modules()
+                                                       if isinstance(m, Attention)])
         self.init_host_state(config, self.device, 0)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # kernels that need no forward compile on worker threads meanwhile (joined before graph capture)

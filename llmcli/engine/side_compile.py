@@ -101,9 +101,10 @@ def attention_tasks(backend: object, dtype: torch.dtype, device: torch.device, m
             q = torch.zeros(1, heads, dim, dtype=dtype, device=device)
             cache = torch.zeros(1, bs, kv_heads, dim, dtype=kv_dtype or dtype, device=device)
             table = torch.zeros(1, max_blocks, **i32)  # the graphs' table buffer is max_blocks wide
-            order = torch.zeros(1, dtype=torch.int64, device=device) if backend.decode_tuning.heads_fastest else None
+            tuning = backend.decode_tuning_for(dim)
+            order = torch.zeros(1, dtype=torch.int64, device=device) if tuning.heads_fastest else None
             return paged_decode(q, cache, cache, table, torch.zeros(1, **i32), scale, num_splits=num_splits,
-                                tuning=backend.decode_tuning, row_order=order)
+                                tuning=tuning, row_order=order)
         return run
 
     # one launch per compiled variant: split or not, and how Triton specializes the count itself (1, a

@@ -159,13 +159,16 @@ class AttentionBackend(ABC):
         qk_norm: QKNormRotary | None = None,
         kv_scales: KVScales = (1.0, 1.0),
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store the new k/v in the cache, then attend. Runs once per layer.
 
         ``qk_norm`` comes only to a backend with ``fuses_qk_norm_rotary``: q and k are then still to be
         transformed by it, and the cache gets the transformed k (with v as it is). ``kv_scales``: the layer's
         FP8 cache scales (see the module docstring). ``window``: the layer's sliding window (transformers'
-        semantics: the query at position p sees the keys at p - window + 1 .. p; None: every earlier key)."""
+        semantics: the query at position p sees the keys at p - window + 1 .. p; None: every earlier key).
+        ``sinks`` [num_heads] float32: the layer's attention-sink logits (gpt-oss: one more logit per head in the
+        softmax's denominator, weighing no value); None: none. Like the window, passed only when set."""
 
     # -- CUDA-graph support (decode only) -------------------------------------
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,

@@ -5,6 +5,7 @@ paged kernels want a KV block size that is a multiple of 256 (``block_size_probl
 New K/V go into the cache with llmcli's own Triton store kernel. A sliding window goes to flash-attn as
 ``window_size=(window - 1, 0)``: its query ``i`` sees keys ``i + seqlen_k - seqlen_q - left .. + right``
 inclusive, so ``left = window - 1`` gives transformers' window of ``window`` keys ending at the query.
+flash_attn 2's kernels have no attention sinks (gpt-oss): a layer with sinks is refused.
 """
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ class FlashAttentionBackend(AttentionBackend):
 
         self._varlen, self._with_kvcache, self._store = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
 
-    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, window: int | None = None):
+    def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, window: int | None = None, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("flash-attn has no attention sinks (gpt-oss's learned per-head logits): "
+                                      "use attention_backend='triton' or 'torch'")
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         assert qk_norm is None, "this backend does not fuse the q/k transform (fuses_qk_norm_rotary is False)"

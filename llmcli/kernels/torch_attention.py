@@ -9,7 +9,9 @@ online softmax. A 20k-token prompt therefore costs tens of MiB of working memory
 become extra query rows of that head.
 
 Window semantics (transformers' sliding-window masks): the query at position ``p`` sees keys ``p - window + 1 ..
-p``.
+p``. Attention sinks (gpt-oss): one learned logit per head joins every softmax's denominator and weighs no
+value; for SDPA it is an extra all-zero key and value whose additive mask is the sink, for the online softmax
+the starting (max, sum) = (sink, 1).
 """
 from __future__ import annotations
 
@@ -47,11 +49,16 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
 
 
 def _online(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, lo: int, hi: int,
-            group: int, window: int | None, scale: float, chunk: int) -> torch.Tensor:
-    """Keys [lo, hi) folded ``chunk`` at a time into a running (max, sum, output): flash attention's recurrence."""
+            group: int, window: int | None, scale: float, chunk: int,
+            row_sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys [lo, hi) folded ``chunk`` at a time into a running (max, sum, output): flash attention's recurrence.
+    ``row_sinks`` [KH, rows]: each row's sink logit, the recurrence's starting point."""
     num_kv_heads, rows, head_dim = qg.shape
-    m = torch.full((num_kv_heads, rows), -math.inf, dtype=torch.float32, device=qg.device)
-    s_sum = torch.zeros_like(m)
+    if row_sinks is None:
+        m = torch.full((num_kv_heads, rows), -math.inf, dtype=torch.float32, device=qg.device)
+        s_sum = torch.zeros_like(m)
+    else:
+        m, s_sum = row_sinks.clone(), torch.ones_like(row_sinks)
     acc = torch.zeros(num_kv_heads, rows, head_dim, dtype=torch.float32, device=qg.device)
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
@@ -68,11 +75,23 @@ def _online(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
     return acc / s_sum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
 
 
+def _sdpa_with_sink(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                    row_sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA over the keys plus one all-zero key and value (score 0) whose additive mask is the row's sink."""
+    num_kv_heads, _, head_dim = k.shape
+    zero = k.new_zeros(num_kv_heads, 1, head_dim)
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=qg.device).masked_fill_(~visible, -math.inf)
+    bias = torch.cat([bias.expand(num_kv_heads, -1, -1), row_sinks[..., None]], -1)
+    return F.scaled_dot_product_attention(qg, torch.cat([k, zero], 1), torch.cat([v, zero], 1), attn_mask=bias,
+                                          scale=scale)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-                     score_budget: int | None = None) -> torch.Tensor:
+                     score_budget: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, H, D] against k/v [Lk, KH, D]; the queries are the last Lq of the Lk positions, each sees the keys
-    at or before it (and, with ``window``, after its position minus ``window``). Returns [Lq, H, D] in q's dtype,
-    computed in float32 with at most about ``2 * score_budget`` scores alive at once (default ``SCORE_BUDGET``)."""
+    at or before it (and, with ``window``, after its position minus ``window``). ``sinks`` [H]: per-head sink
+    logits (None: none). Returns [Lq, H, D] in q's dtype, computed in float32 with at most about
+    ``2 * score_budget`` scores alive at once (default ``SCORE_BUDGET``)."""
     score_budget = score_budget or SCORE_BUDGET
     q_len, num_heads, _ = q.shape
     k_len, num_kv_heads, _ = k.shape
@@ -87,17 +106,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     # float32 [KH, Lk, D], once: each block slices it (a view) instead of copying its keys
     kf = k.float().transpose(0, 1).contiguous()
     vf = v.float().transpose(0, 1).contiguous()
+    # [KH, G, 1]: the sink of grouped row g * n + i is that of query head kvh * G + g
+    head_sinks = None if sinks is None else sinks.float().to(q.device).view(num_kv_heads, group, 1)
     for a in range(0, q_len, rows):
         b = min(a + rows, q_len)
         lo = 0 if window is None else max(0, offset + a - window + 1)  # the block's first visible key
         hi = offset + b  # one past its last
         q_pos = torch.arange(offset + a, offset + b, device=q.device)
         qg = _grouped(q[a:b].float(), num_kv_heads)
+        row_sinks = None if head_sinks is None else head_sinks.expand(-1, -1, b - a).reshape(num_kv_heads, -1)
         if num_heads * (b - a) * (hi - lo) <= score_budget:
             mask = _visible(q_pos, torch.arange(lo, hi, device=q.device), window).repeat(group, 1)
-            o = F.scaled_dot_product_attention(qg, kf[:, lo:hi], vf[:, lo:hi], attn_mask=mask, scale=scale)
+            if row_sinks is None:
+                o = F.scaled_dot_product_attention(qg, kf[:, lo:hi], vf[:, lo:hi], attn_mask=mask, scale=scale)
+            else:
+                o = _sdpa_with_sink(qg, kf[:, lo:hi], vf[:, lo:hi], mask, row_sinks, scale)
         else:
             chunk = max(1, score_budget // (num_heads * (b - a)))
-            o = _online(qg, kf, vf, q_pos, lo, hi, group, window, scale, chunk)
+            o = _online(qg, kf, vf, q_pos, lo, hi, group, window, scale, chunk, row_sinks)
         out[a:b] = _ungrouped(o, b - a, num_heads).to(q.dtype)
     return out

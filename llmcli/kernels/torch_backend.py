@@ -62,7 +62,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, qk_norm=None, kv_scales: KVScales = (1.0, 1.0),
-                window: int | None = None):
+                window: int | None = None, sinks: torch.Tensor | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         assert qk_norm is None, "this backend does not fuse the q/k transform (fuses_qk_norm_rotary is False)"
@@ -84,7 +84,7 @@ class TorchAttentionBackend(AttentionBackend):
                     table = meta.block_tables[i]
                     keys = torch.cat([gather_kv_torch(k_cache, table, prefix, ks, first).float(), keys.float()])
                     values = torch.cat([gather_kv_torch(v_cache, table, prefix, vs, first).float(), values.float()])
-                out[lo:hi] = causal_attention(q[lo:hi], keys, values, self.scale, window)
+                out[lo:hi] = causal_attention(q[lo:hi], keys, values, self.scale, window, sinks=sinks)
         else:
             for i, k_len in enumerate(lens):
                 if k_len == 0:  # padding row of a graph batch
@@ -93,5 +93,6 @@ class TorchAttentionBackend(AttentionBackend):
                 first = window_start(k_len - 1, window)
                 keys = gather_kv_torch(k_cache, meta.block_tables[i], k_len, ks, first)
                 values = gather_kv_torch(v_cache, meta.block_tables[i], k_len, vs, first)
-                out[i : i + 1] = causal_attention(q[i : i + 1], keys, values, self.scale, window)
+                out[i : i + 1] = causal_attention(q[i : i + 1], keys, values, self.scale, window,
+                                                     sinks=sinks)
         return out

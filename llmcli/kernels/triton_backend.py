@@ -50,6 +50,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = 1
         self.force_num_splits: int | None = None  # tests and benchmarks pin the split count with this
         self.decode_tuning: DecodeTuning = default_tuning(head_dim)  # and the decode launch settings with this
+        self._tuned_head_dim = head_dim  # decode_tuning's; the model runner may widen head_dim (Gemma 4)
         self._num_sms: int | None = None
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
@@ -142,7 +143,8 @@ class TritonAttentionBackend(AttentionBackend):
     writes_out = True  # forward(..., out=) writes a prefill or mixed step's attention where the caller says
 
     def forward(self, q, k, v, k_cache, v_cache, qk_norm: QKNormRotary | None = None,
-                out: torch.Tensor | None = None, kv_scales: KVScales = (1.0, 1.0), window: int | None = None):
+                out: torch.Tensor | None = None, kv_scales: KVScales = (1.0, 1.0), window: int | None = None,
+                sinks: torch.Tensor | None = None):
         meta = self.metadata
         assert meta is not None, "prepare() must run before forward()"
         has_cache = k_cache is not None and k_cache.numel()
@@ -159,41 +161,48 @@ class TritonAttentionBackend(AttentionBackend):
         elif has_cache:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if meta.is_prefill and meta.num_decode:
-            return self._mixed(q, k, v, k_cache, v_cache, meta, out, kv_scales, window)
+            return self._mixed(q, k, v, k_cache, v_cache, meta, out, kv_scales, window, sinks)
         if meta.is_prefill:
             assert meta.cu_seqlens_q is not None
             if meta.has_prefix:
                 assert meta.block_tables is not None and k_cache is not None
                 return prefill_paged(q, k, v, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                      meta.context_lens, meta.max_seqlen_q, self.scale, out=out,
-                                     kv_scales=kv_scales, window=window)
-            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out, window=window)
+                                     kv_scales=kv_scales, window=window, sinks=sinks)
+            return prefill_varlen(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, out=out, window=window,
+                                  sinks=sinks)
         assert meta.block_tables is not None and k_cache is not None
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                             num_splits=self._decode_splits(window), part_out=self._part_out, part_lse=self._part_lse,
-                            tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales,
-                            window=window)
+                            tuning=self.decode_tuning_for(q.shape[-1]), row_order=self._order(meta, q.shape[-1]),
+                            kv_scales=kv_scales, window=window, sinks=sinks)
 
-    def _order(self, meta: AttentionMetadata) -> torch.Tensor | None:
+    def decode_tuning_for(self, head_dim: int) -> DecodeTuning:
+        """A layer's decode launch settings: ``decode_tuning`` at the model's head dim, the default of a layer of
+        another (Gemma 4's 512-wide global layers beside 256-wide local ones)."""
+        return self.decode_tuning if head_dim == self._tuned_head_dim else default_tuning(head_dim)
+
+    def _order(self, meta: AttentionMetadata, head_dim: int) -> torch.Tensor | None:
         """The decode rows' launch order (longest first), where the launch settings take one."""
-        return meta.row_order if self.decode_tuning.heads_fastest else None
+        return meta.row_order if self.decode_tuning_for(head_dim).heads_fastest else None
 
     def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None,
-               kv_scales: KVScales = (1.0, 1.0), window: int | None = None) -> torch.Tensor:
+               kv_scales: KVScales = (1.0, 1.0), window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows (the first ``num_decode``) by the decode kernel, the prompt chunks after them by prefill."""
-        nd = meta.num_decode
+        nd, head_dim = meta.num_decode, q.shape[-1]
         out = torch.empty_like(q) if out is None else out
         assert meta.block_tables is not None and k_cache is not None
         paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale,
                      num_splits=self._decode_splits(window), part_out=self._part_out, part_lse=self._part_lse,
-                     out=out[:nd], tuning=self.decode_tuning, row_order=self._order(meta), kv_scales=kv_scales,
-                     window=window)
+                     out=out[:nd], tuning=self.decode_tuning_for(head_dim), row_order=self._order(meta, head_dim),
+                     kv_scales=kv_scales, window=window, sinks=sinks)
         if nd < q.shape[0]:
             if meta.rest_has_prefix:
                 prefill_paged(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self._rest_tables, self._rest_cu_q,
                               self._rest_lens, meta.rest_max_seqlen_q, self.scale, out=out[nd:],
-                              kv_scales=kv_scales, window=window)
+                              kv_scales=kv_scales, window=window, sinks=sinks)
             else:
                 prefill_varlen(q[nd:], k[nd:], v[nd:], self._rest_cu_q, meta.rest_max_seqlen_q, self.scale,
-                               out=out[nd:], window=window)
+                               out=out[nd:], window=window, sinks=sinks)
         return out

@@ -68,16 +68,23 @@ DEFAULT_TUNING = DecodeTuning()
 # head_dim 256: half the keys per tile keep a tile's bytes (and the registers of its dots) those of 64 x 128. Compiled
 # for sm_90 by Triton 3.9: 216 registers a thread and no spills, where 64-key tiles take 255 and spill.
 HEAD256_TUNING = DecodeTuning(block_n=32)
+# head_dim 512 (Gemma 4's global layers): 16-key tiles, the same bytes again; sm_90, Triton 3.9: 220 registers, no
+# spills, 32 KiB of shared memory (32-key tiles spill at 4 warps).
+HEAD512_TUNING = DecodeTuning(block_n=16)
 
 
 def default_tuning(head_dim: int) -> DecodeTuning:
     """The launch settings for a model of ``head_dim``."""
+    if head_dim > 256:
+        return HEAD512_TUNING
     return HEAD256_TUNING if head_dim > 128 else DEFAULT_TUNING
 
 
 @triton.jit
-def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.constexpr):
-    """Combine one head's partials (rows ``rows`` where ``mask_s``) into ``dst``.
+def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.constexpr, sink=0.0,
+                  SINK: tl.constexpr = False):
+    """Combine one head's partials (rows ``rows`` where ``mask_s``) into ``dst``; with ``SINK`` the head's sink
+    logit (exp2 units) joins the denominator.
 
     One fixed-width tile of every split (MAX_SPLITS wide whatever the count, so the reduction
     tree, and with it the rounding, never depends on the count), loaded in one round trip.
@@ -88,9 +95,13 @@ def _combine_head(part_out_ptr, part_lse_ptr, rows, mask_s, dst, HEAD_DIM: tl.co
     part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=mask_s[:, None], other=0.0,
                    cache_modifier=".cg")
     top = tl.max(lse, 0)
+    if SINK:
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights become 0, not NaN
     w = tl.exp2(lse - top)
     denom = tl.sum(w, 0)
+    if SINK:
+        denom += tl.exp2(sink - top)
     o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(dst + d, o.to(dst.dtype.element_ty))
 
@@ -109,7 +120,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HEADS_FASTEST: tl.constexpr = False, row_order_ptr=None, v_scale=1.0, FP8: tl.constexpr = False,
-    window=0, WINDOWED: tl.constexpr = False,
+    window=0, WINDOWED: tl.constexpr = False, sinks_ptr=None, SINKS: tl.constexpr = False,
 ):
     if HEADS_FASTEST:  # a row's KV heads are launched together, rows in the order row_order gives
         kvh = tl.program_id(0)
@@ -180,6 +191,12 @@ def _decode_partition_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if SINKS and not SPLIT:  # split: the combine adds the sink once, not every partition
+        sink = tl.load(sinks_ptr + heads, mask=mask_g, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        corr = tl.exp2(m_i - m_fin)
+        l_i = l_i * corr + tl.exp2(sink - m_fin)
+        acc = acc * corr[:, None]
     # Empty partition (or context 0): l == 0, output 0 and lse -inf, never NaN.
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -198,15 +215,18 @@ def _decode_partition_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS_PAD: tl.constexpr, sinks_ptr=None, SINKS: tl.constexpr = False,
 ):
     """Combines the split partials: grid (batch, num_heads), one head's partials per program."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS_PAD)
     rows = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits + s
+    sink = 0.0
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
     _combine_head(part_out_ptr, part_lse_ptr, rows, s < num_splits,
-                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, HEAD_DIM)
+                  out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, HEAD_DIM, sink, SINKS)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int = 132, *,
@@ -252,7 +272,7 @@ def paged_decode(
     part_out: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
     out: torch.Tensor | None = None, tuning: DecodeTuning | None = None,
     row_order: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
-    window: int | None = None,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [batch, num_heads, head_dim] over each row's cached context.
 
@@ -264,6 +284,7 @@ def paged_decode(
     ``kv_scales``: the (k, v) scales of an FP8 cache. ``tuning``: the launch settings (None: ``default_tuning``).
     ``window``: the query sees only the last ``window`` keys of its row; the tiles before them are skipped, so a
     context many windows long costs only the window (``num_splits`` can be chosen for the window's length).
+    ``sinks`` [num_heads] float32: per-head sink logits in each softmax's denominator (None: none).
     """
     batch, num_heads, head_dim = q.shape
     tuning = tuning or default_tuning(head_dim)
@@ -276,6 +297,8 @@ def paged_decode(
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.is_contiguous(), "sinks: one logit per query head"
     group = num_heads // num_kv_heads
     group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
     split = num_splits > 1
@@ -301,12 +324,13 @@ def paged_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=split,
         HEADS_FASTEST=tuning.heads_fastest, row_order_ptr=row_order, v_scale=float(kv_scales[1]), FP8=fp8,
-        window=window or 0, WINDOWED=window is not None,
+        window=window or 0, WINDOWED=window is not None, sinks_ptr=sinks, SINKS=sinks is not None,
         num_warps=tuning.num_warps, num_stages=decode_stages(tuning, k_cache.dtype),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, num_warps=tuning.num_warps,
+            HEAD_DIM=head_dim, MAX_SPLITS_PAD=MAX_SPLITS, sinks_ptr=sinks, SINKS=sinks is not None,
+            num_warps=tuning.num_warps,
         )
     return out

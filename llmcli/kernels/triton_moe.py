@@ -12,6 +12,12 @@
 3. down: the intermediate's rows times the expert's down projection, scaled by the pair's routing weight in
    the epilogue, written to [T*k, H]; a token's k rows are then summed (a fixed order: deterministic).
 
+gpt-oss's experts add a bias to each projection (``b13`` [E, 2I], ``b2`` [E, H]) and use the clamped SwiGLU
+(``clamp=(alpha, limit)``: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``);
+Gemma 4's use GeGLU (``gelu``: tanh-GELU in place of SiLU). Biases go with either activation; the clamp is a
+SwiGLU's, so ``gelu`` with ``clamp`` is refused. All constexpr switches, so the Qwen-style call compiles the kernels
+it always did.
+
 Same plan as vLLM's fused_moe (moe_align_block_size + one grouped kernel), written for llmcli.
 """
 from __future__ import annotations
@@ -21,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from llmcli.kernels.moe_reference import check_activation
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,8 @@ def _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, num_cols, BLOCK_M: tl.co
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, inter, hidden,
                         stride_xm, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False,
+                        GELU: tl.constexpr = False, CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
@@ -156,10 +165,26 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr
         x_tile += BLOCK_K
         gate_tile += BLOCK_K
         up_tile += BLOCK_K
-    # rounded where the eager silu(gate) * up over a stored projection rounds: gate, up, then SiLU
+    if BIAS:
+        b_row = b_ptr + expert.to(tl.int64) * 2 * inter
+        gate += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_row + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    # rounded where the eager activation over a stored projection rounds: gate, up, then SiLU (GELU: its tanh form,
+    # Gemma 4's experts: 0.5 g (1 + tanh(y)) = g sigmoid(2y))
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        if GELU:
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            gated = gate * tl.sigmoid(2.0 * inner)
+        else:
+            gated = gate * tl.sigmoid(gate)
+        act = gated.to(dtype).to(tl.float32) * up
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -168,7 +193,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
                      inter, stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
@@ -184,6 +209,8 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_tile += BLOCK_K
         w_tile += BLOCK_K
+    if BIAS:
+        acc += tl.load(b_ptr + expert.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     # the routing weight in float32 on the float32 sum, rounded once
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
     acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
@@ -192,8 +219,13 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, tuning: MoeTuning | None = None) -> torch.Tensor:
-    """[T, H] -> [T, H]: each token through its ``k`` experts of ``w13`` [E, 2I, H] / ``w2`` [E, H, I], weighted."""
+              topk_ids: torch.Tensor, tuning: MoeTuning | None = None, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None, gelu: bool = False,
+              clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """[T, H] -> [T, H]: each token through its ``k`` experts of ``w13`` [E, 2I, H] / ``w2`` [E, H, I], weighted.
+    ``b13`` / ``b2``: the projections' biases; ``gelu``: GeGLU experts (tanh GELU) instead of SwiGLU; ``clamp``:
+    ``(alpha, limit)`` of gpt-oss's clamped SwiGLU (the switches as ``moe_reference`` takes them)."""
+    check_activation(gelu, clamp)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -210,9 +242,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     _moe_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13, act, pairs, experts, total, num_pairs, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, **launch)
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+        b_ptr=None if b13 is None else b13.contiguous(), BIAS=b13 is not None, GELU=gelu, CLAMPED=clamp is not None,
+        alpha=float(clamp[0]) if clamp else 1.0, limit=float(clamp[1]) if clamp else 0.0, **launch)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(tiles_m * triton.cdiv(hidden, tuning.block_n),)](
         act, w2, down, topk_weights.float().contiguous(), pairs, experts, total, num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), down.stride(0), **launch)
+        act.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
+        b_ptr=None if b2 is None else b2.contiguous(), BIAS=b2 is not None, **launch)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

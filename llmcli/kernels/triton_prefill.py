@@ -66,6 +66,10 @@ WIDE = Tiles(64, 32, 4, 2)    # float32: smaller K/V tiles so the pipeline fits
 # registers; compiled for sm_90 by Triton 3.9 it takes 64 KiB of shared memory and ~207 registers a thread, no
 # spills (4 warps: 255 and spills; 128 rows or 64-key tiles: spills). Not yet timed on a GPU.
 HEAD256 = Tiles(64, 32, 8, 2)
+# head_dim 512 (Gemma 4's global layers): 16-key tiles halve the K/V bytes again; compiled for sm_90 by Triton 3.9 it
+# takes 96 KiB of shared memory and 255 registers with a 108-byte spill (32-key tiles: 1.4 KiB of spills; 32 rows or
+# 16 warps spill more). Not yet timed on a GPU.
+HEAD512 = Tiles(64, 16, 8, 2)
 
 
 @triton.jit
@@ -148,6 +152,7 @@ def _prefill_kernel(
     QPT: tl.constexpr,  # queries per tile: BLOCK_M // GROUP
     ONE_LOOP: tl.constexpr, FP8: tl.constexpr,
     WINDOWED: tl.constexpr,  # a sliding window of ``window`` keys: tiles wholly before it are skipped
+    sinks_ptr=None, SINKS: tl.constexpr = False,  # per-head sink logits in the softmax's denominator
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -251,6 +256,12 @@ def _prefill_kernel(
             q, m_i, l_i, acc, n0, qi, q_len, qk_scale, k_base, v_base, stride_kt, stride_vt,
             k_ptr, 0, 0, HEAD_DIM, 1, BLOCK_N, False, True, 1.0, 1.0, False, WINDOWED, window, lo)
 
+    if SINKS:  # the sink's exp joins the sum; it weighs no value. In exp2 units, as m_i.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        corr = tl.exp2(m_i - m_fin)
+        l_i = l_i * corr + tl.exp2(sink - m_fin)
+        acc = acc * corr[:, None]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_off = qi * stride_ot + head * stride_oh
     dst = out_ptr + tok_base * stride_ot + out_off[:, None] + d[None, :]
@@ -258,8 +269,10 @@ def _prefill_kernel(
 
 
 def _tiles(head_dim: int, elem_size: int, max_seqlen_q: int, group: int) -> Tiles:
-    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LONG/LARGE/SMALL/WIDE/HEAD256 above)."""
-    if head_dim > 128:
+    """The launch shape for Hopper's 227 KiB of shared memory per SM (see LONG/LARGE/SMALL/WIDE/HEAD256/HEAD512)."""
+    if head_dim > 256:
+        tiles = HEAD512
+    elif head_dim > 128:
         tiles = HEAD256
     elif elem_size > 2:
         tiles = WIDE
@@ -281,11 +294,13 @@ def _check(q: torch.Tensor, head_dim: int) -> None:
 
 def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
             k: torch.Tensor, v: torch.Tensor, paged: tuple | None, scale: float, tiles: Tiles | None,
-            kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None) -> torch.Tensor:
+            kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Shared set-up of both prefill modes: output, tiles, grid (KV heads x chunks x query tiles), launch.
 
     ``paged`` is ``(k_cache, v_cache, block_tables, context_lens)`` or None; ``kv_scales`` its FP8 scales;
-    ``window`` the sliding window in keys (None: full causal attention).
+    ``window`` the sliding window in keys (None: full causal attention); ``sinks`` [num_heads] the heads' sink
+    logits (None: none).
     """
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be at least 1 key, got {window}")
@@ -298,6 +313,8 @@ def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tenso
     batch = cu_seqlens_q.numel() - 1
     if num_tokens == 0 or batch == 0:
         return out
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.is_contiguous(), "sinks: one logit per query head"
     group = num_heads // k.shape[1]
     if paged is None:
         kc, vc, tables, ctx_lens, block_size = k, v, cu_seqlens_q, cu_seqlens_q, 1
@@ -318,6 +335,7 @@ def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tenso
         window or 0, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         PAGED=paged is not None, QPT=t.block_m // group, num_warps=t.num_warps, num_stages=t.num_stages,
         ONE_LOOP=t.one_loop, FP8=kc.dtype == torch.float8_e4m3fn, WINDOWED=window is not None,
+        sinks_ptr=sinks, SINKS=sinks is not None,
         **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
     )
     return out
@@ -326,20 +344,21 @@ def _launch(q: torch.Tensor, out: torch.Tensor | None, cu_seqlens_q: torch.Tenso
 def prefill_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
     scale: float, out: torch.Tensor | None = None, tiles: Tiles | None = None, window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each packed chunk over itself; q [T, H, D], k/v [T, KH, D].
 
     ``tiles`` overrides the launch shape (benchmarks sweep it); by default it follows ``_tiles``. ``window``: each
-    query sees only the ``window`` keys ending at its own position.
+    query sees only the ``window`` keys ending at its own position. ``sinks`` [H] float32: per-head sink logits.
     """
-    return _launch(q, out, cu_seqlens_q, max_seqlen_q, k, v, None, scale, tiles, window=window)
+    return _launch(q, out, cu_seqlens_q, max_seqlen_q, k, v, None, scale, tiles, window=window, sinks=sinks)
 
 
 def prefill_paged(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int,
     scale: float, out: torch.Tensor | None = None, tiles: Tiles | None = None,
-    kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each chunk over its cached prefix plus itself.
 
@@ -347,7 +366,7 @@ def prefill_paged(
     chunk's own keys from ``k``/``v`` (the step's new K/V, also just stored in the cache). ``kv_scales``:
     the (k, v) scales of an FP8 cache. ``window``: each query sees only the ``window`` keys ending at its own
     position; key tiles wholly before a query tile's window are skipped (a long context costs only the window)
-    and never read, so their cache blocks may already be reused.
+    and never read, so their cache blocks may already be reused. ``sinks`` [H] float32: per-head sink logits.
     """
     return _launch(q, out, cu_seqlens_q, max_seqlen_q, k, v, (k_cache, v_cache, block_tables, context_lens),
-                   scale, tiles, kv_scales, window)
+                   scale, tiles, kv_scales, window, sinks)

@@ -1,5 +1,6 @@
-"""SiLU(gate) * up over a fused gate/up projection (SwiGLU), and GELU(gate, tanh approximation) * up (GeGLU:
-Gemma's ``gelu_pytorch_tanh``)."""
+"""SiLU(gate) * up over a fused gate/up projection (SwiGLU), GELU(gate, tanh approximation) * up (GeGLU:
+Gemma's ``gelu_pytorch_tanh``). The experts' activations (gpt-oss's clamped SwiGLU) are
+``kernels/moe_reference.expert_activation``'s."""
 from __future__ import annotations
 
 import torch

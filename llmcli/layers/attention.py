@@ -8,7 +8,8 @@ the same bits; everywhere else this layer runs ``qk_norm_rotary`` first and the 
 
 With an FP8 KV cache the layer also holds its cache's scales (``kv_scales``: the checkpoint's ``k_scale`` /
 ``v_scale``, else 1.0) and hands them to the backend with every call; a sliding-window layer (Gemma 3's local
-layers, Mistral with ``sliding_window``) holds its window and hands it over as ``window``.
+layers, Mistral with ``sliding_window``) holds its window and hands it over as ``window``, and a layer with
+attention sinks (gpt-oss) its per-head sink logits as ``sinks``.
 """
 from __future__ import annotations
 
@@ -24,15 +25,20 @@ class Attention(nn.Module):
     """Holds this layer's KV-cache views (attached by the model runner) and calls the backend."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> None:
         """``sliding_window``: this layer's window in keys (the query at position p sees keys p - window + 1 ..
-        p, as transformers' sliding-window masks); None: full causal attention."""
+        p, as transformers' sliding-window masks); None: full causal attention. ``sinks``: this layer's
+        [num_heads] sink logits (the model's parameter, kept by reference: the loader fills it in place)."""
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
         self.sliding_window = sliding_window
+        if sinks is not None and sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must hold one logit per head ({num_heads}), got shape {tuple(sinks.shape)}")
+        # a plain attribute, not a registered parameter: the model owns the sinks (under its checkpoint name)
+        object.__setattr__(self, "sinks", sinks)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: tuple[float, float] = (1.0, 1.0)  # of an FP8 cache; the loader sets a checkpoint's
@@ -45,6 +51,8 @@ class Attention(nn.Module):
         extra = {"kv_scales": self.kv_scales} if fp8 else {}
         if self.sliding_window is not None:  # passed only when set, as the scales: full layers call as before
             extra["window"] = self.sliding_window
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
         if qk_norm is not None:
             if self.backend.fuses_qk_norm_rotary and triton_kernels_on(q):
                 return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm, **extra)

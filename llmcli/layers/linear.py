@@ -79,13 +79,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; each rank holds its heads of all three."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 with_v: bool = True) -> None:
+        """``with_v=False``: no v projection (Gemma 4's K = V layers use k's output as v)."""
         world = tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, world, "num_attention_heads")
         self.num_kv_heads = _divide(num_kv_heads, world, "num_key_value_heads")
-        out = (num_heads + 2 * num_kv_heads) * head_dim
+        out = (num_heads + (2 if with_v else 1) * num_kv_heads) * head_dim
         super().__init__(hidden_size, out, bias)
+        self.weight.packed_shards = ("q", "k", "v") if with_v else ("q", "k")  # the checkpoint tensors it takes
+        if bias:
+            self.bias.packed_shards = self.weight.packed_shards
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -4,7 +4,8 @@
 every expert's intermediate dimension like the dense MLP's (each rank holds I/tp of all E experts: no token
 moves between ranks), so the down projection's partial sums need one all-reduce per block. The checkpoint's
 per-expert ``experts.N.gate_proj/up_proj/down_proj`` tensors reach their slices through ``weight_loader``;
-``checkpoint_shards`` tells the loader which names feed which parameter.
+``checkpoint_shards`` tells the loader which names feed which parameter. Checkpoints that store the experts
+already stacked (Gemma 4's ``experts.gate_up_proj`` / ``experts.down_proj``) load whole (``stored_stacked``).
 
 The experts run as ``kernels/triton_moe.fused_moe`` on CUDA and as the reference loop elsewhere.
 """
@@ -33,6 +34,13 @@ def use_fused_moe(x: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and x.is_cuda)
 
 
+def local_intermediate(size: int, field: str) -> int:
+    """This rank's share of every expert's intermediate dimension (``field``: config.json's name for it)."""
+    if size % tp_size():
+        raise ValueError(f"{field} ({size}) is not divisible by tensor_parallel_size ({tp_size()})")
+    return size // tp_size()
+
+
 class SparseMoeBlock(nn.Module):
     """Router softmax top-k (renormalised when ``norm_topk_prob``), then each token through its k experts."""
 
@@ -40,42 +48,67 @@ class SparseMoeBlock(nn.Module):
                  normalize: bool) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        if intermediate_size % self.tp_size:
-            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
-                             f"tensor_parallel_size ({self.tp_size})")
+        self.local_inter = local_intermediate(intermediate_size, "moe_intermediate_size")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
-        self.local_inter = intermediate_size // self.tp_size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, the same on every rank
         self.gate.weight.requires_grad_(False)
         self.experts = StackedExperts(num_experts, hidden_size, self.local_inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.normalize)
-        experts = self.experts
-        if use_fused_moe(x):
-            from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
-
-            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-        else:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
-                                   "cannot hold: run it with enforce_eager=True (--enforce-eager)")
-            out = moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-        return all_reduce(out)
+        return all_reduce(self.experts(x, weights, ids))
 
 
 class StackedExperts(nn.Module):
     """The experts' weights as two parameters, named after transformers' own stacked layout."""
 
-    def __init__(self, num_experts: int, hidden_size: int, local_inter: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, local_inter: int, stored_stacked: bool = False,
+                 gelu: bool = False, bias: bool = False, clamp: tuple[float, float] | None = None) -> None:
+        """``gelu``: GeGLU experts (tanh GELU, Gemma 4) rather than SwiGLU; ``bias``: each projection has one
+        (``gate_up_proj_bias`` [E, 2I/tp], ``down_proj_bias`` [E, H], gpt-oss); ``clamp``: ``(alpha, limit)`` of
+        gpt-oss's clamped SwiGLU (``kernels/moe_reference.expert_activation``)."""
         super().__init__()
         self.tp_rank, self.tp_size, self.local_inter = tp_rank(), tp_size(), local_inter
+        self.gelu, self.clamp = gelu, clamp
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local_inter, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local_inter), requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * local_inter), requires_grad=False)
+            # replicated: the loader's default (a shape-checked copy)
+            self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         for param, slots in ((self.gate_up_proj, SLOTS[:2]), (self.down_proj, SLOTS[2:])):
-            param.weight_loader = self.weight_loader
-            # checkpoint name (relative to this module) -> the weight_loader's shard argument
-            param.checkpoint_shards = {f"{e}.{slot}.weight": (e, slot) for e in range(num_experts) for slot in slots}
+            param.weight_loader = self.load_stacked if stored_stacked else self.weight_loader
+            if not stored_stacked:
+                # checkpoint name (relative to this module) -> the weight_loader's shard argument
+                param.checkpoint_shards = {f"{e}.{slot}.weight": (e, slot) for e in range(num_experts)
+                                           for slot in slots}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of each token's weighted experts (the caller all-reduces, so the down bias is added on
+        rank 0 only)."""
+        switches = dict(b13=self.gate_up_proj_bias, b2=self.down_proj_bias if self.tp_rank == 0 else None,
+                        gelu=self.gelu, clamp=self.clamp)
+        if use_fused_moe(x):
+            from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, **switches)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
+                               "cannot hold: run it with enforce_eager=True (--enforce-eager)")
+        return moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids, **switches)
+
+    def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """All experts at once: gate_up [E, 2I, H] (this rank's gate rows and up rows), down [E, H, I]."""
+        n, start = self.local_inter, self.tp_rank * self.local_inter
+        full = n * self.tp_size
+        if param is self.down_proj:
+            expect_shape(loaded, (param.shape[0], param.shape[1], full))
+            param.data.copy_(loaded.narrow(2, start, n))
+        else:
+            expect_shape(loaded, (param.shape[0], 2 * full, param.shape[2]))
+            param.data[:, :n].copy_(loaded.narrow(1, start, n))
+            param.data[:, n:].copy_(loaded.narrow(1, full + start, n))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
         expert, slot = shard
@@ -105,3 +138,51 @@ class SharedExpertMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return self.sparse[0](x) + shared
+
+
+class GptOssMoeBlock(nn.Module):
+    """gpt-oss's experts: a router with a bias whose ``top_k`` largest logits are softmaxed among themselves, and
+    experts with biases and the clamped SwiGLU (``StackedExperts`` with ``bias`` and ``clamp``).
+
+    The checkpoint stacks each layer's experts as transformers does: ``experts.gate_up_proj`` [E, H, 2I] with
+    gate and up *interleaved* along the last dimension (gate at even columns), ``gate_up_proj_bias`` [E, 2I] the
+    same way, ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. They load into ``StackedExperts``' layout
+    (gate rows then up rows, [E, 2I, H]; down [E, H, I]), this rank's intermediate slice. The down bias is
+    added on rank 0 only, before the all-reduce that sums the ranks' partial outputs.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, alpha: float,
+                 limit: float) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.local_inter = local_intermediate(intermediate_size, "intermediate_size")
+        self.top_k = top_k
+        self.router = nn.Linear(hidden_size, num_experts, bias=True)  # replicated
+        self.router.requires_grad_(False)
+        self.experts = experts = StackedExperts(num_experts, hidden_size, self.local_inter, bias=True,
+                                                clamp=(alpha, limit))
+        for param in (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias):
+            param.weight_loader = self._load_stacked  # one stacked tensor each, not a tensor per expert
+            param.checkpoint_shards = {}
+
+    def _load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n, start = self.local_inter, self.tp_rank * self.local_inter
+        full = n * self.tp_size
+        experts = self.experts
+        num_experts, hidden = param.shape[0], experts.down_proj.shape[1]
+        if param is experts.down_proj:  # [E, I, H] -> [E, H, I_local]
+            expect_shape(loaded, (num_experts, full, hidden))
+            param.data.copy_(loaded.narrow(1, start, n).transpose(1, 2))
+            return
+        if param is experts.gate_up_proj:  # [E, H, 2I] interleaved -> [E, 2 I_local, H], gate rows then up rows
+            expect_shape(loaded, (num_experts, hidden, 2 * full))
+            pairs = loaded.unflatten(2, (full, 2)).narrow(2, start, n)  # [E, H, I_local, (gate, up)]
+            param.data.copy_(pairs.permute(0, 3, 2, 1).reshape(num_experts, 2 * n, hidden))
+            return
+        expect_shape(loaded, (num_experts, 2 * full))  # the gate/up bias, interleaved as its weight
+        param.data.copy_(loaded.unflatten(1, (full, 2)).narrow(1, start, n).transpose(1, 2).reshape(num_experts, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, ids = torch.topk(F.linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+        return all_reduce(self.experts(x, weights, ids))

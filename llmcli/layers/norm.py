@@ -37,21 +37,35 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class ZeroCentredRMSNorm(RMSNorm):
-    """An RMSNorm whose checkpoint weight ``w`` means a gain of ``1 + w``: the gain is stored (the loader adds the
-    one), so the forward and its CUDA kernels are the plain RMSNorm's; dummy weights (norms at 1) mean w = 0.
-    ``gain``: a constant folded into the stored gain (a query's softmax scale, through its per-head norm)."""
+class ScaledRMSNorm(RMSNorm):
+    """An RMSNorm whose stored gain is the checkpoint's ``w`` times ``gain``, a constant folded in (a query's
+    softmax scale, through its per-head norm), so the forward and its CUDA kernels are the plain RMSNorm's."""
+
+    offset = 0.0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, gain: float = 1.0) -> None:
         super().__init__(hidden_size, eps)
         self.gain = gain
         self.weight.weight_loader = self.weight_loader
-        self.weight.dummy_value = gain  # load_format='dummy': w = 0
+        self.weight.dummy_value = gain  # load_format='dummy': a unit norm
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """Load ``w`` as ``(1 + w) * gain``, computed in float32, then cast."""
+        """Load ``w`` as ``(offset + w) * gain``, computed in float32, then cast."""
         expect_shape(loaded, param.shape)
-        param.data.copy_((loaded.float() + 1.0) * self.gain)
+        param.data.copy_((loaded.float() + self.offset) * self.gain)
+
+
+class ZeroCentredRMSNorm(ScaledRMSNorm):
+    """An RMSNorm whose checkpoint weight ``w`` means a gain of ``1 + w``: the gain is stored (the loader adds the
+    one); dummy weights (norms at 1) mean w = 0."""
+
+    offset = 1.0
+
+
+def rms_norm_no_gain(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dim in float32, rounded once (Gemma 4's value norm, which has no weight)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

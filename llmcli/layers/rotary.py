@@ -13,7 +13,7 @@ from llmcli.kernels.backend import rotary_width
 from llmcli.layers.compile import compile_on_cuda, triton_on_cuda
 from llmcli.layers.norm import rms_norm
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +176,10 @@ def rope_frequencies(head_dim: int, rope: RopeSettings, max_position_embeddings:
         return _llama3(inv_freq, rope.params), 1.0
     if rope.kind == "yarn":
         return _yarn(inv_freq, head_dim, rope.theta, rope.params, max_position_embeddings)
+    if rope.kind == "proportional":  # Gemma 4: the first partial_rotary_factor of the angles turn, the rest stay
+        turning = int((rope.params.get("partial_rotary_factor") or 1.0) * head_dim // 2)
+        inv_freq[turning:] = 0.0
+        return inv_freq / (rope.params.get("factor") or 1.0), 1.0
     return inv_freq, 1.0
 
 

@@ -9,6 +9,8 @@ from llmcli.kernels.backend import AttentionBackend
 from llmcli.layers.rotary import rope_settings
 from llmcli.models.decoder import DecoderForCausalLM, UnsupportedModelError, head_dim_of
 from llmcli.models.gemma3 import Gemma3ForCausalLM
+from llmcli.models.gemma4 import Gemma4ForCausalLM
+from llmcli.models.gpt_oss import GptOssForCausalLM
 from llmcli.models.llama import LlamaForCausalLM
 from llmcli.models.mistral import MistralForCausalLM
 from llmcli.models.qwen2 import Qwen2ForCausalLM
@@ -23,9 +25,11 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY", "UnsupportedModelError", "build_model", "check_model_config", "head_dim_of",

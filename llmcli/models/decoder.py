@@ -19,8 +19,10 @@ from llmcli.layers.attention import Attention
 from llmcli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmcli.layers.gated_delta_net import GatedDeltaNet, GatedDeltaNetSpec
 from llmcli.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from llmcli.layers.norm import RMSNorm, ZeroCentredRMSNorm
+from llmcli.layers.norm import RMSNorm, ScaledRMSNorm, ZeroCentredRMSNorm, rms_norm_no_gain
 from llmcli.layers.rotary import RopeSettings, RotaryEmbedding, rope_settings
+from llmcli.layers.weight_shape import expect_shape
+from llmcli.parallel import tp_rank, tp_size
 
 
 def head_dim_of(config: Any) -> int:
@@ -63,6 +65,14 @@ class DecoderSpec:
     sandwich_norms: bool = False  # Gemma: a norm after attention, and before and after the MLP
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
     linear: GatedDeltaNetSpec | None = None  # the linear-attention layers' shape (Qwen3.5/Next)
+    attention_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss's self_attn.sinks)
+    # Gemma 4's global (full-attention) layers: their own head size and KV heads, and K = V (no v_proj: v is the
+    # k projection before k's norm and rotary)
+    global_head_dim: int | None = None
+    global_num_kv_heads: int | None = None
+    global_k_eq_v: bool = False
+    v_norm: bool = False  # v gets a gain-free per-head RMSNorm (Gemma 4)
+    layer_scalar: bool = False  # each layer's output times its checkpoint ``layer_scalar`` (Gemma 4)
 
     @classmethod
     def from_config(cls, config: Any, **family: Any) -> DecoderSpec:
@@ -83,6 +93,13 @@ class DecoderSpec:
     def layer_kind(self, index: int) -> str:
         return self.layer_types[index] if self.layer_types else "full_attention"
 
+    def attention_shape(self, kind: str) -> tuple[int, int, bool]:
+        """(head_dim, num_kv_heads, k_eq_v) of an attention layer of ``kind``."""
+        if kind == "full_attention":
+            return (self.global_head_dim or self.head_dim, self.global_num_kv_heads or self.num_kv_heads,
+                    self.global_k_eq_v)
+        return self.head_dim, self.num_kv_heads, False
+
 
 def layer_types_of(config: Any) -> tuple[str, ...]:
     """config.json's ``layer_types``, checked against the kinds llmcli runs."""
@@ -99,38 +116,58 @@ def layer_types_of(config: Any) -> tuple[str, ...]:
 
 class DecoderAttention(nn.Module):
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, kind: str = "full_attention") -> None:
         super().__init__()
-        self.head_dim = spec.head_dim
+        head_dim, num_kv_heads, self.k_eq_v = spec.attention_shape(kind)
+        self.head_dim = head_dim
         # a gated output doubles q_proj: per head its q rows, then its gate rows (so a rank's heads stay whole)
         self.gated = spec.attn_output_gate
         q_heads = spec.num_heads * (2 if self.gated else 1)
-        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, q_heads, spec.num_kv_heads,
-                                          bias=spec.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, head_dim, q_heads, num_kv_heads, bias=spec.qkv_bias,
+                                          with_v=not self.k_eq_v)
         self.num_heads = self.qkv_proj.num_heads // (2 if self.gated else 1)
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
-        # the backend scales by head_dim ** -0.5; another scale is folded into q's norm gain (rotary is linear)
-        q_gain = spec.query_scale / spec.head_dim ** -0.5 if spec.query_scale else 1.0
+        self.o_proj = RowParallelLinear(spec.num_heads * head_dim, spec.hidden_size, bias=spec.o_bias)
+        # the backend scales by spec.head_dim ** -0.5 (the model runner builds it so); another scale (a query
+        # scale, or a layer of another head size) is folded into q's norm gain (rotary is linear)
+        wanted = spec.query_scale or head_dim ** -0.5
+        q_gain = wanted / spec.head_dim ** -0.5 if wanted != spec.head_dim ** -0.5 else 1.0
         if spec.qk_norm:
-            self.q_norm = make_norm(spec, spec.head_dim, gain=q_gain)
-            self.k_norm = make_norm(spec, spec.head_dim)
+            self.q_norm = make_norm(spec, head_dim, gain=q_gain)
+            self.k_norm = make_norm(spec, head_dim)
         elif q_gain != 1.0:
             raise UnsupportedModelError("a query scale other than head_dim ** -0.5 needs a q norm to fold it into")
         self.qk_norm = spec.qk_norm
+        self.v_norm = spec.v_norm
         self.eps = spec.rms_norm_eps
         self.rotary = rotary
-        self.rotary_dim = spec.rotary_dim if spec.rotary_dim is not None and spec.rotary_dim < spec.head_dim else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim, backend, sliding_window=sliding_window)
+        self.rotary_dim = spec.rotary_dim if spec.rotary_dim is not None and spec.rotary_dim < head_dim else None
+        self.sinks = None
+        if spec.attention_sinks:  # this rank's heads' logits, [num_heads / tp]
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, backend, sliding_window=sliding_window,
+                              sinks=self.sinks)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = self.num_heads
+        expect_shape(loaded, (n * tp_size(),))
+        param.data.copy_(loaded.narrow(0, tp_rank() * n, n))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size * (2 if self.gated else 1), kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([q_size * (2 if self.gated else 1), kv_size,
+                                               0 if self.k_eq_v else kv_size], dim=-1)
+        if self.k_eq_v:
+            v = k
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.v_norm:
+            v = rms_norm_no_gain(v, self.eps)
         gate = None
         if self.gated:
             q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
             q = q.reshape(-1, q_size)
-        q, k = q.reshape(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
         q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         # the q/k transform (optional per-head norm, then rotary, partial where rotary_dim < head_dim) goes with the
         # attention call: the triton backend fuses it with its KV store (one kernel; layers/attention.py), the
@@ -138,7 +175,7 @@ class DecoderAttention(nn.Module):
         # (ZeroCentredRMSNorm), so the transform's weight_offset stays 0.
         transform = QKNormRotary(positions, q_w, k_w, self.eps, self.rotary.cos, self.rotary.sin,
                                  rotary_dim=self.rotary_dim)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), transform)
+        out = self.attn(q, k, v, transform)
         out = out.flatten(1, 2)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(-1, q_size))
@@ -149,7 +186,7 @@ def make_norm(spec: DecoderSpec, size: int, gain: float = 1.0) -> RMSNorm:
     if spec.zero_centred_norms:
         return ZeroCentredRMSNorm(size, spec.rms_norm_eps, gain)
     if gain != 1.0:
-        raise UnsupportedModelError("a query scale other than head_dim ** -0.5 needs zero-centred norms")
+        return ScaledRMSNorm(size, spec.rms_norm_eps, gain)
     return RMSNorm(size, spec.rms_norm_eps)
 
 
@@ -179,13 +216,19 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(spec.hidden_size, spec.linear, spec.rms_norm_eps, backend)
         else:
             window = spec.sliding_window if kind == "sliding_attention" else None
-            self.self_attn = DecoderAttention(spec, rotary, backend, window)
+            self.self_attn = DecoderAttention(spec, rotary, backend, window, kind)
         self.post_attention_layernorm = make_norm(spec, spec.hidden_size)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size)
             self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size)
         self.mlp = mlp if mlp is not None else DecoderMLP(spec)
+        self.mlp_takes_stream = getattr(self.mlp, "takes_stream", False)  # Gemma 4's MoE reads the stream too
+        if spec.layer_scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+            self.layer_scalar.dummy_value = 1.0
+        else:
+            self.layer_scalar = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:
@@ -200,7 +243,11 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        hidden = self.mlp(hidden, residual) if self.mlp_takes_stream else self.mlp(hidden)
+        hidden = self.post_feedforward_layernorm(hidden)
+        if self.layer_scalar is not None:  # (hidden + residual) * s, with the sum left to the next norm
+            return hidden * self.layer_scalar, residual * self.layer_scalar
+        return hidden, residual
 
 
 class DecoderModel(nn.Module):
@@ -213,12 +260,13 @@ class DecoderModel(nn.Module):
         # one cos/sin table shared by every layer of a kind, as long as the engine may go (max_model_len can
         # pass max_position_embeddings under YaRN)
         dim = spec.rotary_dim or spec.head_dim
-        rotary = RotaryEmbedding(dim, max_positions, spec.rope.theta, spec.rope, spec.max_position_embeddings)
+        rotary = RotaryEmbedding(spec.rotary_dim or spec.global_head_dim or spec.head_dim, max_positions,
+                                 spec.rope.theta, spec.rope, spec.max_position_embeddings)
         self.rotary = rotary
         local = rotary
-        if spec.local_rope is not None:
-            local = RotaryEmbedding(dim, max_positions, spec.local_rope.theta, spec.local_rope,
-                                    spec.max_position_embeddings)
+        if spec.local_rope is not None or spec.global_head_dim:
+            local_rope = spec.local_rope or spec.rope
+            local = RotaryEmbedding(dim, max_positions, local_rope.theta, local_rope, spec.max_position_embeddings)
             self.rotary_local = local
         kinds = [spec.layer_kind(i) for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(

@@ -3,6 +3,7 @@ quantization_config), its EOS ids and its tokenizer."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -77,6 +78,12 @@ def load_hf_config(model_path: Path) -> Any:
         raise ModelNotFoundError(f"{model_path}/config.json could not be read: {exc}") from None
     # a multimodal wrapper's language model (text_config) is what runs, so its values are the ones checked
     config = text_only_config(config, str(model_path))
+    if getattr(config, "per_layer_config", None) is not None:
+        # transformers keeps layers of their own shape (Gemma 4's global ones) in per_layer_config and guards the
+        # top-level head_dim / num_key_value_heads; in llmcli those are the common layers' (the families read
+        # per_layer_config for the others), so transformers' warning on each such read says nothing to a user
+        config.allow_global_per_layer_attribute_access = True
+        logging.getLogger("transformers.integrations.heterogeneity.configuration_utils").setLevel(logging.ERROR)
     check_config_values(config, raw, path, _hidden_acts(config))
     return config
 

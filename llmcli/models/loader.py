@@ -104,10 +104,11 @@ def _expected_checkpoint_names(model: nn.Module) -> set[str]:
     stacked = _stacked_names(model)
     expected = set(stacked)
     stacked_params = {target for target, _ in stacked.values()}
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         if name in stacked_params:
             continue
-        fused = [frag for frag, (target, _) in mapping.items() if f".{target}." in name]
+        fused = [frag for frag, (target, shard) in mapping.items() if f".{target}." in name
+                 and shard in getattr(param, "packed_shards", (shard,))]
         if fused:
             expected.update(name.replace(f".{mapping[frag][0]}.", f".{frag}.") for frag in fused)
         else:
@@ -152,6 +153,7 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
                 if name is None or name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") \
                         or fp8.consumes(stored):
                     continue
+                name = fp8.parameter_name(name)
                 target, shard = stacked.get(name) or _target(name, mapping)
                 param = params.get(target)
                 if param is None:

@@ -1,7 +1,7 @@
-"""Language-model-only loading of multimodal checkpoints (Qwen3.5 / Qwen3.5-MoE, Gemma 3, Mistral 3 with their
-vision towers): llmcli runs the text decoder from ``text_config`` and reads only its tensors, mapping the
-language model's names onto the causal-LM ones; the vision tower and projector (and Qwen's multi-token
-prediction head, ``mtp.*``) are skipped without being read.
+"""Language-model-only loading of multimodal checkpoints (Qwen3.5 / Qwen3.5-MoE, Gemma 3 and 4, Mistral 3 with
+their vision towers): llmcli runs the text decoder from ``text_config`` and reads only its tensors, mapping the
+language model's names onto the causal-LM ones; the vision (and Gemma 4's audio) tower and projector (and
+Qwen's multi-token prediction head, ``mtp.*``) are skipped without being read.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
 }
 # both layouts transformers has written: model.language_model.* (5.x) and language_model.model.* (4.x, the
@@ -22,7 +23,7 @@ TEXT_MODELS = {
 RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
            ("language_model.lm_head.", "lm_head."))
 SKIPPED = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-           "multi_modal_projector.", "mtp.")
+           "multi_modal_projector.", "mtp.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 _told: set[str] = set()
 
 

@@ -77,8 +77,15 @@ def check_tensor_parallel_shapes(hf_config: Any, tp: int) -> None:
         "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
         "intermediate_size": hf_config.intermediate_size,
     }
-    if getattr(hf_config, "num_experts", 0):  # each rank holds a slice of every expert
+    # each rank holds a slice of every expert (gpt-oss's experts are intermediate_size wide, checked above)
+    if getattr(hf_config, "num_experts", 0) and getattr(hf_config, "moe_intermediate_size", None):
         dims["moe_intermediate_size"] = hf_config.moe_intermediate_size
+    per_layer = getattr(hf_config, "per_layer_config", None)  # layers of their own KV heads (Gemma 4's global)
+    if per_layer is not None:
+        others = {per_layer[i].num_key_value_heads for i in range(hf_config.num_hidden_layers)}
+        others.discard(dims["num_key_value_heads"])
+        if others:
+            dims["num_global_key_value_heads"] = min(others)
     bad = [f"{name}={value}" for name, value in dims.items() if value % tp]
     if bad:
         heads, kv = dims["num_attention_heads"], dims["num_key_value_heads"]

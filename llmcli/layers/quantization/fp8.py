@@ -49,7 +49,8 @@ class QuantizationError(ValueError):
 class QuantConfig:
     """How a model's linear weights are (or are to be) stored in FP8."""
 
-    source: str  # "fp8" (Qwen/vLLM), "compressed-tensors", or "online" (quantization='fp8' on a 16-bit checkpoint)
+    source: str  # "fp8" (Qwen/vLLM), "compressed-tensors", "online" (quantization='fp8' on a 16-bit checkpoint),
+    # or "mxfp4" (gpt-oss's 4-bit experts, dequantized at load)
     block_size: tuple[int, int] | None = None  # (rows, cols) per weight scale; None: per tensor or per channel
     ignore: tuple[str, ...] = ()  # module names or "re:" patterns left in the model dtype
     kv_scales: bool = False  # the checkpoint may carry k_scale / v_scale for an FP8 KV cache
@@ -90,6 +91,8 @@ def parse_quant_config(hf_config: Any, quantization: str | None) -> QuantConfig 
         return QuantConfig("fp8", tuple(block) if block else None, ignore, kv_scales=True)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "mxfp4":  # gpt-oss's experts, dequantized at load (layers/quantization/mxfp4.py)
+        return QuantConfig("mxfp4")
     raise QuantizationError(f"config.json quantization_config.quant_method={method!r}: llmcli loads 'fp8' and "
                             "'compressed-tensors' (FP8) checkpoints")
 

@@ -1,8 +1,10 @@
-"""The loader's FP8 hook: checkpoint scales consumed with their weights, and each linear layer's method after load.
+"""The loader's FP8 (and MXFP4) hook: checkpoint scales consumed with their weights, and each linear layer's method
+after load.
 
 ``Fp8Checkpoint`` sits in ``models/loader.py``'s read loop: it collects every scale tensor first (they are small
 and may sit in another shard than their weight), turns each FP8 weight into float32 values before the weight
-loader shards it, and says which tensors it consumed. ``finish_fp8`` then picks each linear layer's method
+loader shards it (an MXFP4 ``X_blocks`` with its ``X_scales`` into ``X``'s values: ``mxfp4.py``), and says which
+tensors it consumed. ``finish_fp8`` then picks each linear layer's method
 (``fp8.Fp8Linear`` where FP8 GEMMs run, the dequantized weights elsewhere) and sets the attention layers'
 FP8 KV-cache scales.
 """
@@ -20,6 +22,7 @@ from llmcli.layers.linear import LinearBase
 from llmcli.layers.quantization.fp8 import (FP8_DTYPE, KV_SCALE_SUFFIXES, UNUSED_SUFFIXES, WEIGHT_SCALE_SUFFIXES,
                                             Fp8Linear, QuantConfig, QuantizationError, dequantize,
                                             fp8_compute_available, quantize_per_channel)
+from llmcli.layers.quantization.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -29,13 +32,14 @@ class Fp8Checkpoint:
 
     def __init__(self, quant: QuantConfig | None, files: list[Path]) -> None:
         self.quant = quant
+        self.mxfp4 = quant is not None and quant.source == "mxfp4"
         self.scales: dict[str, torch.Tensor] = {}
         self.kv_scales: dict[int, dict[str, float]] = {}  # layer index -> {"k": ..., "v": ...}
         self.quantized_modules: set[str] = set()  # our (fused) module names that held FP8 weights
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name.endswith(WEIGHT_SCALE_SUFFIXES):
+                    if name.endswith(WEIGHT_SCALE_SUFFIXES) or (self.mxfp4 and name.endswith(SCALES_SUFFIX)):
                         self.scales[name] = f.get_tensor(name)
                     elif name.endswith(KV_SCALE_SUFFIXES):
                         self._kv_scale(name, f.get_tensor(name))
@@ -47,13 +51,27 @@ class Fp8Checkpoint:
                                     "of a numbered layer")
         self.kv_scales.setdefault(int(found.group(1)), {})[name.rsplit(".", 1)[1][0]] = float(t.float().item())
 
-    @staticmethod
-    def consumes(name: str) -> bool:
+    def consumes(self, name: str) -> bool:
         """Scale tensors are read with their weights (or by ``finish_fp8``), never loaded as parameters."""
-        return name.endswith(WEIGHT_SCALE_SUFFIXES + UNUSED_SUFFIXES + KV_SCALE_SUFFIXES)
+        return name.endswith(WEIGHT_SCALE_SUFFIXES + UNUSED_SUFFIXES + KV_SCALE_SUFFIXES) or (
+            self.mxfp4 and name.endswith(SCALES_SUFFIX))
+
+    def parameter_name(self, name: str) -> str:
+        """The checkpoint name a tensor loads as: an MXFP4 ``X_blocks`` as ``X``, its dequantized values."""
+        return name.removesuffix(BLOCKS_SUFFIX) if self.mxfp4 else name
 
     def values(self, name: str, tensor: torch.Tensor, target: str) -> torch.Tensor:
-        """The weight's values to load: an FP8 tensor times its scale (float32), any other tensor as it is."""
+        """The weight's values to load: an FP8 tensor times its scale (float32), MXFP4 blocks with their scales
+        (``mxfp4.dequantize_mxfp4``), any other tensor as it is."""
+        if self.mxfp4 and name.endswith(BLOCKS_SUFFIX):
+            scales = self.scales.get(name.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX)
+            if scales is None:
+                raise QuantizationError(f"checkpoint tensor {name} is MXFP4 but has no "
+                                        f"{name.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX}")
+            try:
+                return dequantize_mxfp4(tensor, scales)
+            except QuantizationError as exc:
+                raise QuantizationError(f"checkpoint tensor {name}: {exc}") from None
         base = name.removesuffix(".weight")
         scale_name = next((base + s for s in WEIGHT_SCALE_SUFFIXES if base + s in self.scales), None)
         if tensor.dtype != FP8_DTYPE:
