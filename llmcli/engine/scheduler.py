@@ -35,7 +35,9 @@ class Scheduler:
     recomputed later from its tokens, so no generated token is lost.
     """
 
-    def __init__(self, config: Config, num_blocks: int, stats: EngineStats) -> None:
+    def __init__(self, config: Config, num_blocks: int, stats: EngineStats,
+                 kv_windows: tuple[int | None, ...] = (None,)) -> None:
+        """``kv_windows``: the KV groups' windows (engine/kv_groups.py; the runner's ``MemoryReport.kv_groups``)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -43,8 +45,8 @@ class Scheduler:
         # a prefix hit skips tokens whose linear-attention state no slot holds (state snapshots at block
         # boundaries would make hits possible: not built yet), so hybrid models compute every prompt token
         caching = config.enable_prefix_caching and not has_linear_layers(config.hf_config)
-        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching)
-        self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching, kv_windows)
+        self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows, len(kv_windows))
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = stats
@@ -58,6 +60,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step, with its plan (None when nothing can run)."""
         batch = self._schedule()
+        if len(self.running) > self.stats.peak_running:
+            self.stats.peak_running = len(self.running)
         if batch is not None:
             batch.plan = self.plans.prefill(batch.seqs, batch.sampled) if batch.is_prefill \
                 else self.plans.decode(batch.seqs)
@@ -88,12 +92,17 @@ class Scheduler:
             if seq.num_pending:
                 break  # preempted with a token still in flight: recompute once it is known
             if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
+                if not self.block_manager.can_allocate(seq, budget):
                     break
-                hit = self.block_manager.allocate(seq)
+                hit = self.block_manager.allocate(seq, budget)
                 self.stats.prefix_cache_queried_tokens += seq.num_tokens
                 self.stats.prefix_cache_hit_tokens += hit
-            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            start = seq.num_computed_tokens
+            # a window group holds only the chunk's blocks (and its window's): the pool may cut the chunk short
+            end = self.block_manager.grow(seq, start + min(seq.num_tokens - start, budget))
+            if end <= start:
+                break
+            seq.num_scheduled_tokens = end - start
             budget -= seq.num_scheduled_tokens
             batch.append(seq)
             if not seq.samples_this_step:
@@ -167,6 +176,7 @@ class Scheduler:
         """
         manager = self.block_manager
         caching, block_size = manager.enable_prefix_caching, manager.block_size
+        slide = manager.slide if manager.has_windows else None  # window groups give back what fell out
         indices = []
         if seqs is sampled:  # every sequence samples (a decode step, or prompts that all finish): one pass
             for row, seq in enumerate(seqs):
@@ -177,6 +187,8 @@ class Scheduler:
                 seq.num_scheduled_tokens = 0
                 if caching and computed // block_size > seq.num_hashed_blocks:
                     manager.register_computed(seq)
+                if slide is not None:
+                    slide(seq)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.num_pending += 1
                 seq.pending_row = row
@@ -187,6 +199,8 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             if caching and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
                 manager.register_computed(seq)
+            if slide is not None:
+                slide(seq)
         for row, seq in enumerate(sampled):
             tokens = seq.token_ids
             tokens.append(PENDING_TOKEN)
