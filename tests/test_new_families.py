@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import json
+
 import pytest
 import torch
 
@@ -46,6 +48,35 @@ def test_chunked_prefill_and_preemption(new_family, hf_oracle, run_factory):
                       max_num_batched_tokens=20)
     check_against_hf(run, hf_oracle, prompts, max_new=40)
     assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+def test_window_memory_comes_back_so_more_long_sequences_run_at_once(family, tiny_checkpoint, hf_oracle, run_factory,
+                                                                     monkeypatch):
+    """The same KV memory and the same prompts (each four windows long): with the blocks that fall out of the
+    window going back to the pool, more sequences run at once than with the model's cache laid out as full
+    attention (``LLMCLI_KV_WINDOW_RELEASE=0``: one group, nothing released), and both equal transformers."""
+    model = tiny_checkpoint(family)
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    full_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4 * 16  # fp32, 16 tokens
+    memory_gib = 30 * full_block / 2**30  # 30 blocks of full attention: 480 tokens, three of these sequences
+    prompts = random_prompts([100] * 8, seed=430)
+    peak, blocks = {}, {}
+    for release in ("0", "1"):
+        monkeypatch.setenv("LLMCLI_KV_WINDOW_RELEASE", release)
+        run = run_factory(model, kvcache_block_size=16, num_kvcache_blocks=None, kv_cache_memory_gib=memory_gib,
+                          max_model_len=192, max_num_batched_tokens=64)
+        check_against_hf(run, hf_oracle, prompts, max_new=40)
+        peak[release] = run.llm.engine.stats.peak_running
+        report = run.llm.engine.model_runner.memory_report
+        blocks[release] = (report.num_blocks, [g["window"] for g in report.kv_groups])
+    assert blocks["0"] == (30, [None])
+    # Mistral's every layer is windowed: a sequence holds ~3 blocks instead of 9. Gemma 3's global layer keeps
+    # all 9 (of a third of the size) beside two local layers' ~3 each: (3 x 9) / (9 + 2 x 3) = 1.8x at most
+    gain = 2.0 if family == "mistral-window" else 1.5
+    assert peak["1"] >= gain * peak["0"], (peak, blocks)
 
 
 @pytest.mark.parametrize("family", HYBRID)
