@@ -79,6 +79,21 @@ def test_window_memory_comes_back_so_more_long_sequences_run_at_once(family, tin
     assert peak["1"] >= gain * peak["0"], (peak, blocks)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+def test_prefix_hits_deeper_than_the_window(family, tiny_checkpoint, hf_oracle, run_factory):
+    """A 100-token shared prefix (four windows) computed in chunks, its early window blocks given back on the
+    way: later prompts sharing it hit 96 tokens (the window group needs only the blocks its first query reads)
+    and still equal transformers."""
+    model = tiny_checkpoint(family)
+    shared = random_prompts([100], seed=440)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 17, 30], seed=441)]
+    run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=32)
+    check_against_hf(run, hf_oracle, prompts[:1], max_new=8)
+    before = run.llm.engine.stats.prefix_cache_hit_tokens
+    check_against_hf(run, hf_oracle, prompts, max_new=8)
+    assert run.llm.engine.stats.prefix_cache_hit_tokens - before >= 3 * 96
+
+
 @pytest.mark.parametrize("family", HYBRID)
 def test_hybrid_models_compute_every_prompt_token(family, tiny_checkpoint, hf_oracle, run_factory):
     """No prefix hit may skip tokens whose linear-attention state is nowhere: a repeated prompt is recomputed

@@ -45,11 +45,19 @@ class RowTable:
                  copy: bool | None = None, groups: int = 1) -> None:
         # one table per KV group (engine/kv_groups.py); the first is ``block_tables``
         self.group_tables = [BlockTables(max_blocks, block_size, device, rows=rows, copy=copy) for _ in range(groups)]
-        self.block_tables = self.group_tables[0]
         self.f32 = np.zeros((3, rows), dtype=np.float32)  # temperatures, min_ps, top_ps
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.prompt = np.zeros(rows, dtype=np.int64)
+
+    @property
+    def block_tables(self) -> BlockTables:
+        """The first KV group's tables (the only ones of most models)."""
+        return self.group_tables[0]
+
+    @block_tables.setter
+    def block_tables(self, tables: BlockTables) -> None:
+        self.group_tables[0] = tables
 
     def _grow(self, rows: int) -> None:
         old = self.top_k.shape[0]
