@@ -29,7 +29,7 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
             raise RequestRejected(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
     longest = min(n + (params.max_tokens or limit), limit)
     bs, pool = config.kvcache_block_size, num_blocks
-    need = blocks_needed(longest, kv_windows, bs, config.max_num_batched_tokens)
+    need = blocks_needed(longest, kv_windows, bs, bs)  # a window group's prompt chunks shrink to what is free
     if pool is not None and need > pool:
         raise PoolTooSmall(f"the request may grow to {longest} tokens, which needs "
                            f"{need} KV blocks, but the whole pool has {pool}; "

@@ -91,15 +91,16 @@ class BlockManager:
 
     # -- prefill ---------------------------------------------------------------
     def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
-        """Whether ``allocate(seq, budget)`` finds its blocks (counting no prefix hit)."""
+        """Whether ``allocate(seq, budget)`` finds its blocks, counting no prefix hit: a full group's for the
+        whole prompt, a window group's for its window and one block (its first chunk may be cut short)."""
         if not self.has_windows:
             return self.num_free_blocks >= seq.num_blocks * self.num_groups
-        chunk = seq.num_tokens if budget is None else min(seq.num_tokens, max(budget, 1))
-        return self.num_free_blocks >= blocks_needed(seq.num_tokens, self.windows, self.block_size, chunk)
+        return self.num_free_blocks >= blocks_needed(seq.num_tokens, self.windows, self.block_size, self.block_size)
 
     def allocate(self, seq: Sequence, budget: int | None = None) -> int:
         """Give ``seq`` blocks for its tokens (a window group: for its first chunk of at most ``budget``
-        tokens; ``grow`` adds the next chunks'); returns how many tokens came from the prefix cache."""
+        tokens, as far as the free blocks reach; ``grow`` adds the next chunks'); returns how many tokens came
+        from the prefix cache."""
         assert not seq.block_table, "sequence already holds blocks"
         if self.free_rows:
             seq.table_row = self.free_rows.pop()
@@ -117,7 +118,6 @@ class BlockManager:
         cached = depth * bs
         seq.block_tables = [[] for _ in self.windows]
         seq.held_from = [window_start_block(cached, w, bs) for w in self.windows]
-        end = seq.num_tokens if budget is None else min(seq.num_tokens, cached + max(budget, 1))
         for g, window in enumerate(self.windows):
             table, lo = seq.block_tables[g], seq.held_from[g]
             for i in range(depth):
@@ -130,9 +130,11 @@ class BlockManager:
                     del self.free_ids[block_id]
                 block.ref_count += 1
                 table.append(block_id)
-            upto = seq.num_blocks if window is None else -(-end // bs)
-            for _ in range(depth, upto):
-                table.append(self._take_free(g))
+            if window is None:
+                for _ in range(depth, seq.num_blocks):
+                    table.append(self._take_free(g))
+        end = seq.num_tokens if budget is None else min(seq.num_tokens, cached + max(budget, 1))
+        self.grow(seq, end)
         if depth:
             seq.num_hashed_blocks, seq.last_block_hash = depth, hashes[-1]
         seq.num_cached_tokens = seq.num_computed_tokens = cached

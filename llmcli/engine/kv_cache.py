@@ -95,9 +95,8 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
     if layout is not None and layout.num_groups > 1 or any(g["window"] is not None for g in groups):
         per_seq = sum(g["blocks_per_seq"] for g in groups)
         concurrent = num_blocks / per_seq if per_seq else 0.0
-        notes.append("KV groups: " + "; ".join(
-            f"{g['kind']} x{g['layers']} layers, {g['blocks_per_seq']} blocks per {config.max_model_len}-token "
-            f"sequence" for g in groups) + " (one pool of blocks; window blocks go back to it as sequences advance)")
+        notes.append(f"KV groups: {len(groups)}, one pool of blocks for all; a sliding-window group's blocks go back to it "
+                     "as sequences move past them, so a long sequence holds only its window's")
     if state_pool_bytes:
         notes.append(f"linear-attention state pool: {state_pool_bytes / GIB:.3f} GiB ({config.max_num_seqs} "
                      "sequences' conv and recurrent states); prefix caching is off for this hybrid model")
@@ -113,13 +112,13 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
 
 
 def group_reports(config: Config, layout: KVLayout | None, per_block: int) -> list[dict[str, Any]]:
-    """Per KV group: its kind, window and layers, and the most blocks (and bytes) a sequence of max_model_len
-    tokens holds in it at once."""
+    """Per KV group: its kind, window and layers, and the most blocks (and bytes) a decoding sequence of
+    max_model_len tokens holds in it at once (its prompt's chunks may briefly hold a chunk's more)."""
     if layout is None:
         return []
     out = []
     for window, layers in zip(layout.windows, layout.layers):
-        blocks = blocks_held(config.max_model_len, window, config.kvcache_block_size, config.max_num_batched_tokens)
+        blocks = blocks_held(config.max_model_len, window, config.kvcache_block_size)  # while it decodes
         out.append({"kind": "full" if window is None else f"sliding {window}", "window": window,
                     "layers": len(layers), "blocks_per_seq": blocks, "bytes_per_seq": blocks * per_block})
     return out

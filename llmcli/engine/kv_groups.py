@@ -96,9 +96,10 @@ def window_start_block(position: int, window: int | None, block_size: int) -> in
     return 0 if window is None else max(0, position - window + 1) // block_size
 
 
-def blocks_held(length: int, window: int | None, block_size: int, chunk: int) -> int:
+def blocks_held(length: int, window: int | None, block_size: int, chunk: int = 1) -> int:
     """The most blocks a sequence of ``length`` tokens holds at once in a group with this window, computed in
-    chunks of at most ``chunk`` tokens (a decode step is a chunk of one)."""
+    chunks of at most ``chunk`` tokens (a decode step is a chunk of one; a prefill chunk is cut to what the
+    pool has free, down to one block)."""
     total = -(-length // block_size)
     if window is None:
         return total
@@ -107,5 +108,6 @@ def blocks_held(length: int, window: int | None, block_size: int, chunk: int) ->
 
 
 def blocks_needed(length: int, windows: Sequence[int | None], block_size: int, chunk: int) -> int:
-    """Over every group: the blocks a sequence of ``length`` tokens may hold at once (the admission rule)."""
+    """Over every group: the blocks a sequence of ``length`` tokens may hold at once (with ``chunk`` =
+    ``block_size``: what it needs to advance one block at a time, the admission rule)."""
     return sum(blocks_held(length, w, block_size, chunk) for w in windows)

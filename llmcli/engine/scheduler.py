@@ -163,7 +163,10 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
-        self.waiting.appendleft(seq)
+        waiting = self.waiting
+        # behind a prompt that is part-way through its chunks: it holds blocks (and may need a few more for its
+        # window), and must finish its prompt before anything waits on the pool in front of it
+        waiting.insert(1 if waiting and waiting[0].block_table else 0, seq)
         self.stats.num_preemptions += 1
 
     def launched(self, seqs: list[Sequence], sampled: list[Sequence]) -> list[int]:
