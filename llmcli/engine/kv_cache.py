@@ -71,6 +71,9 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
     else:
         total = _host_memory()
         wanted = config.max_num_seqs * config.max_model_len * per_token
+        if layout is not None and layout.num_groups > 1:  # every group's blocks of each sequence
+            wanted = config.max_num_seqs * per_block * sum(
+                blocks_held(config.max_model_len, w, bs) for w in layout.windows)
         available = int(config.kv_cache_memory_gib * GIB) if config.kv_cache_memory_gib else min(
             int(CPU_DEFAULT_KV_GIB * GIB), wanted)
         available = max(0, available - state_pool_bytes)
