@@ -95,20 +95,22 @@ def test_a_long_window_sequence_fits_a_pool_its_full_length_would_not():
     assert BlockManager(6, BS).can_allocate(seq_of(60)) is False
 
 
-def finish(manager: BlockManager, seq: Sequence) -> None:
-    manager.free(seq)
+def prompt_then_eight_blocks_of_another(manager: BlockManager) -> Sequence:
+    """A 41-token prompt computed and finished, then a 32-token one of other tokens (taking the first eight
+    blocks the pool hands out, which forgets their hashes) finished too; the first prompt again, unallocated."""
+    first = seq_of(41)
+    run_prefill(manager, first, chunk=41)
+    manager.free(first)
+    taker = seq_of(8 * BS, start=1000)
+    run_prefill(manager, taker, chunk=8 * BS)
+    manager.free(taker)
+    return seq_of(41)
 
 
 def test_hit_deeper_than_the_window_needs_only_the_window_blocks():
     manager = BlockManager(11, BS, windows=(W,))
-    first = seq_of(41)
-    run_prefill(manager, first, chunk=41)
-    finish(manager, first)
     # blocks 0..7 went back first (released as the prompt passed them) and are the first the pool hands out
-    taker = seq_of(8 * BS, start=1000)
-    run_prefill(manager, taker, chunk=8 * BS)
-    manager.free(taker)
-    again = seq_of(41)
+    again = prompt_then_eight_blocks_of_another(manager)
     hit = manager.allocate(again, 41)
     # the query at 40 reads only blocks 8 and 9 (keys 35..39), still cached: a 40-token hit
     assert hit == 40
@@ -129,15 +131,9 @@ def test_hit_deeper_than_the_window_needs_only_the_window_blocks():
 
 def test_a_window_group_limits_the_hit_of_a_full_group():
     manager = BlockManager(22, BS, windows=(None, W))
-    first = seq_of(41)
-    run_prefill(manager, first, chunk=41)
-    finish(manager, first)
     # the pool hands out the window group's released early blocks first, then the full group's blocks tail
-    # first: a 32-token sequence takes window blocks 0..7 and full blocks 10..3 of the first prompt
-    taker = seq_of(8 * BS, start=1000)
-    run_prefill(manager, taker, chunk=8 * BS)
-    manager.free(taker)
-    again = seq_of(41)
+    # first: the 32-token sequence takes window blocks 0..7 and full blocks 10..3 of the first prompt
+    again = prompt_then_eight_blocks_of_another(manager)
     # the full group still has blocks 0..2, but a query at 4, 8 or 12 reads window blocks that are gone
     assert manager.allocate(again, 41) == 0
     free_before = manager.num_free_blocks
@@ -151,7 +147,7 @@ def test_an_evicted_block_inside_the_window_makes_the_hit_shallower():
     run_prefill(manager, first, chunk=41)
     # drop block 9 from the prefix cache (as if its id went to another sequence)
     table = first.block_table
-    finish(manager, first)
+    manager.free(first)
     block = manager.blocks[table[9]]
     del manager.hash_maps[0][block.hash]
     again = seq_of(41)
