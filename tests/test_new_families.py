@@ -245,10 +245,11 @@ def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, 
 # tensor parallelism: linear-attention heads (and the shared expert) split over 2 CPU ranks
 # --------------------------------------------------------------------------
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3"])  # (the tiny Mistral has one KV head)
 def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
     """Qwen3.5's separate and Qwen3-Next's per-key-head fused projections reach each rank's heads; the
-    state pool holds each rank's heads; Gemma 3's two rotaries and window per rank."""
+    state pool holds each rank's heads; Gemma 3's two rotaries and window per rank, and its KV groups' tables
+    (window blocks given back in 40-token chunks) on every rank."""
     from llmcli import LLM
 
     from test_engine_vs_hf import assert_same_tokens, greedy
