@@ -118,6 +118,7 @@ class BlockManager:
         cached = depth * bs
         seq.block_tables = [[] for _ in self.windows]
         seq.held_from = [window_start_block(cached, w, bs) for w in self.windows]
+        seq.slide_at = 0
         for g, window in enumerate(self.windows):
             table, lo = seq.block_tables[g], seq.held_from[g]
             for i in range(depth):
@@ -192,18 +193,21 @@ class BlockManager:
     def slide(self, seq: Sequence) -> None:
         """Give back the window groups' blocks that no query from ``num_computed_tokens`` on reads."""
         bs, start = self.block_size, seq.num_computed_tokens
+        due = None
         for g, window in enumerate(self.windows):
             if window is None:
                 continue
-            upto = min(window_start_block(start, window, bs), len(seq.block_tables[g]))
-            lo = seq.held_from[g]
-            if upto <= lo:
-                continue
-            table = seq.block_tables[g]
-            for i in range(lo, upto):
-                self._release(table[i])
-                table[i] = NULL_BLOCK
-            seq.held_from[g] = upto
+            table, lo = seq.block_tables[g], seq.held_from[g]
+            upto = min(window_start_block(start, window, bs), len(table))
+            if upto > lo:
+                for i in range(lo, upto):
+                    self._release(table[i])
+                    table[i] = NULL_BLOCK
+                seq.held_from[g] = lo = upto
+            # the computed count at which this group's next block falls out of the window
+            at = (lo + 1) * bs + window - 1
+            due = at if due is None or at < due else due
+        seq.slide_at = due if due is not None else 1 << 62
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the full blocks whose K/V is (being) computed and whose tokens are all known."""

@@ -190,7 +190,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 0
                 if caching and computed // block_size > seq.num_hashed_blocks:
                     manager.register_computed(seq)
-                if slide is not None:
+                if slide is not None and computed >= seq.slide_at:
                     slide(seq)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.num_pending += 1
@@ -202,7 +202,7 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             if caching and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
                 manager.register_computed(seq)
-            if slide is not None:
+            if slide is not None and seq.num_computed_tokens >= seq.slide_at:
                 slide(seq)
         for row, seq in enumerate(sampled):
             tokens = seq.token_ids

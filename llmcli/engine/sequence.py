@@ -52,6 +52,7 @@ class Sequence:
         # window block's entry is kv_groups.NULL_BLOCK
         self.block_tables: list[list[int]] = [[]]
         self.held_from: list[int] = [0]  # per group: the first block not released (window groups)
+        self.slide_at = 0  # the computed count from which BlockManager.slide has a window block to give back
         self.table_row = -1  # this sequence's row in the runner's block tables while it holds blocks
         self.table_id = 0  # which allocation that row was last filled for (fresh on every allocate)
         # the scheduler's quick test: below this many tokens a decode step needs no new block and hits no
