@@ -107,6 +107,8 @@ class DecodeGraphs:
     a step (top-k off, top-p 1) cost the filtered kernel nothing but its window.
     """
 
+    groups = 1  # KV groups (engine/kv_groups.py): each has its slots in the staged inputs and its block tables
+
     def __init__(self, model: nn.Module, backend: AttentionBackend, config: Config, device: torch.device,
                  sample_in_graph: bool = False, groups: int = 1) -> None:
         """``groups``: the model's KV groups (engine/kv_groups.py), each with its slots and block tables."""

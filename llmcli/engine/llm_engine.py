@@ -66,7 +66,7 @@ class LLMEngine:
         self.model_runner = self._start_runner(config)
         self.clock.check()
         self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks)
-        self.kv_windows = kv_windows_of(self.model_runner.memory_report)
+        self.kv_windows = kv_windows_of(getattr(self.model_runner, "memory_report", None))
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats, self.kv_windows)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)
