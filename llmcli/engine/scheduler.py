@@ -97,12 +97,12 @@ class Scheduler:
                 hit = self.block_manager.allocate(seq, budget)
                 self.stats.prefix_cache_queried_tokens += seq.num_tokens
                 self.stats.prefix_cache_hit_tokens += hit
-            start = seq.num_computed_tokens
+            done = seq.num_computed_tokens
             # a window group holds only the chunk's blocks (and its window's): the pool may cut the chunk short
-            end = self.block_manager.grow(seq, start + min(seq.num_tokens - start, budget))
-            if end <= start:
+            end = self.block_manager.grow(seq, done + min(seq.num_tokens - done, budget))
+            if end <= done:
                 break
-            seq.num_scheduled_tokens = end - start
+            seq.num_scheduled_tokens = end - done
             budget -= seq.num_scheduled_tokens
             batch.append(seq)
             if not seq.samples_this_step:
