@@ -28,8 +28,9 @@ class Scheduler:
     or, with ``mixed_steps``, one decode token for every running sequence and prompt chunks in what is left
     of the budget, in the same step (decoding never pauses while prompts prefill).
 
-    A prompt is admitted once all its blocks can be allocated; if the budget
-    runs out inside it, it stays at the head of the waiting queue holding its
+    A prompt is admitted once all its blocks can be allocated (in a sliding-window KV group: its window's and
+    one more; each chunk then takes its own, and blocks behind the window go back as it advances); if the
+    budget runs out inside it, it stays at the head of the waiting queue holding its
     blocks and continues next step. When decode runs out of blocks, the most
     recently admitted sequence is preempted: its blocks are freed and it is
     recomputed later from its tokens, so no generated token is lost.
