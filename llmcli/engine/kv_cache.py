@@ -1,4 +1,5 @@
-"""Sizing and allocating the KV block pool from what the warm-up left free."""
+"""Sizing and allocating the KV block pool from what the warm-up left free, laid out in KV groups
+(engine/kv_groups.py: one block id is one block of each of ``layout.slots`` layer tensors)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
+from llmcli.engine.kv_groups import KVLayout, blocks_held, plan_kv_groups
 from llmcli.engine.outputs import MemoryReport
 from llmcli.layers.attention import Attention
 
@@ -27,11 +29,18 @@ class KVCacheAllocationError(RuntimeError):
     """The planned KV pool could not be allocated (the device or host has less memory than asked for)."""
 
 
+def kv_layout(model: nn.Module, max_model_len: int | None = None) -> KVLayout:
+    """The model's KV groups, from its attention layers' windows."""
+    return plan_kv_groups([m.sliding_window for m in model.modules() if isinstance(m, Attention)], max_model_len)
+
+
 def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       model: nn.Module | None = None) -> int:
-    """Over the attention layers of ``model``, else of config.json's ``layer_types`` (a hybrid's linear layers
-    keep no KV)."""
-    if model is not None:
+                       model: nn.Module | None = None, layout: KVLayout | None = None) -> int:
+    """Bytes one token of one block id takes: over the layout's layer tensors, else the attention layers of
+    ``model``, else config.json's ``layer_types`` (a hybrid's linear layers keep no KV)."""
+    if layout is not None:
+        layers = layout.slots
+    elif model is not None:
         layers = sum(isinstance(m, Attention) for m in model.modules())
     else:
         kinds = getattr(hf_config, "layer_types", None) or ()
@@ -45,7 +54,7 @@ def device_name(device: torch.device) -> str:
 
 def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_bytes: int,
                   activation_peak: int, state_pool_bytes: int = 0, snapshots: tuple[int, int] = (0, 0),
-                  ) -> MemoryReport:
+                  layout: KVLayout | None = None) -> MemoryReport:
     """Decide the number of blocks: the explicit count, else the memory budget that is left (after the
     linear-attention state pool's ``state_pool_bytes`` and its ``snapshots``: (slots, bytes) of the prefix
     cache's state snapshots)."""
@@ -66,6 +75,9 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
     else:
         total = _host_memory()
         wanted = config.max_num_seqs * config.max_model_len * per_token
+        if layout is not None and layout.num_groups > 1:  # every group's blocks of each sequence
+            wanted = config.max_num_seqs * per_block * sum(
+                blocks_held(config.max_model_len, w, bs) for w in layout.windows)
         available = int(config.kv_cache_memory_gib * GIB) if config.kv_cache_memory_gib else min(
             int(CPU_DEFAULT_KV_GIB * GIB), wanted)
         available = max(0, available - state_pool_bytes)
@@ -86,6 +98,12 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         notes.append(f"no KV block fits: {short / GIB:.2f} GiB more is needed for a single block of "
                      f"{per_block / 2**20:.1f} MiB; change {knob}")
     cache_tokens = num_blocks * bs
+    groups, concurrent = group_reports(config, layout, per_block), cache_tokens / config.max_model_len
+    if layout is not None and layout.num_groups > 1 or any(g["window"] is not None for g in groups):
+        per_seq = sum(g["blocks_per_seq"] for g in groups)
+        concurrent = num_blocks / per_seq if per_seq else 0.0
+        notes.append(f"KV groups: {len(groups)}, one pool of blocks for all; a sliding-window group's blocks go back to it "
+                     "as sequences move past them, so a long sequence holds only its window's")
     if state_pool_bytes:
         cache = f"{num_snapshots} prefix-cache state snapshots ({snapshot_bytes / GIB:.3f} GiB)" if num_snapshots \
             else "no state snapshots: prefix caching is off for this hybrid model"
@@ -96,27 +114,42 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         weights_bytes=weights_bytes, activation_peak_bytes=activation_peak, cuda_graph_bytes=0,
         other_bytes=other, kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, block_size=bs,
         num_blocks=num_blocks, cache_tokens=cache_tokens, max_model_len=config.max_model_len,
-        max_concurrent_full_seqs=cache_tokens / config.max_model_len, dtype=str(config.torch_dtype).removeprefix("torch."),
+        max_concurrent_full_seqs=concurrent, dtype=str(config.torch_dtype).removeprefix("torch."),
         kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), state_pool_bytes=state_pool_bytes,
-        num_state_snapshots=num_snapshots, state_snapshot_bytes=snapshot_bytes,
-        notes=notes,
+        num_state_snapshots=num_snapshots, state_snapshot_bytes=snapshot_bytes, kv_groups=groups, notes=notes,
     )
 
 
+def group_reports(config: Config, layout: KVLayout | None, per_block: int) -> list[dict[str, Any]]:
+    """Per KV group: its kind, window and layers, and the most blocks (and bytes) a decoding sequence of
+    max_model_len tokens holds in it at once (its prompt's chunks may briefly hold a chunk's more)."""
+    if layout is None:
+        return []
+    out = []
+    for window, layers in zip(layout.windows, layout.layers):
+        blocks = blocks_held(config.max_model_len, window, config.kvcache_block_size)  # while it decodes
+        out.append({"kind": "full" if window is None else f"sliding {window}", "window": window,
+                    "layers": len(layers), "blocks_per_seq": blocks, "bytes_per_seq": blocks * per_block})
+    return out
+
+
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
+                      dtype: torch.dtype, device: torch.device, layout: KVLayout | None = None) -> torch.Tensor:
+    """One tensor [2, layer tensors, blocks, block_size, kv_heads, head_dim]; each attention layer gets the views
+    of its tensor (its index in its KV group) and, with several groups, its group."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
+    layout = layout if layout is not None else plan_kv_groups([None] * len(layers))
     try:
-        cache = torch.empty(2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+        cache = torch.empty(2, layout.slots, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
                             device=device)
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        size = 2 * len(layers) * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+        size = 2 * layout.slots * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KVCacheAllocationError(f"cannot allocate the KV cache ({num_blocks} blocks, {size / GIB:.2f} GiB on "
                                      f"{device}): {why}; lower num_kvcache_blocks or kv_cache_memory_gib") from None
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+    for layer, (group, slot) in zip(layers, layout.group_of()):
+        layer.k_cache, layer.v_cache = cache[0, slot], cache[1, slot]
+        layer.kv_group = group if layout.num_groups > 1 else None
     return cache
 
 
