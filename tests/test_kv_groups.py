@@ -141,6 +141,23 @@ def test_a_window_group_limits_the_hit_of_a_full_group():
     assert manager.num_free_blocks > free_before
 
 
+def test_a_snapshot_limit_caps_the_hit_and_the_window_is_checked_at_the_shallower_depth():
+    """A hybrid model's hit ends at its deepest state snapshot (``max_cached_blocks``): the hit is the smaller
+    of that and the KV groups' depth, and a window group must still hold the blocks the first query after the
+    shallower hit reads."""
+    full = BlockManager(64, BS)
+    first = seq_of(41)
+    run_prefill(full, first, chunk=41)
+    full.free(first)
+    assert full.cached_blocks(seq_of(41)) == 10
+    assert full.allocate(seq_of(41), max_cached_blocks=3) == 3 * BS
+    manager = BlockManager(11, BS, windows=(W,))
+    again = prompt_then_eight_blocks_of_another(manager)  # blocks 0..7 gone, 8 and 9 cached
+    assert manager.cached_blocks(again) == 10
+    # cut to 5 blocks, the query at 20 would read blocks 3 and 4, which are gone: no hit at all
+    assert manager.allocate(again, 41, max_cached_blocks=5) == 0
+
+
 def test_an_evicted_block_inside_the_window_makes_the_hit_shallower():
     manager = BlockManager(64, BS, windows=(W,))
     first = seq_of(41)
