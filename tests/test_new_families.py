@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import json
+
 import pytest
 import torch
 
@@ -38,12 +40,60 @@ def test_long_prompts_at_two_block_sizes(new_family, hf_oracle, run_factory, blo
 
 def test_chunked_prefill_and_preemption(new_family, hf_oracle, run_factory):
     """Chunks of 20 tokens (below the window and the DeltaNet chunk) and a pool too small for every sequence
-    at once: sequences are preempted and recomputed (a hybrid's state restarts from zero)."""
+    at once: sequences are preempted and recomputed (a hybrid's state restarts from zero). Window blocks go back
+    to the pool as the chunks advance (engine/kv_groups.py)."""
     prompts = random_prompts([50, 75, 99, 120, 8, 64], seed=410)
-    run = run_factory(new_family, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192,
+    # the same memory for every family: Gemma 3's layers are three KV groups of one layer, so its block is a
+    # third of the others'
+    blocks = 36 if new_family.name.startswith("tiny_gemma3") else 12
+    run = run_factory(new_family, kvcache_block_size=16, num_kvcache_blocks=blocks, max_model_len=192,
                       max_num_batched_tokens=20)
     check_against_hf(run, hf_oracle, prompts, max_new=40)
     assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+def test_window_memory_comes_back_so_more_long_sequences_run_at_once(family, tiny_checkpoint, hf_oracle, run_factory,
+                                                                     monkeypatch):
+    """The same KV memory and the same prompts (each four windows long): with the blocks that fall out of the
+    window going back to the pool, more sequences run at once than with the model's cache laid out as full
+    attention (``LLMCLI_KV_WINDOW_RELEASE=0``: one group, nothing released), and both equal transformers."""
+    model = tiny_checkpoint(family)
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    full_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4 * 16  # fp32, 16 tokens
+    memory_gib = 30 * full_block / 2**30  # 30 blocks of full attention: 480 tokens, three of these sequences
+    prompts = random_prompts([100] * 8, seed=430)
+    peak, blocks = {}, {}
+    for release in ("0", "1"):
+        monkeypatch.setenv("LLMCLI_KV_WINDOW_RELEASE", release)
+        run = run_factory(model, kvcache_block_size=16, num_kvcache_blocks=None, kv_cache_memory_gib=memory_gib,
+                          max_model_len=192, max_num_batched_tokens=64)
+        check_against_hf(run, hf_oracle, prompts, max_new=40)
+        peak[release] = run.llm.engine.stats.peak_running
+        report = run.llm.engine.model_runner.memory_report
+        blocks[release] = (report.num_blocks, [g["window"] for g in report.kv_groups])
+    assert blocks["0"] == (30, [None])
+    # Mistral's every layer is windowed: a sequence holds ~3 blocks instead of 9. Gemma 3's global layer keeps
+    # all 9 (of a third of the size) beside two local layers' ~3 each: (3 x 9) / (9 + 2 x 3) = 1.8x at most
+    gain = 2.0 if family == "mistral-window" else 1.5
+    assert peak["1"] >= gain * peak["0"], (peak, blocks)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+def test_prefix_hits_deeper_than_the_window(family, tiny_checkpoint, hf_oracle, run_factory):
+    """A 100-token shared prefix (four windows) computed in chunks, its early window blocks given back on the
+    way: later prompts sharing it hit 96 tokens (the window group needs only the blocks its first query reads)
+    and still equal transformers."""
+    model = tiny_checkpoint(family)
+    shared = random_prompts([100], seed=440)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 17, 30], seed=441)]
+    run = run_factory(model, kvcache_block_size=16, max_num_batched_tokens=32)
+    check_against_hf(run, hf_oracle, prompts[:1], max_new=8)
+    before = run.llm.engine.stats.prefix_cache_hit_tokens
+    check_against_hf(run, hf_oracle, prompts, max_new=8)
+    assert run.llm.engine.stats.prefix_cache_hit_tokens - before >= 3 * 96
 
 
 def test_gemma3_and_mistral_need_no_max_model_len_cap(tiny_checkpoint):
@@ -255,10 +305,11 @@ def test_multimodal_checkpoint_runs_its_language_model(family, tiny_checkpoint, 
 # tensor parallelism: linear-attention heads (and the shared expert) split over 2 CPU ranks
 # --------------------------------------------------------------------------
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3", "gemma4-moe"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma3", "gemma4-moe"])  # (the tiny Mistral has one KV head)
 def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
     """Qwen3.5's separate and Qwen3-Next's per-key-head fused projections reach each rank's heads; the
-    state pool holds each rank's heads; Gemma 3's two rotaries and window per rank."""
+    state pool holds each rank's heads; Gemma 3's two rotaries and window per rank, and its KV groups' tables
+    (window blocks given back in 40-token chunks) on every rank."""
     from llmcli import LLM
 
     from test_engine_vs_hf import assert_same_tokens, greedy

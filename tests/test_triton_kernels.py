@@ -552,7 +552,8 @@ def eager_decode_graphs(runner, sample_in_graph):
                 return body(bs)
             return EagerGraph(run, output), output, None
 
-    return EagerDecodeGraphs(runner.model, runner.backend, runner.config, runner.device, sample_in_graph)
+    return EagerDecodeGraphs(runner.model, runner.backend, runner.config, runner.device, sample_in_graph,
+                             groups=len(runner.rows.group_tables))
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
@@ -606,6 +607,30 @@ def test_decode_graph_path_carries_linear_attention_state(tiny_checkpoint, hf_or
     prompts = random_prompts([45, 9, 30], seed=406)  # 3 rows in the graph of 4
     check_against_hf(run, hf_oracle, prompts, max_new=8)
     assert run.llm.engine.step_timer.steps["decode"] >= 7
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")
+@pytest.mark.parametrize("family", ["gemma3"])
+def test_decode_graph_path_reads_each_kv_groups_tables(family, tiny_checkpoint, hf_oracle, run_factory):
+    """Sliding-window KV groups (engine/kv_groups.py) through the decode graphs: each group's slots staged with
+    the other inputs, each group's block tables gathered from its own device copy (as on CUDA; the first
+    group's deltas ride in the staged copy, the others' go on their own), and blocks that fell out of the
+    window handed to other rows in a small pool: HF's greedy tokens."""
+    from llmcli.engine.block_tables import BlockTables
+
+    model = tiny_checkpoint(family)
+    run = run_factory(model, attention_backend="triton", device=DEVICE.type, dtype="float32", max_num_seqs=4,
+                      max_num_batched_tokens=64, num_kvcache_blocks=24)
+    runner = run.llm.engine.model_runner
+    rows = runner.rows
+    rows.group_tables = [BlockTables(t.width, t.block_size, DEVICE, rows=t.host.shape[0], copy=True)
+                         for t in rows.group_tables]
+    assert len(rows.group_tables) == 3  # one full layer, two local layers: three groups of one layer
+    runner.graphs = eager_decode_graphs(runner, False)
+    prompts = random_prompts([40, 9, 20], seed=407)  # 3 rows in the graph of 4, all decoding past a window (24)
+    check_against_hf(run, hf_oracle, prompts, max_new=16)
+    assert run.llm.engine.step_timer.steps["decode"] >= 15
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 Triton dots run as tf32 on the GPU; tests/test_gpu_e2e.py covers bf16 there")

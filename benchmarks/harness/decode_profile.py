@@ -63,7 +63,7 @@ def probe_device_time(runner: Any, plan: Any, reps: int, device: str) -> dict[st
         for _ in range(5):
             t = time.perf_counter()
             runner.rows.update(plan, uploader)  # the row table as the launch leaves it (writing twice changes nothing)
-            inputs = prepare_decode(plan, uploader, runner.block_tables)
+            inputs = prepare_decode(plan, uploader, runner.rows.group_tables)
             sampling = runner.rows.sampling(*runner.rows.sampled(plan), uploader)
             sync(device)
             prep.append(time.perf_counter() - t)

@@ -231,7 +231,7 @@ def run_bench_command(engine_kwargs: dict[str, Any], w: Workload, console: Conso
         "state_snapshots": {"slots": after.state_snapshot_slots, "taken": after.state_snapshots_taken - taken,
                             "hits": after.state_snapshot_hits - state_hits},
         "kv_cache": {"num_blocks": report.num_blocks, "block_size": report.block_size,
-                     "cache_tokens": report.cache_tokens},
+                     "cache_tokens": report.cache_tokens, "groups": getattr(report, "kv_groups", [])},
         "step_timer": steps,
         "workload": {**asdict(w), "ignore_eos": True},
         "engine": {name: getattr(config, name) for name in Config.knob_names()},

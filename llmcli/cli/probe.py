@@ -24,6 +24,8 @@ def _gib(n: float) -> str:
 def fit_hint(r: MemoryReport, knobs: dict[str, Any]) -> str | None:
     """None when one sequence of max_model_len fits; else which knob to change, and to what."""
     blocks_per_seq = math.ceil(r.max_model_len / r.block_size) if r.block_size else 0
+    if r.kv_groups and any(g["window"] is not None for g in r.kv_groups):  # a window group holds only its window
+        blocks_per_seq = sum(g["blocks_per_seq"] for g in r.kv_groups)
     if r.num_blocks >= blocks_per_seq or r.kv_bytes_per_block <= 0:
         return None
     need = blocks_per_seq * r.kv_bytes_per_block
@@ -67,6 +69,16 @@ def _sequences(n: float) -> str:
     return f"{math.floor(n):,}" if n >= 1 else f"{n:.2f}"
 
 
+def _group_rows(r: MemoryReport) -> list[tuple[str, str]]:
+    """Per KV group (a model with sliding-window layers): what one sequence of max_model_len holds in it at most."""
+    groups = r.kv_groups or []
+    if not any(g["window"] is not None for g in groups):
+        return []
+    return [(f"KV group {i}: {g['kind']}, {g['layers']} layers",
+             f"{g['blocks_per_seq']:,} blocks ({_gib(g['bytes_per_seq'])}) per sequence")
+            for i, g in enumerate(groups)]
+
+
 def render(r: MemoryReport, hint: str | None, console: Console) -> None:
     cpu = r.device == "cpu"
     rows = [
@@ -85,6 +97,7 @@ def render(r: MemoryReport, hint: str | None, console: Console) -> None:
         ("KV bytes per token", f"{r.kv_bytes_per_token:,} ({r.kv_cache_dtype or r.dtype})"),
         ("KV bytes per block", f"{r.kv_bytes_per_block:,} ({r.block_size} tokens)"),
         ("KV blocks", f"{r.num_blocks:,} ({_gib(r.num_blocks * r.kv_bytes_per_block)})"),
+        *_group_rows(r),
         ("tokens the cache holds", f"{r.cache_tokens:,}"),
         (f"sequences of max_model_len={r.max_model_len:,} at once", _sequences(r.max_concurrent_full_seqs)),
     ]

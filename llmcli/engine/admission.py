@@ -4,14 +4,16 @@ from __future__ import annotations
 from typing import Any
 
 from llmcli.config import Config
+from llmcli.engine.kv_groups import blocks_needed
 from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import PoolTooSmall, RequestRejected
 from llmcli.sampling_params import SamplingParams
 
 
 def check_request_fits(token_ids: list[int], params: SamplingParams, config: Config,
-                       num_blocks: int | None = None) -> None:
-    """The admission rule: a prompt leaving room to generate, valid ids, and (given the pool) enough blocks."""
+                       num_blocks: int | None = None, kv_windows: tuple[int | None, ...] = (None,)) -> None:
+    """The admission rule: a prompt leaving room to generate, valid ids, and (given the pool and its KV groups'
+    windows) enough blocks for the most the request holds at once."""
     n, limit = len(token_ids), config.max_model_len
     if n == 0:
         raise RequestRejected("the prompt is empty: at least one token is needed")
@@ -27,16 +29,17 @@ def check_request_fits(token_ids: list[int], params: SamplingParams, config: Con
             raise RequestRejected(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
     longest = min(n + (params.max_tokens or limit), limit)
     bs, pool = config.kvcache_block_size, num_blocks
-    if pool is None or -(-longest // bs) <= pool:
+    need = blocks_needed(longest, kv_windows, bs, bs)  # a window group's prompt chunks shrink to what is free
+    if pool is None or need <= pool:
         return
-    alone = -(-(n + 1) // bs)
+    alone = blocks_needed(n + 1, kv_windows, bs, bs)
     if alone > pool:  # max_tokens is not the cause: no request this long fits, whatever it generates
         raise PoolTooSmall(f"the prompt is {n} tokens, which with one generated token need {alone} KV blocks, "
                            f"but the whole pool has {pool}; shorten the prompt or give the cache more memory",
                            prompt_alone=True, blocks=alone, pool=pool)
-    raise PoolTooSmall(f"the request may grow to {longest} tokens, which needs {-(-longest // bs)} KV blocks, but "
+    raise PoolTooSmall(f"the request may grow to {longest} tokens, which needs {need} KV blocks, but "
                        f"the whole pool has {pool}; lower max_tokens or give the cache more memory",
-                       blocks=-(-longest // bs), pool=pool)
+                       blocks=need, pool=pool)
 
 
 def encode_prompt(tokenizer: Any | None, prompt: str | list[int], model: str) -> list[int]:

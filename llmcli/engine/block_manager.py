@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import xxhash
 
+from llmcli.engine.kv_groups import NULL_BLOCK, blocks_needed, window_start_block
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence
 
 
@@ -16,31 +17,39 @@ def chain_hash(prev: int, tokens: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "group")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept to rule out hash collisions
+        self.group = 0  # the KV group whose prefix cache finds it (engine/kv_groups.py)
 
 
 class BlockManager:
-    """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens.
+    """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens, shared by the KV groups (``windows``: one
+    per group, None for full attention; engine/kv_groups.py).
 
     Full blocks whose K/V has been computed are registered under their chained
-    hash. A new sequence reuses every leading full block whose hash and tokens
+    hash (per group). A new sequence reuses every leading full block whose hash and tokens
     match. Freed blocks keep their hash and stay findable until the pool hands
-    them out again (least recently freed first).
+    them out again (least recently freed first). In a sliding-window group a sequence holds only the blocks
+    its next queries read: the rest go back to the pool as it advances (``slide``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        self.has_windows = any(w is not None for w in self.windows)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_maps: list[dict[int, int]] = [{} for _ in self.windows]
+        self.hash_to_block = self.hash_maps[0]
         self.free_rows: list[int] = []  # rows of the runner's block tables (engine/block_tables.py) now unused
         self.freed_rows: list[int] = []  # rows given back since the last step plan took them (PlanBuilder)
         self.num_rows = 0
@@ -54,39 +63,49 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_ids)
 
-    def _take_free(self) -> int:
+    def _take_free(self, group: int = 0) -> int:
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]
+        if block.hash is not None and self.hash_maps[block.group].get(block.hash) == block_id:
+            del self.hash_maps[block.group][block.hash]
         block.hash = None
         block.token_ids = None
         block.ref_count = 1
+        block.group = group
         return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_ids[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (benchmarks: each run starts cold). Only while no sequence holds blocks."""
         if len(self.free_ids) != self.num_blocks:
             raise RuntimeError("reset_prefix_cache: some sequence still holds blocks")
-        self.hash_to_block.clear()
+        for hashes in self.hash_maps:
+            hashes.clear()
         for block in self.blocks:
             block.hash = block.token_ids = None
 
     # -- prefill ---------------------------------------------------------------
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= seq.num_blocks
+    def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
+        """Whether ``allocate(seq, budget)`` finds its blocks, counting no prefix hit: a full group's for the
+        whole prompt, a window group's for its window and one block (its first chunk may be cut short)."""
+        if not self.has_windows:
+            return self.num_free_blocks >= seq.num_blocks * self.num_groups
+        return self.num_free_blocks >= blocks_needed(seq.num_tokens, self.windows, self.block_size, self.block_size)
 
-    def cached_blocks(self, seq: Sequence, hashes: list[int]) -> int:
-        """How many leading blocks of ``seq`` (whose chained ``hashes`` are given) the prefix cache holds."""
-        for i, h in enumerate(hashes):
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
-                return i
-        return len(hashes)
+    def cached_blocks(self, seq: Sequence) -> int:
+        """How many leading blocks of ``seq`` the prefix cache holds (in every KV group that needs them)."""
+        return len(self._find_hits(seq)[1])
 
-    def allocate(self, seq: Sequence, max_cached_blocks: int | None = None) -> int:
-        """Give ``seq`` blocks for all its tokens, at most ``max_cached_blocks`` of them from the prefix cache
-        (a hybrid model's hit ends at its deepest state snapshot); returns how many tokens came from the cache."""
+    def allocate(self, seq: Sequence, budget: int | None = None, max_cached_blocks: int | None = None) -> int:
+        """Give ``seq`` blocks for its tokens (a window group: for its first chunk of at most ``budget``
+        tokens, as far as the free blocks reach; ``grow`` adds the next chunks'), at most ``max_cached_blocks``
+        of them from the prefix cache (a hybrid model's hit ends at its deepest state snapshot); returns how
+        many tokens came from the prefix cache."""
         assert not seq.block_table, "sequence already holds blocks"
         if self.free_rows:
             seq.table_row = self.free_rows.pop()
@@ -97,27 +116,104 @@ class BlockManager:
         bs = self.block_size
         # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt,
         # as one that asks to skip the cache (skip_reading_prefix_cache) does.
-        prev, cached = 0, 0
-        hit_possible = self.enable_prefix_caching and seq.params.reads_prefix_cache
-        for i in range(seq.num_blocks):
-            # A block holding the last token is never reused: one token must be computed to sample from.
-            if hit_possible and (i + 1) * bs < seq.num_tokens and (max_cached_blocks is None or i < max_cached_blocks):
-                tokens = seq.block_tokens(i)
-                h = chain_hash(prev, tokens)
-                block_id = self.hash_to_block.get(h)
-                if block_id is not None and self.blocks[block_id].token_ids == tuple(tokens):
-                    block = self.blocks[block_id]
-                    if block.ref_count == 0:
-                        del self.free_ids[block_id]
-                    block.ref_count += 1
-                    seq.block_table.append(block_id)
-                    seq.num_hashed_blocks, seq.last_block_hash = i + 1, h
-                    prev, cached = h, cached + bs
+        hits, hashes = [], []
+        if self.enable_prefix_caching and seq.params.reads_prefix_cache:
+            hits, hashes = self._find_hits(seq, max_cached_blocks)
+        depth = len(hashes)
+        cached = depth * bs
+        seq.block_tables = [[] for _ in self.windows]
+        seq.held_from = [window_start_block(cached, w, bs) for w in self.windows]
+        seq.slide_at = 0
+        for g, window in enumerate(self.windows):
+            table, lo = seq.block_tables[g], seq.held_from[g]
+            for i in range(depth):
+                if i < lo:
+                    table.append(NULL_BLOCK)
                     continue
-                hit_possible = False
-            seq.block_table.append(self._take_free())
+                block_id = hits[i][g]
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_ids[block_id]
+                block.ref_count += 1
+                table.append(block_id)
+            if window is None:
+                for _ in range(depth, seq.num_blocks):
+                    table.append(self._take_free(g))
+        end = seq.num_tokens if budget is None else min(seq.num_tokens, cached + max(budget, 1))
+        self.grow(seq, end)
+        if depth:
+            seq.num_hashed_blocks, seq.last_block_hash = depth, hashes[-1]
         seq.num_cached_tokens = seq.num_computed_tokens = cached
         return cached
+
+    def _find_hits(self, seq: Sequence, limit: int | None = None) -> tuple[list[list[int]], list[int]]:
+        """The deepest prefix hit (of at most ``limit`` blocks): per block of it, its id in each group, and the
+        blocks' chained hashes.
+
+        A full group needs every block of the hit, a window group only those the first query after it reads."""
+        bs, groups = self.block_size, range(self.num_groups)
+        found: list[list[int | None]] = []
+        hashes: list[int] = []
+        prev = 0
+        full = [g for g in groups if self.windows[g] is None]
+        # A block holding the last token is never reused: one token must be computed to sample from.
+        for i in range(seq.num_blocks if limit is None else min(seq.num_blocks, limit)):
+            if (i + 1) * bs >= seq.num_tokens:
+                break
+            tokens = seq.block_tokens(i)
+            h = chain_hash(prev, tokens)
+            row: list[int | None] = []
+            for g in groups:
+                block_id = self.hash_maps[g].get(h)
+                ok = block_id is not None and self.blocks[block_id].token_ids == tuple(tokens)
+                row.append(block_id if ok else None)
+            if any(row[g] is None for g in full) or (not self.has_windows and row[0] is None):
+                break  # a full group's hit ends here
+            found.append(row)
+            hashes.append(h)
+            prev = h
+        depth = len(found)
+        while depth:
+            if all(found[i][g] is not None for g in groups
+                   for i in range(window_start_block(depth * bs, self.windows[g], bs), depth)):
+                break
+            depth -= 1
+        return found[:depth], hashes[:depth]  # type: ignore[return-value]
+
+    def grow(self, seq: Sequence, end: int) -> int:
+        """Window groups' blocks up to token ``end`` (a prefill chunk's end; full groups hold the whole prompt
+        from ``allocate``); returns the end the free blocks reach (``end``, or less when the pool is short)."""
+        if not self.has_windows:
+            return end
+        bs = self.block_size
+        lacking = [(g, -(-end // bs) - len(seq.block_tables[g])) for g in range(self.num_groups)]
+        lacking = [(g, n) for g, n in lacking if n > 0]
+        if not lacking:
+            return end
+        per_group = min(max(n for _, n in lacking), self.num_free_blocks // len(lacking))
+        for g, n in lacking:
+            for _ in range(min(n, per_group)):
+                seq.block_tables[g].append(self._take_free(g))
+        return min(end, min(len(seq.block_tables[g]) for g, _ in lacking) * bs)
+
+    def slide(self, seq: Sequence) -> None:
+        """Give back the window groups' blocks that no query from ``num_computed_tokens`` on reads."""
+        bs, start = self.block_size, seq.num_computed_tokens
+        due = None
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table, lo = seq.block_tables[g], seq.held_from[g]
+            upto = min(window_start_block(start, window, bs), len(table))
+            if upto > lo:
+                for i in range(lo, upto):
+                    self._release(table[i])
+                    table[i] = NULL_BLOCK
+                seq.held_from[g] = lo = upto
+            # the computed count at which this group's next block falls out of the window
+            at = (lo + 1) * bs + window - 1
+            due = at if due is None or at < due else due
+        seq.slide_at = due if due is not None else 1 << 62
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the full blocks whose K/V is (being) computed and whose tokens are all known."""
@@ -128,18 +224,25 @@ class BlockManager:
             if PENDING_TOKEN in tokens:
                 break  # its last token is still on the device; registered once it is read back
             h = chain_hash(seq.last_block_hash, tokens)
-            block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = h, tuple(tokens)
-            self.hash_to_block[h] = block.block_id
+            key = tuple(tokens)
+            for g, table in enumerate(seq.block_tables):
+                block_id = table[i]
+                if block_id == NULL_BLOCK:  # released before its tokens were known: not findable
+                    continue
+                block = self.blocks[block_id]
+                block.hash, block.token_ids = h, key
+                self.hash_maps[g][h] = block_id
             seq.num_hashed_blocks, seq.last_block_hash = i + 1, h
 
     # -- decode ----------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= self._blocks_short(seq)
+        return self.num_free_blocks >= self._blocks_short(seq) * self.num_groups
 
     def append_slot(self, seq: Sequence) -> None:
-        for _ in range(self._blocks_short(seq)):
-            seq.block_table.append(self._take_free())
+        for g in range(self.num_groups):
+            table = seq.block_tables[g]
+            for _ in range(max(0, seq.num_blocks - len(table))):
+                table.append(self._take_free(g))
 
     def _blocks_short(self, seq: Sequence) -> int:
         return max(0, seq.num_blocks - len(seq.block_table))
@@ -147,12 +250,12 @@ class BlockManager:
     # -- release ---------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks; its computed K/V is forgotten (recompute on re-admission)."""
-        for block_id in reversed(seq.block_table):  # tail first, so the shared prefix is evicted last
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_ids[block_id] = None
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block_id in reversed(table):  # tail first, so the shared prefix is evicted last
+                if block_id != NULL_BLOCK:
+                    self._release(block_id)
+        seq.block_tables = [[] for _ in self.windows]
+        seq.held_from = [0] * self.num_groups
         seq.decode_until = 0
         if seq.table_row >= 0:
             self.free_rows.append(seq.table_row)

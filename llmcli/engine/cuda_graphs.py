@@ -31,16 +31,17 @@ _TOP_PS = F32_ROWS.index("top_ps")
 GRAPH_SPACINGS = ("spaced", "pow2", "every16")
 
 
-def staged_bytes(rows: int) -> int:
-    return rows * (8 * len(I64_ROWS) + 8 + 4 * len(F32_ROWS) + 4 + 4)
+def staged_bytes(rows: int, groups: int = 1) -> int:
+    return rows * (8 * (len(I64_ROWS) + groups - 1) + 8 + 4 * len(F32_ROWS) + 4 + 4)
 
 
-def staged_views(buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-    """Views of a uint8 buffer of ``staged_bytes(rows)`` (on the device, or its pinned host copy): the int64
-    rows [len(I64_ROWS), rows], the block-table deltas' int64 flat indices [rows], the float32 rows
-    [len(F32_ROWS), rows], the int32 context lengths [rows] and the deltas' int32 block ids [rows]."""
-    sizes = [(torch.int64, len(I64_ROWS)), (torch.int64, 1), (torch.float32, len(F32_ROWS)), (torch.int32, 1),
-             (torch.int32, 1)]
+def staged_views(buf: torch.Tensor, rows: int, groups: int = 1) -> tuple[torch.Tensor, ...]:
+    """Views of a uint8 buffer of ``staged_bytes(rows, groups)`` (on the device, or its pinned host copy): the
+    int64 rows [len(I64_ROWS) + groups - 1, rows] (after I64_ROWS, the slots of KV groups 1..), the block-table
+    deltas' int64 flat indices [rows], the float32 rows [len(F32_ROWS), rows], the int32 context lengths [rows]
+    and the deltas' int32 block ids [rows]."""
+    sizes = [(torch.int64, len(I64_ROWS) + groups - 1), (torch.int64, 1), (torch.float32, len(F32_ROWS)),
+             (torch.int32, 1), (torch.int32, 1)]
     views, at = [], 0
     for dtype, count in sizes:
         nbytes = dtype.itemsize * count * rows
@@ -106,8 +107,11 @@ class DecodeGraphs:
     a step (top-k off, top-p 1) cost the filtered kernel nothing but its window.
     """
 
+    groups = 1  # KV groups (engine/kv_groups.py): each has its slots in the staged inputs and its block tables
+
     def __init__(self, model: nn.Module, backend: AttentionBackend, config: Config, device: torch.device,
-                 sample_in_graph: bool = False) -> None:
+                 sample_in_graph: bool = False, groups: int = 1) -> None:
+        """``groups``: the model's KV groups (engine/kv_groups.py), each with its slots and block tables."""
         if backend.name == "torch":
             raise ValueError("CUDA graphs need the triton or flash-attn backend (set enforce_eager=True for torch)")
         self.model, self.backend = model, backend
@@ -116,16 +120,19 @@ class DecodeGraphs:
         max_blocks = -(-config.max_model_len // config.kvcache_block_size)
         # every per-row input in one buffer (int64 rows, float32 rows, int32 context lengths), so that a step's
         # inputs cross in one copy (staged_replay)
-        self.staged = torch.zeros(staged_bytes(top), dtype=torch.uint8, device=device)
-        self.i64, self.delta_index, self.f32, lens, self.delta_blocks = staged_views(self.staged, top)
+        self.groups = groups
+        self.staged = torch.zeros(staged_bytes(top, groups), dtype=torch.uint8, device=device)
+        self.i64, self.delta_index, self.f32, lens, self.delta_blocks = staged_views(self.staged, top, groups)
         self.input_ids, self.positions = self.i64[0], self.i64[1]
         # where in-flight tokens are read from: the previous step's tokens are copied in whole, and a step may
         # sample up to max_num_seqs rows (a mixed step, or an eager decode step wider than the largest graph)
         self.tokens = torch.zeros(max(top, config.max_num_seqs), dtype=torch.int64, device=device)
         # the attention reads its per-row inputs from the staged buffer (one copy a step); its block tables are
         # its own (gather_graph_tables)
+        group_slots = tuple(self.i64[len(I64_ROWS) + g] for g in range(groups - 1))
         backend.init_graph_buffers(top, max_blocks, device, GraphInputs(self.i64[_SLOTS], lens, self.i64[_ORDER],
-                                                                        self.i64[_TABLE_ROWS]))
+                                                                        self.i64[_TABLE_ROWS], group_slots),
+                                   groups)
         self.i64[_ORDER].copy_(torch.arange(top))  # a permutation from the start (capture launches every row)
         self.i64[_TABLE_ROWS].fill_(-1)  # padding rows: no row
         self.f32[_TOP_PS].fill_(1.0)  # top-p off in every row until a step says otherwise
@@ -214,14 +221,15 @@ class DecodeGraphs:
         """Most block-table deltas ``staged_replay`` takes along (a step with more sends them on its own)."""
         return self.delta_index.numel()
 
-    def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray, tables: BlockTables,
+    def staged_replay(self, i64: np.ndarray, f32: np.ndarray | None, lens: np.ndarray,
+                      tables: BlockTables | list[BlockTables],
                       prev_tokens: torch.Tensor | None, deltas: tuple[np.ndarray, np.ndarray] | None = None,
                       filtered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``n`` sequences: (sampled tokens if ``sample_in_graph``, hidden states), n rows each.
 
-        ``i64`` [len(I64_ROWS), n] and ``f32`` [len(F32_ROWS), n] (None: not sampling in the graph) hold the
-        step's inputs and ``lens`` its context lengths: one copy to the device, one gather of block-table
-        rows from ``tables``, the forward's replay and (with ``f32``) the sampler's, the ``filtered`` one
+        ``i64`` [len(I64_ROWS) + groups - 1, n] and ``f32`` [len(F32_ROWS), n] (None: not sampling in the graph)
+        hold the step's inputs and ``lens`` its context lengths: one copy to the device, one gather of block-table
+        rows from ``tables`` (per KV group: a list, the deltas are the first group's), the forward's replay and (with ``f32``) the sampler's, the ``filtered`` one
         when some row has top-k or top-p. ``prev_tokens``: the last step's samples when they are not in
         ``self.tokens`` already (its in-flight tokens come from them). ``deltas``: the block tables' pending
         deltas (``BlockTables.sync(defer=True)``, at most ``max_deltas``), staged with the rest and applied
@@ -238,7 +246,7 @@ class DecodeGraphs:
             host = self._cpu_host
         views = self._host_views.get(host.data_ptr())  # a ring hands out the same few buffers: view them once
         if views is None:
-            views = self._host_views[host.data_ptr()] = tuple(t.numpy() for t in staged_views(host, top))
+            views = self._host_views[host.data_ptr()] = tuple(t.numpy() for t in staged_views(host, top, self.groups))
         host_i64, host_index, host_f32, host_lens, host_blocks = views
         m = 0 if deltas is None else len(deltas[0])
         if m:
@@ -248,6 +256,7 @@ class DecodeGraphs:
         host_i64[:, :n] = i64
         host_i64[:, n:bs] = 0
         host_i64[_SLOTS, n:bs] = -1
+        host_i64[len(I64_ROWS):, n:bs] = -1  # the other KV groups' slots
         host_i64[_PENDING, n:bs] = -1
         host_i64[_TABLE_ROWS, n:bs] = -1
         host_i64[_ORDER, n:bs] = np.arange(n, bs)  # after the real rows (longest first), as the shortest
@@ -262,9 +271,10 @@ class DecodeGraphs:
         self.staged.copy_(host, non_blocking=True)
         if self.ring is not None:
             self.ring.copied()
+        groups = tables if isinstance(tables, list) else [tables]
         if m:
-            tables.apply(self.delta_index[:m], self.delta_blocks[:m])
-        self.backend.gather_graph_tables(tables.table, self.i64[_TABLE_ROWS, :n])
+            groups[0].apply(self.delta_index[:m], self.delta_blocks[:m])
+        self.backend.gather_graph_tables(groups[0].table, self.i64[_TABLE_ROWS, :n], tuple(t.table for t in groups[1:]))
         self.graphs[bs].replay()  # (the backend's metadata is a Python-side thing the replay never reads)
         if f32 is not None:
             self.samplers[bs, filtered].replay()

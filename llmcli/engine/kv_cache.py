@@ -1,6 +1,8 @@
-"""Sizing and allocating the KV block pool from what the warm-up left free."""
+"""Sizing and allocating the KV block pool from what the warm-up left free, laid out in KV groups
+(engine/kv_groups.py: one block id is one block of each of ``layout.slots`` layer tensors)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any
@@ -9,6 +11,7 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
+from llmcli.engine.kv_groups import KVLayout, blocks_held, plan_kv_groups
 from llmcli.engine.outputs import MemoryReport
 from llmcli.layers.attention import Attention
 
@@ -28,13 +31,32 @@ class KVCacheAllocationError(RuntimeError):
     """The planned KV pool could not be allocated (the device or host has less memory than asked for)."""
 
 
+def kv_layout(model: nn.Module, max_model_len: int | None = None) -> KVLayout:
+    """The model's KV groups, from its attention layers' windows. Layers of different KV shapes (Gemma 4's global
+    layers) share no block size in bytes, which groups drawing ids from one pool need: such a model is one full
+    group (its windows still apply in the kernels; their memory is not given back)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not _uniform(layers):
+        return plan_kv_groups([None] * len(layers), max_model_len)
+    return plan_kv_groups([m.sliding_window for m in layers], max_model_len)
+
+
+def _uniform(layers: list[Attention]) -> bool:
+    return len({(m.num_kv_heads, m.head_dim) for m in layers}) <= 1
+
+
 def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       model: nn.Module | None = None) -> int:
-    """Over the attention layers of ``model`` (each of its own KV heads and head size: Gemma 4's global layers
-    differ), else of config.json's ``layer_types`` (a hybrid's linear layers keep no KV)."""
-    if model is not None:
-        return sum(2 * m.num_kv_heads * m.head_dim * dtype.itemsize for m in model.modules()
-                   if isinstance(m, Attention))
+                       model: nn.Module | None = None, layout: KVLayout | None = None) -> int:
+    """Bytes one token of one block id takes: over the attention layers of ``model`` when their KV shapes differ
+    (Gemma 4's global layers), else over the layout's layer tensors, else the attention layers of ``model``,
+    else config.json's ``layer_types`` (a hybrid's linear layers keep no KV)."""
+    attention = [m for m in model.modules() if isinstance(m, Attention)] if model is not None else []
+    if not _uniform(attention):
+        return sum(2 * m.num_kv_heads * m.head_dim * dtype.itemsize for m in attention)
+    if layout is not None:
+        layers = layout.slots
+    elif model is not None:
+        layers = len(attention)
     else:
         kinds = getattr(hf_config, "layer_types", None) or ()
         layers = hf_config.num_hidden_layers - sum(kind == "linear_attention" for kind in kinds)
@@ -47,7 +69,7 @@ def device_name(device: torch.device) -> str:
 
 def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_bytes: int,
                   activation_peak: int, state_pool_bytes: int = 0, snapshots: tuple[int, int] = (0, 0),
-                  ) -> MemoryReport:
+                  layout: KVLayout | None = None) -> MemoryReport:
     """Decide the number of blocks: the explicit count, else the memory budget that is left (after the
     linear-attention state pool's ``state_pool_bytes`` and its ``snapshots``: (slots, bytes) of the prefix
     cache's state snapshots)."""
@@ -68,6 +90,9 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
     else:
         total = _host_memory()
         wanted = config.max_num_seqs * config.max_model_len * per_token
+        if layout is not None and layout.num_groups > 1:  # every group's blocks of each sequence
+            wanted = config.max_num_seqs * per_block * sum(
+                blocks_held(config.max_model_len, w, bs) for w in layout.windows)
         available = int(config.kv_cache_memory_gib * GIB) if config.kv_cache_memory_gib else min(
             int(CPU_DEFAULT_KV_GIB * GIB), wanted)
         available = max(0, available - state_pool_bytes)
@@ -88,6 +113,12 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         notes.append(f"no KV block fits: {short / GIB:.2f} GiB more is needed for a single block of "
                      f"{per_block / 2**20:.1f} MiB; change {knob}")
     cache_tokens = num_blocks * bs
+    groups, concurrent = group_reports(config, layout, per_block), cache_tokens / config.max_model_len
+    if layout is not None and layout.num_groups > 1 or any(g["window"] is not None for g in groups):
+        per_seq = sum(g["blocks_per_seq"] for g in groups)
+        concurrent = num_blocks / per_seq if per_seq else 0.0
+        notes.append(f"KV groups: {len(groups)}, one pool of blocks for all; a sliding-window group's blocks go back to it "
+                     "as sequences move past them, so a long sequence holds only its window's")
     if state_pool_bytes:
         cache = f"{num_snapshots} prefix-cache state snapshots ({snapshot_bytes / GIB:.3f} GiB)" if num_snapshots \
             else "no state snapshots: prefix caching is off for this hybrid model"
@@ -98,43 +129,68 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         weights_bytes=weights_bytes, activation_peak_bytes=activation_peak, cuda_graph_bytes=0,
         other_bytes=other, kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, block_size=bs,
         num_blocks=num_blocks, cache_tokens=cache_tokens, max_model_len=config.max_model_len,
-        max_concurrent_full_seqs=cache_tokens / config.max_model_len, dtype=str(config.torch_dtype).removeprefix("torch."),
+        max_concurrent_full_seqs=concurrent, dtype=str(config.torch_dtype).removeprefix("torch."),
         kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), state_pool_bytes=state_pool_bytes,
-        num_state_snapshots=num_snapshots, state_snapshot_bytes=snapshot_bytes,
-        notes=notes,
+        num_state_snapshots=num_snapshots, state_snapshot_bytes=snapshot_bytes, kv_groups=groups, notes=notes,
     )
 
 
+def group_reports(config: Config, layout: KVLayout | None, per_block: int) -> list[dict[str, Any]]:
+    """Per KV group: its kind, window and layers, and the most blocks (and bytes) a decoding sequence of
+    max_model_len tokens holds in it at once (its prompt's chunks may briefly hold a chunk's more)."""
+    if layout is None:
+        return []
+    out = []
+    for window, layers in zip(layout.windows, layout.layers):
+        blocks = blocks_held(config.max_model_len, window, config.kvcache_block_size)  # while it decodes
+        out.append({"kind": "full" if window is None else f"sliding {window}", "window": window,
+                    "layers": len(layers), "blocks_per_seq": blocks, "bytes_per_seq": blocks * per_block})
+    return out
+
+
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer gets its views. Where
-    layers differ in KV heads or head size (Gemma 4), one flat tensor, each layer's K and V views in turn."""
+                      dtype: torch.dtype, device: torch.device, layout: KVLayout | None = None) -> torch.Tensor:
+    """One tensor [2, layer tensors, blocks, block_size, kv_heads, head_dim]; each attention layer gets the views
+    of its tensor (its index in its KV group) and, with several groups, its group. Where layers differ in KV heads
+    or head size (Gemma 4), one flat tensor, each layer's K and V views in turn (one group)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not _uniform(layers):
+        return _allocate_flat(layers, num_blocks, block_size, dtype, device)
+    layout = layout if layout is not None else plan_kv_groups([None] * len(layers))
+    size = 2 * layout.slots * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+    with _allocation_error(num_blocks, size, device):
+        cache = torch.empty(2, layout.slots, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                            device=device)
+    for layer, (group, slot) in zip(layers, layout.group_of()):
+        layer.k_cache, layer.v_cache = cache[0, slot], cache[1, slot]
+        layer.kv_group = group if layout.num_groups > 1 else None
+    return cache
+
+
+def _allocate_flat(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
     shapes = [(num_blocks, block_size, m.num_kv_heads, m.head_dim) for m in layers]
-    uniform = all(shape == (num_blocks, block_size, num_kv_heads, head_dim) for shape in shapes)
     numel = 2 * sum(math.prod(shape) for shape in shapes)
-    try:
-        if uniform:
-            cache = torch.empty(2, len(layers), num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                                device=device)
-        else:
-            cache = torch.empty(numel, dtype=dtype, device=device)
-    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        size = numel * dtype.itemsize
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KVCacheAllocationError(f"cannot allocate the KV cache ({num_blocks} blocks, {size / GIB:.2f} GiB on "
-                                     f"{device}): {why}; lower num_kvcache_blocks or kv_cache_memory_gib") from None
-    if uniform:
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
-        return cache
+    with _allocation_error(num_blocks, numel * dtype.itemsize, device):
+        cache = torch.empty(numel, dtype=dtype, device=device)
     start = 0
     for layer, shape in zip(layers, shapes):
         n = math.prod(shape)
         layer.k_cache = cache[start:start + n].view(shape)
         layer.v_cache = cache[start + n:start + 2 * n].view(shape)
+        layer.kv_group = None
         start += 2 * n
     return cache
+
+
+@contextlib.contextmanager
+def _allocation_error(num_blocks: int, size: int, device: torch.device):
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KVCacheAllocationError(f"cannot allocate the KV cache ({num_blocks} blocks, {size / GIB:.2f} GiB on "
+                                     f"{device}): {why}; lower num_kvcache_blocks or kv_cache_memory_gib") from None
 
 
 def _host_memory() -> int:

@@ -13,6 +13,7 @@ from llmcli.engine.logprob_outputs import BlockEntries, LazyLogprobs, TokenText
 from llmcli.engine.outputs import CompletionOutput, EngineStats, ModelFailure, RequestMetrics, RequestOutput
 from llmcli.engine.cpu_threads import cpu_threads
 from llmcli.engine.memory_check import check_host_memory
+from llmcli.engine.kv_groups import kv_windows_of
 from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_prompt, truncate_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import Sequence, SequenceStatus
@@ -66,7 +67,8 @@ class LLMEngine:
         self.clock.check()
         self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks, state_snapshot_bytes=getattr(
             self.model_runner.memory_report, "state_snapshot_bytes", 0))
-        self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats)
+        self.kv_windows = kv_windows_of(getattr(self.model_runner, "memory_report", None))
+        self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats, self.kv_windows)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._rng = random.Random(config.seed)
         self.step_timer: StepTimer = self.model_runner.timer
@@ -143,7 +145,7 @@ class LLMEngine:
 
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if this request can never run on this engine."""
-        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks)
+        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks, self.kv_windows)
         bad_word_ids(self.tokenizer, params.bad_words)  # RequestRejected for a word it cannot ban
         if params.structured_outputs is not None:
             from llmcli.engine.structured import check_constraint

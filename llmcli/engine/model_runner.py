@@ -12,7 +12,7 @@ from llmcli.config import Config
 from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
-from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, plan_kv_cache
+from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, kv_layout, plan_kv_cache
 from llmcli.layers.attention import Attention
 from llmcli.engine.row_table import RowTable
 from llmcli.engine.state_pool import allocate_state_pool, linear_layers, num_snapshot_slots, state_bytes_per_slot
@@ -125,21 +125,22 @@ class ModelRunner:
             with clock.phase("probe"):
                 activation_peak = measure_activation_peak(self)
                 per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
-                                               self.model)
+                                               self.model, self.kv_layout)
                 # one state slot per block-table row a sequence may hold, the prefix cache's snapshots, a scratch
                 # slot
                 self.num_snapshots = num_snapshot_slots(config)
                 per_slot = state_bytes_per_slot(self.model, config.torch_dtype)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
                                                    activation_peak, per_slot * (config.max_num_seqs + 2),
-                                                   (self.num_snapshots, per_slot * self.num_snapshots))
+                                                   (self.num_snapshots, per_slot * self.num_snapshots),
+                                                   self.kv_layout)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
             if self.num_blocks == 0:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
             with clock.phase("kv_cache"):
                 self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
                                                   self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
-                                                  self.device)
+                                                  self.device, self.kv_layout)
                 self.state_pool = allocate_state_pool(self.model, config.max_num_seqs + 1, config.torch_dtype,
                                                       self.device, self.num_snapshots)
             if self.device.type == "cuda":
@@ -159,7 +160,8 @@ class ModelRunner:
                 # the one-pass sampler must have passed its start-up check to go inside the graph (the check
                 # covers the filtered draw too: the threshold kernel against the sort-based filter)
                 in_graph = config.sample_in_graph and self.world == 1 and self.sampler.one_pass
-                self.graphs = DecodeGraphs(self.model, self.backend, config, self.device, sample_in_graph=in_graph)
+                self.graphs = DecodeGraphs(self.model, self.backend, config, self.device, sample_in_graph=in_graph,
+                                           groups=len(self.rows.group_tables))
             self.memory_report.cuda_graph_bytes = self.graphs.pool_bytes
             log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs.batch_sizes),
                      clock.seconds["graphs"])
@@ -191,8 +193,12 @@ class ModelRunner:
         self.sampler_checked = False  # the one-pass sampler's start-up check (warmup.check_sampler) ran
         self.uploader = Uploader(device)
         self.readback = ReadbackRing() if device.type == "cuda" else None  # the sampled tokens' host buffers
+        model = getattr(self, "model", None)
+        # the KV groups (engine/kv_groups.py): one block table per group and sequence
+        self.kv_layout = kv_layout(model, config.max_model_len) if model is not None else None
         self.rows = RowTable(-(-config.max_model_len // config.kvcache_block_size), config.kvcache_block_size,
-                             device, rows=config.max_num_seqs + 1)
+                             device, rows=config.max_num_seqs + 1,
+                             groups=self.kv_layout.num_groups if self.kv_layout is not None else 1)
         self.last_decode: DecodeArrays | None = None  # the last graph decode step's arrays (a plan may follow)
         self.penalties = PenaltyTables(config.hf_config.vocab_size, device)
         self.bias = BiasTables(config.hf_config.vocab_size, device)
@@ -262,7 +268,7 @@ class ModelRunner:
         with self.timer.phase("prepare"):
             self.rows.update(plan, self.uploader)
             prepare = prepare_prefill if plan.is_prefill else prepare_decode
-            inputs = prepare(plan, self.uploader, self.block_tables)
+            inputs = prepare(plan, self.uploader, self.rows.group_tables)
             if plan.state_reads or plan.state_writes:  # a hybrid model's prefix hits and state snapshots
                 inputs.metadata.state_segments = self._state_segments(plan)
             sampling = self.rows.sampling(*self.rows.sampled(plan), self.uploader) \
@@ -322,7 +328,7 @@ class ModelRunner:
             if deltas is not None and len(deltas[0]) > self.graphs.max_deltas:  # many new tables at once
                 self.block_tables.upload(*deltas, self.uploader)
                 deltas = None
-            arrays = decode_arrays(plan, self.block_tables, self.last_decode)
+            arrays = decode_arrays(plan, self.rows.group_tables, self.last_decode)
             steps = arrays.lens - rows.prompt[arrays.rows]
             in_graph = rows.graph_sampling(arrays.rows, steps) if self.graphs.sample_in_graph and self.rank == 0 \
                 else None
@@ -332,12 +338,12 @@ class ModelRunner:
                 f32, seeds = None, np.zeros(n, np.int64)
                 steps = top_ks = seeds
             i64 = np.stack([arrays.ids, arrays.positions, arrays.slots, arrays.pending, seeds, steps, arrays.rows,
-                            arrays.order, top_ks])
+                            arrays.order, top_ks, *arrays.group_slots])
             sampling = None if in_graph is not None or self.rank != 0 else \
                 rows.sampling(arrays.rows, arrays.lens - rows.prompt[arrays.rows], self.uploader)
         with self.timer.phase("forward"):
             prev = None if self.prev_in_graph else self.prev_tokens
-            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, self.block_tables, prev, deltas,
+            tokens, hidden = self.graphs.staged_replay(i64, f32, arrays.lens, self.rows.group_tables, prev, deltas,
                                                        filtered=in_graph is not None and in_graph.filtered)
             logits = None if in_graph is not None else self.model.compute_logits(hidden)
         with self.timer.phase("sample"):

@@ -126,6 +126,7 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    peak_running: int = 0  # the most sequences running (decoding, or sampled their first token) at once
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests
@@ -177,6 +178,9 @@ class MemoryReport:
     state_pool_bytes: int = 0  # the linear-attention layers' state pool (hybrid models), beside the KV pool
     num_state_snapshots: int = 0  # of which: slots of the prefix cache's state snapshots, and their bytes
     state_snapshot_bytes: int = 0
+    # per KV group (engine/kv_groups.py): window (None: full), layers, the most blocks and bytes one sequence of
+    # max_model_len holds at once in it
+    kv_groups: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

@@ -14,16 +14,24 @@ from llmcli.engine.sequence import Sequence
 from llmcli.engine.step_plan import RowSettings, StepPlan
 
 
+def _valid(block_ids: list[int]) -> list[int]:
+    """Block ids for the runner's tables: a released window block (NULL_BLOCK, only ever before the window,
+    which no kernel reads) as block 0, so that every entry is an index into the cache."""
+    return [max(b, 0) for b in block_ids] if block_ids and min(block_ids) < 0 else block_ids
+
+
 def row_settings(seq: Sequence) -> RowSettings:
     return RowSettings.of(seq.params, seq.seed, seq.num_prompt_tokens)
 
 
 class PlanBuilder:
-    def __init__(self, block_size: int, freed: list[int]) -> None:
+    def __init__(self, block_size: int, freed: list[int], num_groups: int = 1) -> None:
         self.block_size = block_size
         self.freed = freed  # the block manager's list of rows given back, drained into each plan
         self.owner = np.full(64, -1, dtype=np.int64)  # table_id each row was last described for
         self.sent = np.zeros(64, dtype=np.int64)  # leading blocks of that row already in a plan
+        # the same for the other KV groups' tables (engine/kv_groups.py), which may hold released entries
+        self.group_sent = [np.zeros(64, dtype=np.int64) for _ in range(num_groups - 1)]
         self.extras = ExtrasPlanner()
         self._last: StepPlan | None = None  # the last decode plan, and its entries
         self._last_seqs: list[Sequence] | None = None
@@ -32,6 +40,7 @@ class PlanBuilder:
         old = len(self.owner)
         self.owner = np.concatenate([self.owner, np.full(rows - old, -1, dtype=np.int64)])
         self.sent = np.concatenate([self.sent, np.zeros(rows - old, dtype=np.int64)])
+        self.group_sent = [np.concatenate([sent, np.zeros(rows - old, dtype=np.int64)]) for sent in self.group_sent]
 
     def _rows(self, seqs: list[Sequence], rows: np.ndarray, plan: StepPlan) -> None:
         """New owners' settings and every row's unsent blocks, into ``plan``."""
@@ -43,9 +52,14 @@ class PlanBuilder:
         for i in stale.tolist():
             row = int(rows[i])
             self.owner[row], self.sent[row] = ids[i], 0
+            for sent in self.group_sent:
+                sent[row] = 0
             plan.new_rows.append((row, row_settings(seqs[i])))
         lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
-        self._blocks(seqs, rows, np.flatnonzero(self.sent[rows] < lens), plan)
+        which = self.sent[rows] < lens
+        for g, sent in enumerate(self.group_sent, start=1):
+            which |= sent[rows] < np.fromiter((len(s.block_tables[g]) for s in seqs), np.int64, n)
+        self._blocks(seqs, rows, np.flatnonzero(which), plan)
 
     def _blocks(self, seqs: list[Sequence], rows: np.ndarray, which: np.ndarray, plan: StepPlan) -> None:
         sent = self.sent
@@ -53,8 +67,13 @@ class PlanBuilder:
             row, table = int(rows[i]), seqs[i].block_table
             lo = int(sent[row])
             if lo < len(table):
-                plan.blocks.append((row, lo, table[lo:]))
+                plan.blocks.append((row, lo, _valid(table[lo:])))
                 sent[row] = len(table)
+            for g, group_sent in enumerate(self.group_sent, start=1):
+                table, lo = seqs[i].block_tables[g], int(group_sent[row])
+                if lo < len(table):
+                    plan.group_blocks.append((g, row, lo, _valid(table[lo:])))
+                    group_sent[row] = len(table)
 
     def _take_freed(self) -> list[int]:
         """Rows given back since the last plan: described afresh when they are taken again."""

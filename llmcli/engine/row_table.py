@@ -1,12 +1,12 @@
 """The runner's row table: what each block-table row needs across steps, refreshed only when it changes hands.
 
 Keyed by the row a step plan names for each entry: the block tables (``BlockTables``: host array and
-device copy) and the sampling settings of the sequence holding the row (temperature, min-p, top-p in
-float32 columns, top-k, seed, prompt length; the repetition, presence and frequency penalties, whose token
-tables on the device are keyed by the same rows). A step gathers its rows' settings with a few array lookups:
-the eager sampler as device tensors (``sampling``), the sampler inside the decode graph as host rows staged
-with the graph's other inputs (``graph_sampling``). A new per-row setting of the sampling path is one column
-here, one field of ``RowSettings`` and the sampler that reads it.
+device copy; one per KV group, engine/kv_groups.py) and the sampling settings of the sequence holding the
+row (temperature, min-p, top-p in float32 columns, top-k, seed, prompt length; the repetition, presence and
+frequency penalties, whose token tables on the device are keyed by the same rows). A step gathers its rows'
+settings with a few array lookups: the eager sampler as device tensors (``sampling``), the sampler inside the
+decode graph as host rows staged with the graph's other inputs (``graph_sampling``). A new per-row setting of
+the sampling path is one column here, one field of ``RowSettings`` and the sampler that reads it.
 """
 from __future__ import annotations
 
@@ -43,13 +43,23 @@ def graph_sampling(f32: np.ndarray, top_ks: np.ndarray, seeds: np.ndarray, steps
 
 class RowTable:
     def __init__(self, max_blocks: int, block_size: int, device: torch.device, rows: int = 64,
-                 copy: bool | None = None) -> None:
-        self.block_tables = BlockTables(max_blocks, block_size, device, rows=rows, copy=copy)
+                 copy: bool | None = None, groups: int = 1) -> None:
+        # one table per KV group (engine/kv_groups.py); the first is ``block_tables``
+        self.group_tables = [BlockTables(max_blocks, block_size, device, rows=rows, copy=copy) for _ in range(groups)]
         self.f32 = np.zeros((3, rows), dtype=np.float32)  # temperatures, min_ps, top_ps
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.prompt = np.zeros(rows, dtype=np.int64)
         self.pen = np.zeros((3, rows), dtype=np.float32)  # repetition, presence, frequency
+
+    @property
+    def block_tables(self) -> BlockTables:
+        """The first KV group's tables (the only ones of most models)."""
+        return self.group_tables[0]
+
+    @block_tables.setter
+    def block_tables(self, tables: BlockTables) -> None:
+        self.group_tables[0] = tables
 
     def _grow(self, rows: int) -> None:
         old = self.top_k.shape[0]
@@ -71,6 +81,9 @@ class RowTable:
         ``BlockTables.write``)."""
         for row, settings in plan.new_rows:
             self.set(row, settings)
+        if plan.group_blocks:  # the other KV groups' tables: sent on their own (a few rows a step at most)
+            for g, tables in enumerate(self.group_tables[1:], start=1):
+                tables.write([(row, lo, ids) for group, row, lo, ids in plan.group_blocks if group == g], uploader)
         return self.block_tables.write(plan.blocks, uploader, defer)
 
     def sampled(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:

@@ -29,14 +29,17 @@ class Scheduler:
     or, with ``mixed_steps``, one decode token for every running sequence and prompt chunks in what is left
     of the budget, in the same step (decoding never pauses while prompts prefill).
 
-    A prompt is admitted once all its blocks can be allocated; if the budget
-    runs out inside it, it stays at the head of the waiting queue holding its
+    A prompt is admitted once all its blocks can be allocated (in a sliding-window KV group: its window's and
+    one more; each chunk then takes its own, and blocks behind the window go back as it advances); if the
+    budget runs out inside it, it stays at the head of the waiting queue holding its
     blocks and continues next step. When decode runs out of blocks, the most
     recently admitted sequence is preempted: its blocks are freed and it is
     recomputed later from its tokens, so no generated token is lost.
     """
 
-    def __init__(self, config: Config, num_blocks: int, stats: EngineStats) -> None:
+    def __init__(self, config: Config, num_blocks: int, stats: EngineStats,
+                 kv_windows: tuple[int | None, ...] = (None,)) -> None:
+        """``kv_windows``: the KV groups' windows (engine/kv_groups.py; the runner's ``MemoryReport.kv_groups``)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -45,9 +48,9 @@ class Scheduler:
         # without snapshot slots computes every prompt token
         snapshots = num_snapshot_slots(config)
         caching = config.enable_prefix_caching and (snapshots > 0 or not has_linear_layers(config.hf_config))
-        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching, kv_windows)
         self.snapshots = SnapshotRegistry(snapshots, config.kvcache_block_size) if snapshots else None
-        self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows)
+        self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows, len(kv_windows))
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = stats
@@ -61,6 +64,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step, with its plan (None when nothing can run)."""
         batch = self._schedule()
+        if len(self.running) > self.stats.peak_running:
+            self.stats.peak_running = len(self.running)
         if batch is not None:
             batch.plan = self.plans.prefill(batch.seqs, batch.sampled) if batch.is_prefill \
                 else self.plans.decode(batch.seqs)
@@ -93,15 +98,20 @@ class Scheduler:
             if seq.num_pending:
                 break  # preempted with a token still in flight: recompute once it is known
             if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
+                if not self.block_manager.can_allocate(seq, budget):
                     break
                 cached = self._snapshot_depth(seq) if self.snapshots is not None else None
                 if cached == WAIT:
                     break
-                hit = self.block_manager.allocate(seq, cached)
+                hit = self.block_manager.allocate(seq, budget, cached)
                 self.stats.prefix_cache_queried_tokens += seq.num_tokens
                 self.stats.prefix_cache_hit_tokens += hit
-            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            done = seq.num_computed_tokens
+            # a window group holds only the chunk's blocks (and its window's): the pool may cut the chunk short
+            end = self.block_manager.grow(seq, done + min(seq.num_tokens - done, budget))
+            if end <= done:
+                break
+            seq.num_scheduled_tokens = end - done
             budget -= seq.num_scheduled_tokens
             batch.append(seq)
             if not seq.samples_this_step:
@@ -119,7 +129,7 @@ class Scheduler:
         if not seq.params.reads_prefix_cache:
             return None
         hashes = self.snapshots.hashes(seq)
-        return self.snapshots.admit(seq, hashes, self.block_manager.cached_blocks(seq, hashes))
+        return self.snapshots.admit(seq, hashes, self.block_manager.cached_blocks(seq))
 
     def _schedule_decode(self) -> list[Sequence]:
         running = self.running
@@ -181,8 +191,8 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
-        # a prompt cut mid-prefill holds its blocks at the head of the queue: it stays first (behind a preempted
-        # sequence that cannot get blocks, nothing would ever run again)
+        # a prompt cut mid-prefill holds its blocks at the head of the queue (and may need a few more for its
+        # window): it stays first, or behind a preempted sequence that cannot get blocks nothing would run again
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.stats.num_preemptions += 1
 
@@ -196,6 +206,7 @@ class Scheduler:
         """
         manager = self.block_manager
         caching, block_size = manager.enable_prefix_caching, manager.block_size
+        slide = manager.slide if manager.has_windows else None  # window groups give back what fell out
         indices = []
         if seqs is sampled:  # every sequence samples (a decode step, or prompts that all finish): one pass
             for row, seq in enumerate(seqs):
@@ -206,6 +217,8 @@ class Scheduler:
                 seq.num_scheduled_tokens = 0
                 if caching and computed // block_size > seq.num_hashed_blocks:
                     manager.register_computed(seq)
+                if slide is not None and computed >= seq.slide_at:
+                    slide(seq)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.num_pending += 1
                 seq.pending_row = row
@@ -216,6 +229,8 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             if caching and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
                 manager.register_computed(seq)
+            if slide is not None and seq.num_computed_tokens >= seq.slide_at:
+                slide(seq)
         for row, seq in enumerate(sampled):
             tokens = seq.token_ids
             tokens.append(PENDING_TOKEN)

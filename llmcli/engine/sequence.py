@@ -54,7 +54,11 @@ class Sequence:
         self.block_size = block_size
         self.seed = seed  # per-request sampling seed (the user's, or one drawn by the engine)
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        # one block table per KV group (engine/kv_groups.py), the first of them ``block_table``; a released
+        # window block's entry is kv_groups.NULL_BLOCK
+        self.block_tables: list[list[int]] = [[]]
+        self.held_from: list[int] = [0]  # per group: the first block not released (window groups)
+        self.slide_at = 0  # the computed count from which BlockManager.slide has a window block to give back
         self.table_row = -1  # this sequence's row in the runner's block tables while it holds blocks
         self.table_id = 0  # which allocation that row was last filled for (fresh on every allocate)
         # the scheduler's quick test: below this many tokens a decode step needs no new block and hits no
@@ -94,6 +98,14 @@ class Sequence:
         # one flag for the step's quick test: does this request need anything beside the sampled token?
         self.wants_extras = params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties \
             or params.has_token_bias or params.min_tokens > 0
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     def __len__(self) -> int:
         return len(self.token_ids)

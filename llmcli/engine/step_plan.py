@@ -7,8 +7,10 @@ format (rank 0 sends it without ``extras``, which only the sampling rank needs).
 
 Everything per sequence is keyed by its block-table row (``rows``): the runner's row table
 (``engine/row_table.py``) keeps what a row needs across steps (block table, sampling settings) and is
-refreshed from ``new_rows`` / ``blocks`` / ``freed`` only when a row changes hands or grows. A new cache
-kind (a sliding window's blocks, a recurrent-state slot) is one more field here, keyed by row the same way.
+refreshed from ``new_rows`` / ``blocks`` / ``freed`` only when a row changes hands or grows. A model with
+several KV groups (full and sliding-window layers: engine/kv_groups.py) sends the other groups' tables in
+``group_blocks``; a released window block is never re-sent (the kernels read no block before the window). A
+new cache kind is one more field here, keyed by row the same way.
 """
 from __future__ import annotations
 
@@ -102,6 +104,8 @@ class StepPlan:
     # snapshots to take after that many of the chunk's tokens
     state_reads: list[tuple[int, int]] = field(default_factory=list)
     state_writes: list[tuple[int, int, int]] = field(default_factory=list)
+    # ``blocks`` for the other KV groups' tables (engine/kv_groups.py): (group >= 1, row, first index, block ids)
+    group_blocks: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
 
     @property
     def num_entries(self) -> int:

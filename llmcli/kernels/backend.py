@@ -25,7 +25,7 @@ handed one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -70,10 +70,21 @@ class AttentionMetadata:
     # prefill of a hybrid model with prefix caching: where each chunk's linear-attention state comes from and the
     # snapshots to take inside chunks (layers/state_segments.py's StateSegments; None: each from its own row)
     state_segments: Any = None
+    # a model with several KV groups (full and sliding-window layers, each kind its own block table per
+    # sequence): ``slot_mapping`` and ``block_tables`` above are group 0's, these the other groups'
+    group_slots: tuple[torch.Tensor, ...] = ()
+    group_tables: tuple[torch.Tensor | None, ...] = ()
 
     @property
     def batch_size(self) -> int:
         return self.context_lens.numel()
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata a layer of KV group ``group`` reads: that group's slots and block tables (itself where
+        it has no groups: start-up's dummy steps, before the pool exists)."""
+        if group == 0 or not self.group_slots:
+            return self
+        return replace(self, slot_mapping=self.group_slots[group - 1], block_tables=self.group_tables[group - 1])
 
 
 @dataclass
@@ -84,6 +95,7 @@ class GraphInputs:
     context_lens: torch.Tensor  # int32
     row_order: torch.Tensor  # int64
     rows: torch.Tensor  # int64 (AttentionMetadata.rows)
+    group_slots: tuple[torch.Tensor, ...] = field(default=())  # int64, KV groups 1.. (AttentionMetadata.group_slots)
 
 
 @dataclass
@@ -147,6 +159,15 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Called once per step before the forward pass."""
         self.metadata = metadata
+        self._by_group: dict[int, AttentionMetadata] = {0: metadata}
+
+    def use_group(self, group: int) -> None:
+        """Read KV group ``group``'s slots and block tables from now on (the attention layer of a model with
+        several groups calls it before ``forward``; a one-group model never does)."""
+        meta = self._by_group.get(group)
+        if meta is None:
+            meta = self._by_group[group] = self._by_group[0].for_group(group)
+        self.metadata = meta
 
     @abstractmethod
     def forward(
@@ -172,24 +193,33 @@ class AttentionBackend(ABC):
 
     # -- CUDA-graph support (decode only) -------------------------------------
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
-                           inputs: GraphInputs | None = None) -> None:
+                           inputs: GraphInputs | None = None, groups: int = 1) -> None:
         """Allocate the static metadata buffers that captured graphs read from. ``inputs``: the per-row
         buffers the caller fills before each replay (``llmcli.engine.cuda_graphs`` stages them with the step's
         other inputs in one copy); the backend reads them in place of its own. The block tables stay the
-        backend's: ``gather_graph_tables`` fills them."""
+        backend's: ``gather_graph_tables`` fills them, one per KV group (``groups``)."""
         if inputs is None:
             inputs = GraphInputs(torch.zeros(max_batch_size, dtype=torch.int64, device=device),
                                  torch.zeros(max_batch_size, dtype=torch.int32, device=device),
                                  torch.arange(max_batch_size, dtype=torch.int64, device=device),
                                  torch.full((max_batch_size,), -1, dtype=torch.int64, device=device))
+        if len(inputs.group_slots) < groups - 1:
+            inputs = replace(inputs, group_slots=tuple(
+                torch.full((max_batch_size,), -1, dtype=torch.int64, device=device) for _ in range(groups - 1)))
         self._graph_slots, self._graph_lens = inputs.slot_mapping, inputs.context_lens
         self._graph_order, self._graph_rows = inputs.row_order, inputs.rows
+        self._graph_group_slots = inputs.group_slots[:groups - 1]
         self._graph_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._graph_group_tables = tuple(torch.zeros_like(self._graph_tables) for _ in range(groups - 1))
 
-    def gather_graph_tables(self, table: torch.Tensor, rows: torch.Tensor) -> None:
+    def gather_graph_tables(self, table: torch.Tensor, rows: torch.Tensor,
+                            group_tables: tuple[torch.Tensor, ...] = ()) -> None:
         """The graph's block tables for a step of ``len(rows)`` entries: rows ``rows`` of ``table`` (the runner's
-        device copy of every live table), gathered into the static buffer."""
+        device copy of every live table) and of each other KV group's ``group_tables``, gathered into the static
+        buffers."""
         torch.index_select(table, 0, rows, out=self._graph_tables[:rows.numel()])
+        for src, out in zip(group_tables, self._graph_group_tables):
+            torch.index_select(src, 0, rows, out=out[:rows.numel()])
 
     def prepare_for_capture(self, batch_size: int) -> None:
         """Point the metadata at the static buffers for a graph of ``batch_size`` sequences."""
@@ -201,6 +231,8 @@ class AttentionBackend(ABC):
             max_seqlen_k=self._graph_tables.shape[1] * self.block_size,
             row_order=self._graph_order[:batch_size],
             rows=self._graph_rows[:batch_size],
+            group_slots=tuple(slots[:batch_size] for slots in self._graph_group_slots),
+            group_tables=tuple(tables[:batch_size] for tables in self._graph_group_tables),
         ))
 
     def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
@@ -216,6 +248,12 @@ class AttentionBackend(ABC):
         assert metadata.block_tables is not None
         width = metadata.block_tables.shape[1]
         self._graph_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
+        for slots, tables, src_slots, src_tables in zip(self._graph_group_slots, self._graph_group_tables,
+                                                        metadata.group_slots, metadata.group_tables):
+            slots[:batch_size].fill_(-1)
+            slots[:n].copy_(src_slots, non_blocking=True)
+            assert src_tables is not None
+            tables[:n, :src_tables.shape[1]].copy_(src_tables, non_blocking=True)
         # longest first over all rows (the padding rows, of length 0, sort last)
         self._graph_order[:batch_size].copy_(torch.argsort(self._graph_lens[:batch_size], descending=True, stable=True))
         self.prepare_for_capture(batch_size)

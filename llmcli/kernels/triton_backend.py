@@ -104,6 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._rest_lens = _aligned(metadata.context_lens[nd:])
                 tables = metadata.block_tables
                 self._rest_tables = None if tables is None else _aligned(tables[nd:])
+                self._rest_by_group = {0: self._rest_tables}
             return
         batch = metadata.batch_size
         max_seqlen_k = metadata.max_seqlen_k
@@ -114,6 +115,15 @@ class TritonAttentionBackend(AttentionBackend):
         self._set_decode_shape(batch, max_seqlen_k, device)
         self.num_splits = self._splits_for(batch, max_seqlen_k, device)
         self._ensure_scratch(batch, self.num_splits, device)
+
+    def use_group(self, group: int) -> None:
+        super().use_group(group)
+        meta = self.metadata
+        if meta is not None and meta.is_prefill and meta.num_decode:  # the mixed step's chunks' tables too
+            rest = self._rest_by_group.get(group)
+            if rest is None and meta.block_tables is not None:
+                rest = self._rest_by_group[group] = _aligned(meta.block_tables[meta.num_decode:])
+            self._rest_tables = rest
 
     def _set_decode_shape(self, batch: int, max_seqlen_k: int, device: torch.device) -> None:
         self._decode_shape = (batch, max_seqlen_k, device)
@@ -132,8 +142,8 @@ class TritonAttentionBackend(AttentionBackend):
         return self._window_splits[window]
 
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
-                           inputs: GraphInputs | None = None) -> None:
-        super().init_graph_buffers(max_batch_size, max_blocks_per_seq, device, inputs)
+                           inputs: GraphInputs | None = None, groups: int = 1) -> None:
+        super().init_graph_buffers(max_batch_size, max_blocks_per_seq, device, inputs, groups)
         # Size the scratch for the hungriest graph batch now, so capture never allocates it.
         max_len = max_blocks_per_seq * self.block_size
         worst = max(range(1, max_batch_size + 1), key=lambda b: b * self._splits_for(b, max_len, device))

@@ -9,7 +9,9 @@ the same bits; everywhere else this layer runs ``qk_norm_rotary`` first and the 
 With an FP8 KV cache the layer also holds its cache's scales (``kv_scales``: the checkpoint's ``k_scale`` /
 ``v_scale``, else 1.0) and hands them to the backend with every call; a sliding-window layer (Gemma 3's local
 layers, Mistral with ``sliding_window``) holds its window and hands it over as ``window``, and a layer with
-attention sinks (gpt-oss) its per-head sink logits as ``sinks``.
+attention sinks (gpt-oss) its per-head sink logits as ``sinks``. In a model with several KV groups (full and
+sliding-window layers, engine/kv_groups.py) each layer first points the backend at its group's block tables and
+slots (``use_group``).
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: tuple[float, float] = (1.0, 1.0)  # of an FP8 cache; the loader sets a checkpoint's
+        # this layer's KV group where the model has several (engine/kv_groups.py sets it): which block tables
+        # and slots of the step's metadata it reads; None: the one group
+        self.kv_group: int | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 qk_norm: QKNormRotary | None = None) -> torch.Tensor:
@@ -53,6 +58,8 @@ class Attention(nn.Module):
             extra["window"] = self.sliding_window
         if self.sinks is not None:
             extra["sinks"] = self.sinks
+        if self.kv_group is not None:
+            self.backend.use_group(self.kv_group)
         if qk_norm is not None:
             if self.backend.fuses_qk_norm_rotary and triton_kernels_on(q):
                 return self.backend.forward(q, k, v, self.k_cache, self.v_cache, qk_norm=qk_norm, **extra)

@@ -42,6 +42,7 @@ from typing import Any, Hashable
 
 from llmcli.config import Config, ConfigError
 from llmcli.engine.admission import check_request_fits, encode_prompt
+from llmcli.engine.kv_groups import kv_windows_of
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.sampling_params import SamplingParams
 from llmcli.scaleout.balancer import OutstandingTokenBalancer, request_cost
@@ -192,7 +193,8 @@ class DataParallelEngine:
 
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected unless the request fits every replica (it may have to move after a failure)."""
-        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks)
+        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks,
+                           kv_windows_of(self.model_runner.memory_report))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> None:
         token_ids = self.encode(prompt)

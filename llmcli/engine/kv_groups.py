@@ -1,0 +1,113 @@
+"""KV groups: the attention layers of one kind (full, or one sliding window) share a block table per sequence.
+
+A model whose attention layers are all of one kind is one group (today's layout: one table per sequence).
+Gemma 3 (local and global layers) has both kinds. One pool of block ids serves every group, so the memory a
+window gives back goes to whichever group needs it next: a block id stands for the same number of bytes in
+every group. To make that so, each kind's layers are cut into groups of at most ``slots`` layers (the cut that
+wastes the fewest layer slots, at most ``MAX_GROUPS`` groups), and the cache holds ``slots`` layer tensors of
+``num_blocks`` blocks: layer ``j`` of every group uses tensor ``j``, at the block ids its group's table names.
+
+The release rule, per sliding-window group: the next step's first query is at the sequence's computed count
+``c`` (a decode token, or a prefill chunk's start), and it sees keys from ``c - W + 1`` on; every block wholly
+before that (``window_start_block``) goes back to the pool, its table entry becomes ``NULL_BLOCK``, and the
+kernels (which read no key before a query's window) never look at it. A released block keeps its prefix hash
+and stays findable, like any freed block. A prefix hit of depth ``d`` blocks needs, in a window group, only
+the blocks the first computed query sees (``window_start_block(d * block_size) .. d``), and all ``d`` in a
+full group.
+
+``LLMCLI_KV_WINDOW_RELEASE=0`` lays a windowed model out as full attention (one group, nothing released): the
+kernels still apply the windows; only the memory stays held (for comparisons).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+MAX_GROUPS = 8
+NULL_BLOCK = -1  # a released window block's table entry on the scheduler side (the runner's table keeps a valid id)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Which attention layer belongs to which group, and the cache's layer tensors (``slots``)."""
+
+    windows: tuple[int | None, ...]  # per group: its sliding window, None for full attention
+    layers: tuple[tuple[int, ...], ...]  # per group: its attention layers (indices in model order)
+    slots: int  # layer tensors in the cache; layer j of a group uses tensor j
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def group_of(self) -> list[tuple[int, int]]:
+        """Per attention layer (model order): (its group, its tensor)."""
+        where: dict[int, tuple[int, int]] = {}
+        for g, layers in enumerate(self.layers):
+            for j, layer in enumerate(layers):
+                where[layer] = (g, j)
+        return [where[i] for i in range(len(where))]
+
+
+def release_enabled() -> bool:
+    return os.environ.get("LLMCLI_KV_WINDOW_RELEASE", "1") != "0"
+
+
+def plan_kv_groups(windows: Sequence[int | None], max_model_len: int | None = None) -> KVLayout:
+    """Groups for attention layers with these windows (None: full). A window no shorter than ``max_model_len``
+    never releases a block, so such layers count as full."""
+    n = len(windows)
+    if max_model_len is not None:
+        windows = [None if w is not None and w >= max_model_len else w for w in windows]
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)  # full first
+    if len(kinds) <= 1 or not release_enabled():
+        kind = kinds[0] if len(kinds) == 1 and release_enabled() else None
+        return KVLayout((kind,), (tuple(range(n)),), max(n, 1))
+    members = {kind: [i for i, w in enumerate(windows) if w == kind] for kind in kinds}
+    counts = [len(members[kind]) for kind in kinds]
+    best: tuple[int, int, int] | None = None  # (wasted slots, groups, slots)
+    for size in range(1, max(counts) + 1):
+        groups = sum(-(-c // size) for c in counts)
+        if groups > MAX_GROUPS:
+            continue
+        key = (groups * size - n, groups, size)
+        if best is None or key < best:
+            best = key
+    assert best is not None  # size = max(counts) gives one group per kind, and kinds are few
+    size = best[2]
+    out_windows: list[int | None] = []
+    out_layers: list[tuple[int, ...]] = []
+    for kind in kinds:
+        layers = members[kind]
+        for lo in range(0, len(layers), size):
+            out_windows.append(kind)
+            out_layers.append(tuple(layers[lo:lo + size]))
+    return KVLayout(tuple(out_windows), tuple(out_layers), size)
+
+
+def kv_windows_of(report: object) -> tuple[int | None, ...]:
+    """The KV groups' windows from a runner's ``MemoryReport`` (one full group where it names none)."""
+    groups = getattr(report, "kv_groups", None) or ()
+    return tuple(g["window"] for g in groups) or (None,)
+
+
+def window_start_block(position: int, window: int | None, block_size: int) -> int:
+    """The first block the query at ``position`` reads (0 without a window): every block before it may go."""
+    return 0 if window is None else max(0, position - window + 1) // block_size
+
+
+def blocks_held(length: int, window: int | None, block_size: int, chunk: int = 1) -> int:
+    """The most blocks a sequence of ``length`` tokens holds at once in a group with this window, computed in
+    chunks of at most ``chunk`` tokens (a decode step is a chunk of one; a prefill chunk is cut to what the
+    pool has free, down to one block)."""
+    total = -(-length // block_size)
+    if window is None:
+        return total
+    # the blocks under a chunk's first query's window, the chunk's own, and one more for misalignment
+    return min(total, -(-(window - 1 + chunk) // block_size) + 1)
+
+
+def blocks_needed(length: int, windows: Sequence[int | None], block_size: int, chunk: int) -> int:
+    """Over every group: the blocks a sequence of ``length`` tokens may hold at once (with ``chunk`` =
+    ``block_size``: what it needs to advance one block at a time, the admission rule)."""
+    return sum(blocks_held(length, w, block_size, chunk) for w in windows)
