@@ -43,9 +43,10 @@ def test_chunked_prefill_and_preemption(new_family, hf_oracle, run_factory):
     at once: sequences are preempted and recomputed (a hybrid's state restarts from zero). Window blocks go back
     to the pool as the chunks advance (engine/kv_groups.py)."""
     prompts = random_prompts([50, 75, 99, 120, 8, 64], seed=410)
-    # the same memory for every family: Gemma 3's layers are three KV groups of one layer, so its block is a
-    # third of the others'
-    blocks = 36 if new_family.name.startswith("tiny_gemma3") else 12
+    # the same memory for every family: Gemma 3's layers are three KV groups of one layer and gpt-oss's two, so
+    # their blocks are a third and a half of the others'
+    groups = 3 if new_family.name.startswith("tiny_gemma3") else 2 if new_family.name.startswith("tiny_gpt") else 1
+    blocks = 12 * groups
     run = run_factory(new_family, kvcache_block_size=16, num_kvcache_blocks=blocks, max_model_len=192,
                       max_num_batched_tokens=20)
     check_against_hf(run, hf_oracle, prompts, max_new=40)
