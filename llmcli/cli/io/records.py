@@ -142,6 +142,7 @@ _SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (lambda v: v is None or _is_int_list(v), "a list of integers or null"),
     "truncate_prompt_tokens": (lambda v: v is None or _is_int(v), "an integer or null"),
     "skip_reading_prefix_cache": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "thinking_token_budget": (lambda v: v is None or _is_int(v), "an integer or null"),
 }
 SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
 
