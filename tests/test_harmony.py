@@ -35,7 +35,10 @@ def ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids
 
 
-def split(tok, completion: str, finish: str = "stop", prompt: str = "<|start|>user<|message|>hi<|end|><|start|>assistant"):
+HI = "<|start|>user<|message|>hi<|end|><|start|>assistant"
+
+
+def split(tok, completion: str, finish: str = "stop", prompt: str = HI):
     out = RequestOutput.single(0, ids(tok, prompt), ids(tok, completion), "(decoded)", finish)
     return OutputSplitter("harmony", tok).split(out)
 
@@ -232,3 +235,23 @@ def test_thinking_budget_needs_a_harmony_model(tiny_model):
     llm = _llm(tiny_model)
     with pytest.raises(RequestRejected, match="thinking_token_budget needs a model"):
         llm.engine.add_request("hello", SamplingParams(max_tokens=4, thinking_token_budget=8))
+
+
+def test_tool_calls_in_plain_and_openai_chat_lines(tok):
+    from test_cli_ux import rec_of
+
+    from llmcli.cli.io.output import result_record
+
+    completion = ("<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
+                  "to=functions.lookup <|constrain|>json<|message|>{\"q\": \"x\"}<|call|>")
+    out = RequestOutput.single(0, ids(tok, HI), ids(tok, completion), "(decoded)", "stop")
+    splitter = OutputSplitter("harmony", tok)
+    call = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"x\"}"}}
+    plain = result_record(rec_of({"messages": [{"role": "user", "content": "hi"}]}), [out], model="m",
+                          reasoning=splitter)
+    assert (plain["text"], plain["reasoning"], plain["tool_calls"]) == ("", "Look it up.", [call])
+    chat = rec_of({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                   "body": {"messages": [{"role": "user", "content": "hi"}]}})
+    choice = result_record(chat, [out], model="m", reasoning=splitter)["response"]["body"]["choices"][0]
+    assert choice["message"]["tool_calls"] == [call] and choice["message"]["reasoning"] == "Look it up."
+    assert choice["finish_reason"] == "tool_calls"

@@ -90,7 +90,8 @@ class StopChecker:
             return [""] * len(completions)
         # The EOS / stop token that ended a completion is not part of its text (EOS: stop reason None, as a
         # completed grammar's is, but its last token is an EOS id).
-        ids = [c[:-1] if finish == "stop" and (isinstance(reason, int) or (reason is None and c and c[-1] in self.closers))
+        closers = self.closers
+        ids = [c[:-1] if finish == "stop" and (isinstance(reason, int) or (reason is None and c and c[-1] in closers))
                else c for c, finish, reason in completions]
         if len(ids) == 1:
             return [self.tokenizer.decode(ids[0], skip_special_tokens=skip_special_tokens)]
