@@ -255,3 +255,24 @@ def test_tool_calls_in_plain_and_openai_chat_lines(tok):
     choice = result_record(chat, [out], model="m", reasoning=splitter)["response"]["body"]["choices"][0]
     assert choice["message"]["tool_calls"] == [call] and choice["message"]["reasoning"] == "Look it up."
     assert choice["finish_reason"] == "tool_calls"
+
+
+def test_read_output_splits_a_python_api_output(gpt_oss, tok):
+    from llmcli import SamplingParams
+    from llmcli.engine.harmony import read_output
+    from llmcli.sampling_params import StructuredOutputsParams
+
+    llm = _llm(gpt_oss)
+    an = ids(tok, "analysis")[0]
+    params = SamplingParams(temperature=0, max_tokens=60, thinking_token_budget=5, logit_bias={an: 8},
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.chat([{"role": "user", "content": "yes or no?"}], params)[0]
+    found = read_output(out, llm.get_tokenizer())
+    assert found.text in ("yes", "no") and found.text != out.outputs[0].text and found.reasoning
+    assert read_output(out, None) is None
+
+
+def test_harmony_parser_on_a_model_without_harmony_tokens_is_a_usage_error(tiny_model, tmp_path):
+    inp, out = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}]), tmp_path / "out.jsonl"
+    result = generate(tiny_model, inp, out, "--reasoning-parser", "harmony")
+    assert result.exit_code == 2 and "needs a tokenizer with Harmony's special tokens" in result.output

@@ -154,6 +154,24 @@ def split_completion(ids: list[int], tokens: HarmonyTokens, decode: Callable[[li
     return HarmonySplit("\n\n".join(analysis) if analysis else None, "\n\n".join(final), calls)
 
 
+def read_output(output: Any, tokenizer: Any, tokens: HarmonyTokens | None = None) -> HarmonySplit | None:
+    """A Harmony model's RequestOutput (its first completion) as reasoning, final text and tool calls, from its
+    token ids; None when the tokenizer is not Harmony's or the completion holds no Harmony message. For the
+    Python API: ``read_output(llm.chat(...)[0], llm.get_tokenizer())``; ``tokens``: the tokenizer's Harmony
+    tokens when already known (finding them reads the whole vocabulary)."""
+    tokens = tokens or HarmonyTokens.of(tokenizer)
+    if tokens is None:
+        return None
+    skip = output.outputs[0].skip_special_tokens
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+
+    prompt = list(output.prompt_token_ids or [])
+    tail = prompt_state(prompt, tokens, decode) if prompt else "header"
+    return split_completion(list(output.outputs[0].token_ids), tokens, decode, tail)
+
+
 def prompt_state(prompt_ids: list[int], tokens: HarmonyTokens, decode: Callable[[list[int]], str]) -> str | None:
     """Where the prompt leaves the completion: "header" (right after ``<|start|>assistant``: the model writes
     the channel), a channel name (the prompt ended with that message's ``<|message|>``), or None (the prompt

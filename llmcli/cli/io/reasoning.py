@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.engine.harmony import HarmonyTokens, prompt_state, split_completion
+from llmcli.engine.harmony import HarmonyTokens, read_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 HARMONY_MARK = "<|channel|>"
@@ -78,14 +78,7 @@ class OutputSplitter:
         """``out``: a RequestOutput of one completion (its text already decoded)."""
         if self.harmony is None:
             return split_reasoning(self.parser, out.text)
-        skip = out.outputs[0].skip_special_tokens
-
-        def decode(ids: list[int]) -> str:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip)
-
-        prompt = list(out.prompt_token_ids or [])
-        tail = prompt_state(prompt, self.harmony, decode) if prompt else "header"
-        found = split_completion(list(out.token_ids), self.harmony, decode, tail)
+        found = read_output(out, self.tokenizer, self.harmony)
         if found is None:  # no Harmony message at all: the text as it is, all answer
             return Split(None, out.text)
         calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name.removeprefix("functions."),
