@@ -276,3 +276,15 @@ def test_harmony_parser_on_a_model_without_harmony_tokens_is_a_usage_error(tiny_
     inp, out = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}]), tmp_path / "out.jsonl"
     result = generate(tiny_model, inp, out, "--reasoning-parser", "harmony")
     assert result.exit_code == 2 and "needs a tokenizer with Harmony's special tokens" in result.output
+
+
+def test_end_after_the_final_message_waits_for_min_tokens(gpt_oss, tok):
+    from llmcli import SamplingParams
+
+    llm = _llm(gpt_oss)
+    end = HarmonyTokens.of(tok).end
+    prompt = ids(tok, HI + "<|channel|>final<|message|>")
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=4, min_tokens=2, logit_bias={end: 100}))[0]
+    # the first <|end|> comes before min_tokens, so the generation goes on; the next closes no final message
+    assert out.outputs[0].token_ids[0] == end and len(out.outputs[0].token_ids) == 4

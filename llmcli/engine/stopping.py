@@ -42,7 +42,8 @@ class StopChecker:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos and not params.ignore_eos:
             seq.finish_reason, seq.stop_reason = "stop", None  # as vLLM: EOS is no stop reason of the request's
-        elif token == self._end and not params.ignore_eos and self._closes_final(seq, index):
+        elif token == self._end and not params.ignore_eos and completion >= params.min_tokens \
+                and self._closes_final(seq, index):
             seq.finish_reason, seq.stop_reason = "stop", None  # the answer's own end, as an EOS
         elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq, index):
             seq.finish_reason = "stop"
