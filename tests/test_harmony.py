@@ -288,3 +288,15 @@ def test_end_after_the_final_message_waits_for_min_tokens(gpt_oss, tok):
                        SamplingParams(temperature=0, max_tokens=4, min_tokens=2, logit_bias={end: 100}))[0]
     # the first <|end|> comes before min_tokens, so the generation goes on; the next closes no final message
     assert out.outputs[0].token_ids[0] == end and len(out.outputs[0].token_ids) == 4
+
+
+def test_thinking_budget_on_a_model_without_harmony_is_an_input_error(tiny_model, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                              {"messages": [{"role": "user", "content": "hi"}],
+                                               "thinking_token_budget": 8}])
+    out = tmp_path / "out.jsonl"
+    result = generate(tiny_model, inp, out)
+    assert result.exit_code == 2 and "in.jsonl:2: thinking_token_budget: needs a model whose chat format" \
+        in result.output, result.output
+    flag = generate(tiny_model, inp, out, "--thinking-token-budget", "8")
+    assert flag.exit_code == 2 and "--thinking-token-budget needs a model" in flag.output, flag.output

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 REASONING_EFFORTS = ("low", "medium", "high")
+BUDGET_NEEDS_HARMONY = ("needs a model whose chat format marks its reasoning with special tokens (Harmony: "
+                        "gpt-oss); this model's does not")
 _NAMES = {"start": "<|start|>", "channel": "<|channel|>", "message": "<|message|>", "end": "<|end|>",
           "ret": "<|return|>", "call": "<|call|>", "constrain": "<|constrain|>"}
 

@@ -12,7 +12,7 @@ from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.logprob_outputs import BlockEntries, LazyLogprobs, TokenText
 from llmcli.engine.outputs import CompletionOutput, EngineStats, ModelFailure, RequestMetrics, RequestOutput
 from llmcli.engine.cpu_threads import cpu_threads
-from llmcli.engine.harmony import HarmonyTokens, prompt_state
+from llmcli.engine.harmony import BUDGET_NEEDS_HARMONY, HarmonyTokens, prompt_state
 from llmcli.engine.memory_check import check_host_memory
 from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_prompt, truncate_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
@@ -163,8 +163,7 @@ class LLMEngine:
         budget = params.thinking_token_budget
         if self.harmony is None:
             if budget is not None:
-                raise RequestRejected("thinking_token_budget needs a model whose chat format marks its reasoning "
-                                      "with special tokens (Harmony: gpt-oss); this model's does not")
+                raise RequestRejected(f"thinking_token_budget {BUDGET_NEEDS_HARMONY}")
             return None
         if params.structured_outputs is None and budget is None:
             return None

@@ -12,6 +12,7 @@ from llmcli.cli.io.index import InputIndex, index_input
 from llmcli.cli.io.prepare import Preparer
 from llmcli.cli.io.reasoning import choose_parser, make_splitter
 from llmcli.cli.usage_error import UsageError
+from llmcli.engine.harmony import BUDGET_NEEDS_HARMONY, HarmonyTokens
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.source import source_name
 from llmcli.cli.progress import say
@@ -35,10 +36,17 @@ def check_input(opened: Opened) -> Checked:
         raise EndRun(EXIT_USAGE)
     match.check(console, opts.quiet)
     fields.warn(console, name)  # even with -q: an ignored field changes the results
+    _check_budget(job)
     plan = RunPlan(opened.resumed, match.seen.result(), len(index), index.total - len(index), name,
                    _parser(opts.reasoning_parser, job), opened.stdout, opened.lock)
     _report(job, index, plan)
     return Checked(job, opened.source, opened.starter, index, preparer, plan)
+
+
+def _check_budget(job: Job) -> None:
+    """--thinking-token-budget on a model whose format marks no reasoning: one usage error, not one per record."""
+    if job.opts.sampling.get("thinking_token_budget") is not None and HarmonyTokens.of(job.tokenizer) is None:
+        raise UsageError(f"--thinking-token-budget {BUDGET_NEEDS_HARMONY}")
 
 
 def _parser(option: str, job: Job) -> str | None:
