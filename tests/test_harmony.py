@@ -300,3 +300,17 @@ def test_thinking_budget_on_a_model_without_harmony_is_an_input_error(tiny_model
         in result.output, result.output
     flag = generate(tiny_model, inp, out, "--thinking-token-budget", "8")
     assert flag.exit_code == 2 and "--thinking-token-budget needs a model" in flag.output, flag.output
+
+
+def test_reasoning_effort_on_a_template_that_ignores_it_is_noted(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from llmcli.cli.app import app
+    from test_cli import engine_args
+
+    inp, out = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]), \
+        tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["generate", str(inp), "-o", str(out), *engine_args(tiny_model),
+                                      "--max-tokens", "2", "--reasoning-effort", "high"])
+    assert result.exit_code == 0, result.output
+    assert "never reads reasoning_effort" in result.output

@@ -78,6 +78,10 @@ def _report(job: Job, index: InputIndex, plan: RunPlan) -> None:
                 else "uses <think>, so thinking"
             say(console, f"reasoning parser {plan.reasoning}: the chat template {why} goes to "
                          f"{opts.reasoning_field} (--reasoning-parser none keeps it in the text)")
+        template = job.chat_template or template_of(job.tokenizer)
+        if "reasoning_effort" in (opts.chat_template_kwargs or {}) and template and "reasoning_effort" not in template:
+            say(console, "note: the chat template never reads reasoning_effort, so the reasoning effort asked for "
+                         "changes nothing with this model")
         earlier = f", {plan.resumed.errors} of them by error records" if plan.resumed.errors else ""
         # stdout is never resumed: nothing in it can be answered already
         answered = f" ({plan.skipped} already answered in OUT{earlier})" if opts.output != "-" else ""
