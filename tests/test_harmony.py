@@ -56,6 +56,8 @@ def test_the_parser_reads_channels_from_token_ids(tok):
     # cut inside the final header: the analysis is whole, still no answer
     header_cut = split(tok, "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>fin")
     assert (header_cut.reasoning, header_cut.content) == ("Think.", "")
+    first_header_cut = split(tok, "<|channel|>analy", finish="length")
+    assert (first_header_cut.reasoning, first_header_cut.content) == (None, "")
     # text that looks like markers but is not made of the special tokens stays content
     assert split(tok, "<|channel|>final<|message|>use analysis then final<|return|>").content == \
         "use analysis then final"

@@ -51,6 +51,10 @@ class HarmonyTokens:
     def closers(self) -> frozenset[int]:
         return frozenset((self.end, self.ret, self.call))
 
+    @property
+    def specials(self) -> frozenset[int]:
+        return self.closers | {t for t in (self.start, self.channel, self.message, self.constrain) if t is not None}
+
 
 @dataclass
 class Message:
@@ -136,11 +140,11 @@ def split_completion(ids: list[int], tokens: HarmonyTokens, decode: Callable[[li
                      prompt_tail: str | None = None) -> HarmonySplit | None:
     """analysis → reasoning, final → text, commentary with a recipient → a tool call, commentary without one
     (a preamble, written for the user) → text before the final answer. None when ``ids`` hold no Harmony
-    message at all (the caller keeps the plain text). ``prompt_tail``: ``prompt_state`` of the prompt."""
+    special token at all (the caller keeps the plain text). ``prompt_tail``: ``prompt_state`` of the prompt."""
     in_content = prompt_tail not in (None, "header")
-    msgs = messages_of(ids, tokens, in_content=in_content)
-    if not any(m.has_body for m in msgs) and not in_content:
+    if not in_content and not any(t in tokens.specials for t in ids):
         return None
+    msgs = messages_of(ids, tokens, in_content=in_content)
     analysis, final, calls = [], [], []
     for i, msg in enumerate(msgs):
         header = read_header(msg, tokens, decode, channel=prompt_tail if i == 0 and in_content else None)
