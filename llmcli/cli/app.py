@@ -146,20 +146,6 @@ def _console() -> Console:
     return Console(stderr=True, emoji=False, markup=False, highlight=False)
 
 
-def check_effort(in_kwargs: Any, flag: str | None) -> None:
-    """--chat-template-kwargs' reasoning_effort is one the template takes, and agrees with --reasoning-effort."""
-    from llmcli.cli.generate import UsageError
-    from llmcli.engine.harmony import reasoning_effort_problem
-
-    if in_kwargs is None:
-        return
-    if (why := reasoning_effort_problem(in_kwargs)):
-        raise UsageError(f"--chat-template-kwargs: reasoning_effort {why}")
-    if flag is not None and flag != in_kwargs:
-        raise UsageError(f"--reasoning-effort {flag} and --chat-template-kwargs' reasoning_effort {in_kwargs!r}: "
-                         "give one")
-
-
 def _guarded(run: Callable[[], int]) -> None:
     """Maps the ways a command can fail onto exit codes: 2 for usage/config, 130 for Ctrl-C."""
     from llmcli.config import ConfigError, EnvError, check_environment
@@ -368,8 +354,10 @@ def generate(
             raise UsageError("the input file is given twice (IN and -i/--input-file); give one")
         if max_errors < 0:
             raise UsageError(f"--max-errors must be at least 0 (0 lists none), got {max_errors}")
-        check_effort(given_effort, reasoning_effort.value if reasoning_effort is not None else None)
+        from llmcli.cli.io.reasoning_effort import check_flag_effort
         from llmcli.cli.io.structured_fields import default_constraint, flag_constraint
+
+        check_flag_effort(given_effort, reasoning_effort.value if reasoning_effort is not None else None)
         from llmcli.cli.io.tables import ColumnFlags
 
         constraint = default_constraint(response_format, json_schema)

@@ -7,12 +7,12 @@ from typing import Any, Callable
 import orjson
 
 from llmcli.cli.io.field_problem import FieldProblem
+from llmcli.cli.io.reasoning_effort import take_reasoning_effort
 from llmcli.cli.io.openai_fields import OPENAI_ONLY_FIELDS, Echo, check_unhonoured, take_echo, take_tools
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.score_fields import SCORE_FIELDS, Score, take_score
 from llmcli.cli.io.source import RawLine
 from llmcli.engine.chat_messages import ContentPartError, template_message
-from llmcli.engine.harmony import reasoning_effort_problem
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 # Deepest nesting a record may hold (README, reliability): the input fingerprint and the constraint
@@ -259,26 +259,6 @@ def _template_kwargs(src: dict[str, Any], name: str) -> dict[str, Any] | None:
     return value
 
 
-def _reasoning_effort(src: dict[str, Any], prefix: str, kwargs: dict[str, Any] | None,
-                      chat: bool) -> dict[str, Any] | None:
-    """The chat template's kwargs with the record's ``reasoning_effort`` (OpenAI's field; a Harmony template,
-    gpt-oss's, reads it), each value checked where it was given."""
-    inner = (kwargs or {}).get("reasoning_effort")
-    if inner is not None and (why := reasoning_effort_problem(inner)):
-        raise FieldProblem(prefix + "chat_template_kwargs.reasoning_effort", why)
-    value = src.get("reasoning_effort")
-    if value is None:
-        return kwargs
-    name = prefix + "reasoning_effort"
-    if (why := reasoning_effort_problem(value)):
-        raise FieldProblem(name, why)
-    if not chat:
-        raise FieldProblem(name, "applies to chat records (messages): it is a chat template variable")
-    if inner is not None and inner != value:
-        raise FieldProblem(name, f"conflicts with chat_template_kwargs.reasoning_effort ({inner!r})")
-    return {**(kwargs or {}), "reasoning_effort": value}
-
-
 def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     rec.unknown = unknown_fields(obj, _known(openai_body=False))
     obj = _aliased(obj, "")
@@ -300,8 +280,8 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     else:
         rec.prompt = _check_token_ids(value, "prompt_token_ids")
     rec.sampling = _take_sampling(obj, "")
-    rec.chat_template_kwargs = _reasoning_effort(obj, "", _template_kwargs(obj, "chat_template_kwargs"),
-                                                 rec.kind == "messages")
+    rec.chat_template_kwargs = take_reasoning_effort(obj, "", _template_kwargs(obj, "chat_template_kwargs"),
+                                                     rec.kind == "messages")
     _take_structured(rec, obj, "")
     rec.score = take_score(obj, rec.sampling)
 
@@ -344,7 +324,7 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
         sampling = _take_sampling(body, "body.")
         rec.openai.echo = take_echo(body, sampling)
-    rec.chat_template_kwargs = _reasoning_effort(body, "body.", rec.chat_template_kwargs, rec.openai.chat)
+    rec.chat_template_kwargs = take_reasoning_effort(body, "body.", rec.chat_template_kwargs, rec.openai.chat)
     rec.sampling = sampling
     _take_structured(rec, body, "body.")
 
