@@ -316,3 +316,25 @@ def test_reasoning_effort_on_a_template_that_ignores_it_is_noted(tiny_model, tmp
                                       "--max-tokens", "2", "--reasoning-effort", "high"])
     assert result.exit_code == 0, result.output
     assert "never reads reasoning_effort" in result.output
+
+
+def test_an_end_listed_as_eos_still_ends_only_the_final_message(gpt_oss, tok, tmp_path):
+    """A conversion whose generation_config.json lists <|end|> among its EOS ids would stop every generation
+    after the analysis; llmcli keeps the Harmony rule instead."""
+    import json
+    import shutil
+
+    from llmcli import SamplingParams
+
+    model = shutil.copytree(gpt_oss, tmp_path / "end_as_eos")
+    h = HarmonyTokens.of(tok)
+    gen = json.loads((model / "generation_config.json").read_text())
+    gen["eos_token_id"] = [h.end, h.ret]
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    llm = _llm(model)
+    assert h.end not in llm.engine.eos_token_ids and h.call in llm.engine.eos_token_ids
+    head = HI + "<|channel|>"
+    params = SamplingParams(temperature=0, max_tokens=3, logit_bias={h.end: 100})
+    analysis, final = llm.generate([{"prompt_token_ids": ids(tok, head + "analysis<|message|>")},
+                                    {"prompt_token_ids": ids(tok, head + "final<|message|>")}], params)
+    assert analysis.outputs[0].finish_reason == "length" and final.outputs[0].token_ids == [h.end]

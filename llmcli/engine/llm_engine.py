@@ -65,8 +65,11 @@ class LLMEngine:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
         # A Harmony model (gpt-oss) ends its answer with <|return|> and a tool call with <|call|>, whatever its
         # generation_config.json lists; its <|end|> closes any message, so it ends only the final one (stopping).
+        # Some conversions list <|end|> as an EOS id (or make it the tokenizer's EOS), which would end every
+        # generation after its analysis: it is dropped from the set here and the stop checker's rule applies.
         self.harmony = HarmonyTokens.of(self.tokenizer)
         if self.harmony is not None:
+            self.eos_token_ids = [t for t in self.eos_token_ids if t != self.harmony.end]
             self.eos_token_ids += [t for t in (self.harmony.ret, self.harmony.call) if t not in self.eos_token_ids]
         self.model_runner = self._start_runner(config)
         self.clock.check()
