@@ -125,6 +125,7 @@ def _read(tok, token_ids: list[int]) -> tuple[str, list[int], list[int]]:
     return channel, token_ids[m1 + 1:e1], token_ids[m2 + 1:]
 
 
+@pytest.mark.slow
 def test_json_schema_shapes_the_final_answer_after_free_reasoning(gpt_oss, tok, tmp_path):
     """64 chat records with a JSON schema: each analysis is free text within its thinking budget, the final
     message valid JSON under the schema; reasoning and text are those two messages' contents."""
