@@ -10,6 +10,7 @@ from llmcli.engine.chat_messages import template_messages
 from llmcli.engine.outputs import CompletionOutput, ModelFailure, RequestOutput
 from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
+from llmcli.engine.harmony import reasoning_effort_problem
 from llmcli.engine.structured.grammar import GrammarError
 from llmcli.sampling_params import SamplingParams
 from llmcli.vllm_args import config_kwargs
@@ -108,6 +109,9 @@ class LLM:
         in ``generate``)."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.engine.config.model} has no tokenizer, so no chat template")
+        effort = (chat_template_kwargs or {}).get("reasoning_effort")
+        if effort is not None and (why := reasoning_effort_problem(effort)):
+            raise ValueError(f"chat_template_kwargs.reasoning_effort {why}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [self.tokenizer.apply_chat_template(
             template_messages(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,

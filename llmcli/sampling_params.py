@@ -117,6 +117,8 @@ class SamplingParams:
     error: banning it would need the previous tokens). ``truncate_prompt_tokens=k`` keeps
     the last k prompt tokens (-1: as many as leave room for one generated token).
     ``detokenize=False``: completions carry token ids and an empty ``text`` (vLLM's meaning).
+    ``thinking_token_budget=k`` (a Harmony model: gpt-oss) ends the analysis after at most k tokens and goes on
+    to the final answer, which a structured-output constraint then shapes (docs/cli.md).
     ``skip_reading_prefix_cache=True`` computes the whole prompt even where the prefix cache holds it (its
     blocks are still cached for others); None, the default, skips it only with ``prompt_logprobs``, whose
     cached positions would have no logits (so False with ``prompt_logprobs`` is an error).
@@ -147,6 +149,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True  # False: completions' text stays "" (token ids only), as in vLLM
     skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None  # a Harmony model's analysis, at most this many tokens (vLLM's name)
     unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -257,6 +260,9 @@ class SamplingParams:
                 raise bad(name, "must be a number from -2 to 2 (0 is off)")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
+        if self.thinking_token_budget is not None and (not is_int(self.thinking_token_budget)
+                                                       or not 0 <= self.thinking_token_budget <= INT32_MAX):
+            raise bad("thinking_token_budget", "must be an integer >= 0 (0: answer without reasoning), or None")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logit_bias is not None:

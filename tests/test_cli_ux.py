@@ -268,7 +268,7 @@ def test_help_speaks_the_cli():
     assert "<bool>" not in text and "Most sequences running at once. [default: 1024]" in " ".join(text.split())
     assert max(len(line) for line in text.splitlines()) <= 80
     wide = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"}).stdout
-    assert "<auto|cuda|cpu>" in wide and "<auto|qwen3|none>" in wide and "<bool>" not in wide
+    assert "<auto|cuda|cpu>" in wide and "<auto|qwen3|harmony|none>" in wide and "<bool>" not in wide
     for alias in ("--block-size", "--num-gpu-blocks-override", "-i", "--output-file", "--engine-seed"):
         assert alias in wide
     assert runner.invoke(app, ["--version"]).stdout.startswith("llmcli ")

@@ -108,6 +108,29 @@ MISTRAL_CHAT_TEMPLATE = (
 MISTRAL_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 
 
+# Harmony, gpt-oss's chat format (written for these tests from the published format): a system message with the
+# reasoning effort and the channels, the caller's system prompt as the developer's instructions, earlier answers
+# on the final channel (their analysis dropped, as the format asks), and the assistant's header to generate from.
+HARMONY_CHAT_TEMPLATE = (
+    "{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium' -%}"
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\n\nReasoning: {{ effort }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] in ['system', 'developer'] -%}"
+    "<|start|>developer<|message|># Instructions\n\n{{ m['content'] }}<|end|>"
+    "{%- elif m['role'] == 'user' -%}<|start|>user<|message|>{{ m['content'] }}<|end|>"
+    "{%- elif m['role'] == 'tool' -%}"
+    "<|start|>functions.{{ m['name'] }} to=assistant<|channel|>commentary<|message|>{{ m['content'] }}<|end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+HARMONY_SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                          "<|start|>", "<|end|>", "<|message|>", "<|call|>"]
+
+
 def build_tokenizer(vocab_size: int = 600, special_tokens: list[str] | None = None, eos: str = "<|im_end|>",
                     pad: str = "<|endoftext|>", chat_template: str = CHAT_TEMPLATE, bos: str | None = None):
     """A byte-level BPE tokenizer wrapped in ``PreTrainedTokenizerFast`` (ChatML and its tokens by default).
@@ -258,7 +281,10 @@ FAMILIES: dict[str, Family] = {
     "gemma3-vl": Family("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA3),
                         vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
                                        "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
-    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS)),
+    # gpt-oss speaks Harmony: its special tokens, its template, generation ending at <|return|> or <|call|>
+    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS), tuple(HARMONY_SPECIAL_TOKENS),
+                      eos="<|return|>", pad="<|endoftext|>", generation_eos=("<|return|>", "<|endoftext|>", "<|call|>"),
+                      chat_template=HARMONY_CHAT_TEMPLATE),
     "gemma4-vl": Family("Gemma4Config", "Gemma4ForConditionalGeneration", dict(GEMMA4),
                         vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
                                        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,

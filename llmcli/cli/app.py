@@ -103,7 +103,14 @@ class ReasoningField(str, enum.Enum):
 class ReasoningParser(str, enum.Enum):
     auto = "auto"
     qwen3 = "qwen3"
+    harmony = "harmony"
     none = "none"
+
+
+class ReasoningEffort(str, enum.Enum):
+    low = "low"
+    medium = "medium"
+    high = "high"
 
 
 def _version(value: bool) -> None:
@@ -202,6 +209,9 @@ def generate(
         help="JSON object of extra chat-template variables for every chat record, e.g. "
              "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win key by key.",
         metavar="JSON", show_default=False, callback=_json_object, rich_help_panel=INPUT)] = None,
+    reasoning_effort: Annotated[Optional[ReasoningEffort], typer.Option(
+        help="The chat template's reasoning_effort for every chat record (gpt-oss: how long it reasons); a "
+             "record's own reasoning_effort wins.", show_default=False, rich_help_panel=INPUT)] = None,
     output: Annotated[str, typer.Option("--output", "-o", "--output-file", help="Output JSONL file, or - for "
                                         "stdout; a name ending .parquet, .csv, .tsv or .arrow writes a table.", metavar="OUT", rich_help_panel=OUTPUT)] = "-",
     resume: Annotated[bool, typer.Option("--resume", help="Append to OUT, skipping every input it already answers.",
@@ -221,7 +231,9 @@ def generate(
                                                   rich_help_panel=OUTPUT)] = False,
     reasoning_parser: Annotated[ReasoningParser, typer.Option(
         help="qwen3: move the text between <think> and </think> into reasoning (see --reasoning-field); "
-             "auto: qwen3 when the chat template mentions <think>; none: leave the text alone.",
+             "harmony (gpt-oss): the analysis channel into reasoning, the final channel into text, tool calls "
+             "into tool_calls; auto: harmony when the chat template is Harmony's, qwen3 when it mentions <think>; "
+             "none: leave the text alone.",
         rich_help_panel=OUTPUT)
     ] = ReasoningParser.auto,
     reasoning_field: Annotated[ReasoningField, typer.Option(
@@ -278,6 +290,10 @@ def generate(
                                                        show_default=False, rich_help_panel=SAMPLING)] = None,
     n: Annotated[Optional[int], typer.Option("--n", help="Completions per input. \\[default: 1]",
                                              show_default=False, rich_help_panel=SAMPLING)] = None,
+    thinking_token_budget: Annotated[Optional[int], typer.Option(
+        help="gpt-oss (Harmony): end the analysis after at most this many tokens and go on to the final answer "
+             "(0: no analysis); with a JSON schema, every answer is then complete within max_tokens. "
+             "\\[default: unbounded]", show_default=False, rich_help_panel=SAMPLING)] = None,
     response_format: Annotated[Optional[Path], typer.Option(
         help="JSON file holding an OpenAI response_format ({\"type\": \"json_schema\", ...} or json_object): the "
              "default constraint of every record.", exists=True, dir_okay=False, show_default=False,
@@ -315,7 +331,11 @@ def generate(
                                       max_tokens=max_tokens, stop=stop or None, seed=seed,
                                       ignore_eos=ignore_eos, n=n, repetition_penalty=repetition_penalty,
                                       presence_penalty=presence_penalty,
-                                      frequency_penalty=frequency_penalty).items() if v is not None}
+                                      frequency_penalty=frequency_penalty,
+                                      thinking_token_budget=thinking_token_budget).items() if v is not None}
+    given_effort = (template_kwargs or {}).get("reasoning_effort")
+    if reasoning_effort is not None:
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": reasoning_effort.value}
     opts = GenerateOptions(
         input=input if input is not None else (input_option or ""), output=output, strict=strict,
         chat_template_kwargs=template_kwargs, reasoning_parser=reasoning_parser.value,
@@ -334,7 +354,10 @@ def generate(
             raise UsageError("the input file is given twice (IN and -i/--input-file); give one")
         if max_errors < 0:
             raise UsageError(f"--max-errors must be at least 0 (0 lists none), got {max_errors}")
+        from llmcli.cli.io.reasoning_effort import check_flag_effort
         from llmcli.cli.io.structured_fields import default_constraint, flag_constraint
+
+        check_flag_effort(given_effort, reasoning_effort.value if reasoning_effort is not None else None)
         from llmcli.cli.io.tables import ColumnFlags
 
         constraint = default_constraint(response_format, json_schema)

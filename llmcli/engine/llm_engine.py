@@ -12,11 +12,12 @@ from llmcli.engine.model_runner import ModelRunner
 from llmcli.engine.logprob_outputs import BlockEntries, LazyLogprobs, TokenText
 from llmcli.engine.outputs import CompletionOutput, EngineStats, ModelFailure, RequestMetrics, RequestOutput
 from llmcli.engine.cpu_threads import cpu_threads
+from llmcli.engine.harmony import BUDGET_NEEDS_HARMONY, HarmonyTokens, prompt_state
 from llmcli.engine.memory_check import check_host_memory
 from llmcli.engine.kv_groups import kv_windows_of
 from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_prompt, truncate_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
-from llmcli.engine.sequence import Sequence, SequenceStatus
+from llmcli.engine.sequence import RequestRejected, Sequence, SequenceStatus
 from llmcli.engine.startup import StartupClock, use_persistent_compile_cache
 from llmcli.engine.step_plan import StepPlan
 from llmcli.engine.step_timer import StepTimer
@@ -63,13 +64,21 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        # A Harmony model (gpt-oss) ends its answer with <|return|> and a tool call with <|call|>, whatever its
+        # generation_config.json lists; its <|end|> closes any message, so it ends only the final one (stopping).
+        # Some conversions list <|end|> as an EOS id (or make it the tokenizer's EOS), which would end every
+        # generation after its analysis: it is dropped from the set here and the stop checker's rule applies.
+        self.harmony = HarmonyTokens.of(self.tokenizer)
+        if self.harmony is not None:
+            self.eos_token_ids = [t for t in self.eos_token_ids if t != self.harmony.end]
+            self.eos_token_ids += [t for t in (self.harmony.ret, self.harmony.call) if t not in self.eos_token_ids]
         self.model_runner = self._start_runner(config)
         self.clock.check()
         self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks, state_snapshot_bytes=getattr(
             self.model_runner.memory_report, "state_snapshot_bytes", 0))
         self.kv_windows = kv_windows_of(getattr(self.model_runner, "memory_report", None))
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats, self.kv_windows)
-        self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
+        self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len, self.harmony)
         self._rng = random.Random(config.seed)
         self.step_timer: StepTimer = self.model_runner.timer
         # Off: finished outputs carry text=None (unless cut at a stop string) and the caller decodes them
@@ -136,8 +145,9 @@ class LLMEngine:
         if params.min_tokens:
             seq.hold_ids = sorted(set(params.stop_token_ids) | set([] if params.ignore_eos else self.eos_token_ids))
         self.stopper.set_gate(seq)
-        if params.structured_outputs is not None:
-            self._structured().add(seq)  # joins the scheduler once its grammar is compiled
+        frame = self._harmony_frame(token_ids, params)
+        if params.structured_outputs is not None or frame is not None:
+            self._structured().add(seq, frame)  # joins the scheduler once its grammar is compiled
         else:
             self.scheduler.add(seq)
         self.stats.prompt_tokens += len(token_ids)
@@ -151,6 +161,27 @@ class LLMEngine:
             from llmcli.engine.structured import check_constraint
 
             check_constraint(params.structured_outputs)  # GrammarError
+
+    def _harmony_frame(self, token_ids: list[int], params: SamplingParams) -> Any:
+        """On a Harmony model, a constraint shapes the final answer only (after the analysis), and a thinking
+        budget bounds the analysis: the frame their grammar runs in, or None (no constraint and no budget, or
+        a prompt that leaves no assistant message open: the constraint then shapes the whole completion)."""
+        budget = params.thinking_token_budget
+        if self.harmony is None:
+            if budget is not None:
+                raise RequestRejected(f"thinking_token_budget {BUDGET_NEEDS_HARMONY}")
+            return None
+        if params.structured_outputs is None and budget is None:
+            return None
+        state = prompt_state(token_ids, self.harmony, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        if state not in ("header", "analysis"):
+            if budget is not None and state is None:
+                raise RequestRejected("thinking_token_budget needs a prompt that ends at the assistant's turn "
+                                      "(a chat record, or a prompt ending with <|start|>assistant)")
+            return None
+        from llmcli.engine.structured.harmony_grammar import HarmonyFrame
+
+        return HarmonyFrame(state, budget)
 
     def _structured(self) -> Any:
         if self.structured is None:

@@ -3,14 +3,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmcli.engine.harmony import HarmonyTokens, closes_final
 from llmcli.engine.sequence import Sequence
 
 
 class StopChecker:
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int,
+                 harmony: HarmonyTokens | None = None) -> None:
+        """``harmony``: a Harmony model's tokens; its ``<|end|>`` ends a generation when it closes the final
+        channel's message (after an analysis message the model goes on to its answer)."""
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.harmony = harmony
+        self._end = harmony.end if harmony is not None and harmony.end not in self.eos else None
+        # tokens that end a completion without being part of its text
+        self.closers = self.eos | ({self._end} if self._end is not None else set())
 
     def set_gate(self, seq: Sequence) -> None:
         """Give ``seq`` the quick test the step loop runs before ``check``: token ``index`` can only end it if
@@ -24,7 +32,7 @@ class StopChecker:
         if params.stop and self.tokenizer is not None:
             seq.stop_ids = None
         else:
-            seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
+            seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.closers)
 
     def check(self, seq: Sequence, index: int) -> bool:
         """Token ``index`` was just sampled: set ``finish_reason`` (and ``stop_reason``) if ``seq`` ends there."""
@@ -34,6 +42,9 @@ class StopChecker:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos and not params.ignore_eos:
             seq.finish_reason, seq.stop_reason = "stop", None  # as vLLM: EOS is no stop reason of the request's
+        elif token == self._end and not params.ignore_eos and completion >= params.min_tokens \
+                and self._closes_final(seq, index):
+            seq.finish_reason, seq.stop_reason = "stop", None  # the answer's own end, as an EOS
         elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq, index):
             seq.finish_reason = "stop"
         elif params.max_tokens is not None and completion >= params.max_tokens:
@@ -41,6 +52,10 @@ class StopChecker:
         elif index + 1 >= self.max_model_len:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
+
+    def _closes_final(self, seq: Sequence, index: int) -> bool:
+        return closes_final(seq.token_ids, index, self.harmony,
+                            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def _hit_stop_string(self, seq: Sequence, index: int) -> bool:
         text = self.decode(seq.token_ids[seq.num_prompt_tokens:index + 1], seq)
@@ -76,7 +91,8 @@ class StopChecker:
             return [""] * len(completions)
         # The EOS / stop token that ended a completion is not part of its text (EOS: stop reason None, as a
         # completed grammar's is, but its last token is an EOS id).
-        ids = [c[:-1] if finish == "stop" and (isinstance(reason, int) or (reason is None and c and c[-1] in self.eos))
+        closers = self.closers
+        ids = [c[:-1] if finish == "stop" and (isinstance(reason, int) or (reason is None and c and c[-1] in closers))
                else c for c, finish, reason in completions]
         if len(ids) == 1:
             return [self.tokenizer.decode(ids[0], skip_special_tokens=skip_special_tokens)]

@@ -10,7 +10,9 @@ from llmcli.cli.generate.handoff import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Checke
 from llmcli.cli.generate.write import start_output
 from llmcli.cli.io.index import InputIndex, index_input
 from llmcli.cli.io.prepare import Preparer
-from llmcli.cli.io.reasoning import choose_parser
+from llmcli.cli.io.reasoning import choose_parser, make_splitter
+from llmcli.cli.usage_error import UsageError
+from llmcli.engine.harmony import BUDGET_NEEDS_HARMONY, HarmonyTokens
 from llmcli.cli.io.records import InputRecord
 from llmcli.cli.io.source import source_name
 from llmcli.cli.progress import say
@@ -34,11 +36,27 @@ def check_input(opened: Opened) -> Checked:
         raise EndRun(EXIT_USAGE)
     match.check(console, opts.quiet)
     fields.warn(console, name)  # even with -q: an ignored field changes the results
+    _check_budget(job)
     plan = RunPlan(opened.resumed, match.seen.result(), len(index), index.total - len(index), name,
-                   choose_parser(opts.reasoning_parser, job.chat_template or template_of(job.tokenizer)),
-                   opened.stdout, opened.lock)
+                   _parser(opts.reasoning_parser, job), opened.stdout, opened.lock)
     _report(job, index, plan)
     return Checked(job, opened.source, opened.starter, index, preparer, plan)
+
+
+def _check_budget(job: Job) -> None:
+    """--thinking-token-budget on a model whose format marks no reasoning: one usage error, not one per record."""
+    if job.opts.sampling.get("thinking_token_budget") is not None and HarmonyTokens.of(job.tokenizer) is None:
+        raise UsageError(f"--thinking-token-budget {BUDGET_NEEDS_HARMONY}")
+
+
+def _parser(option: str, job: Job) -> str | None:
+    """The run's reasoning parser; UsageError when it cannot read this model's output."""
+    try:
+        parser = choose_parser(option, job.chat_template or template_of(job.tokenizer))
+        make_splitter(parser, job.tokenizer)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return parser
 
 
 def _report(job: Job, index: InputIndex, plan: RunPlan) -> None:
@@ -56,8 +74,14 @@ def _report(job: Job, index: InputIndex, plan: RunPlan) -> None:
         say(console, f"{len(bad)} invalid records get error records in OUT")
     if not opts.quiet:
         if plan.reasoning is not None and opts.reasoning_parser == "auto":
-            say(console, f"reasoning parser {plan.reasoning}: the chat template uses <think>, so thinking goes to "
+            why = "is Harmony's (gpt-oss): the analysis channel" if plan.reasoning == "harmony" \
+                else "uses <think>, so thinking"
+            say(console, f"reasoning parser {plan.reasoning}: the chat template {why} goes to "
                          f"{opts.reasoning_field} (--reasoning-parser none keeps it in the text)")
+        template = job.chat_template or template_of(job.tokenizer)
+        if "reasoning_effort" in (opts.chat_template_kwargs or {}) and template and "reasoning_effort" not in template:
+            say(console, "note: the chat template never reads reasoning_effort, so the reasoning effort asked for "
+                         "changes nothing with this model")
         earlier = f", {plan.resumed.errors} of them by error records" if plan.resumed.errors else ""
         # stdout is never resumed: nothing in it can be answered already
         answered = f" ({plan.skipped} already answered in OUT{earlier})" if opts.output != "-" else ""

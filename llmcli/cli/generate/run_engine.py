@@ -9,6 +9,7 @@ from llmcli.cli.generate.handoff import EXIT_FAILED, EXIT_PIPE_CLOSED, EndRun, O
 from llmcli.cli.generate.write import close_writer, open_writer, start_output
 from llmcli.cli.io.logprobs_format import TokenBytes
 from llmcli.cli.io.output_checks import describe_write_failure
+from llmcli.cli.io.reasoning import make_splitter
 from llmcli.cli.io.writer import OutputWriteError
 from llmcli.cli.progress import GenerateProgress, say
 from llmcli.cli.runner import Runner, StopFlag
@@ -35,7 +36,8 @@ def run_engine(prepared: Prepared) -> Outcome:
                                                   written=lambda: writer.written) as progress:
             runner = Runner(engine, writer, progress, model=opts.engine["model"], max_model_len=config.max_model_len,
                             include_token_ids=opts.include_token_ids or job.tokenizer is None, window=window, stop=stop,
-                            include_metrics=opts.include_metrics, reasoning=plan.reasoning, guess=prepared.guess,
+                            include_metrics=opts.include_metrics, reasoning=make_splitter(plan.reasoning, job.tokenizer),
+                            guess=prepared.guess,
                             token_bytes=TokenBytes(getattr(engine, "tokenizer", None)),
                             reasoning_field=opts.reasoning_field,
                             block_size=config.kvcache_block_size if config.enable_prefix_caching else 0)

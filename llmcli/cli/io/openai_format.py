@@ -8,7 +8,7 @@ from typing import Any
 from llmcli.engine.outputs import RequestOutput
 from llmcli.cli.io.logprobs_format import (Bytes, chat_logprobs, completion_logprobs, echo_logprobs,
                                           plain_prompt_logprobs)
-from llmcli.cli.io.reasoning import split_reasoning
+from llmcli.cli.io.reasoning import OutputSplitter, split_output
 from llmcli.cli.io.records import InputRecord
 
 
@@ -28,7 +28,7 @@ def _usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict[str,
     }
 
 
-def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None, k: int | None,
+def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | OutputSplitter | None, k: int | None,
             token_bytes: Bytes | None = None, reasoning_field: str = REASONING_FIELD) -> dict[str, Any]:
     logprobs = None
     if k is not None and out.logprobs is not None:
@@ -36,10 +36,14 @@ def _choice(index: int, out: RequestOutput, chat: bool, reasoning: str | None, k
             else completion_logprobs(out.token_ids, out.logprobs, k)
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        finish = out.finish_reason
         if reasoning is not None:  # as vLLM's chat completions carry it, beside the content
-            split = split_reasoning(reasoning, out.text)
+            split = split_output(reasoning, out)
             message = {"role": "assistant", "content": split.content, reasoning_field: split.reasoning}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            if split.tool_calls:  # OpenAI's shape; a completion that ended calling a tool says so
+                message["tool_calls"] = split.tool_calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
 
@@ -72,7 +76,7 @@ def _line(rec: InputRecord, status: int, body: dict[str, Any]) -> dict[str, Any]
 
 
 def openai_result(rec: InputRecord, outputs: list[RequestOutput], model: str,
-                  reasoning: str | None = None, token_bytes: Bytes | None = None,
+                  reasoning: str | OutputSplitter | None = None, token_bytes: Bytes | None = None,
                   reasoning_field: str = REASONING_FIELD) -> dict[str, Any]:
     """The batch output line answering ``rec`` with its n completions (text completions are never split)."""
     chat, echo = rec.openai.chat, rec.openai.echo

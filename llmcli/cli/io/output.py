@@ -7,7 +7,7 @@ from llmcli.engine.outputs import RequestOutput
 from llmcli.cli.io.logprobs_format import Bytes, plain_logprobs, plain_prompt_logprobs
 from llmcli.cli.io.score_format import score_result
 from llmcli.cli.io.openai_format import REASONING_FIELD, openai_error, openai_result
-from llmcli.cli.io.reasoning import split_reasoning
+from llmcli.cli.io.reasoning import OutputSplitter, split_output
 from llmcli.cli.io.records import InputRecord
 
 
@@ -21,11 +21,13 @@ def _metrics(out: RequestOutput) -> dict[str, Any]:
 
 
 def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bool,
-                reasoning: str | None, logprobs_k: int | None, reasoning_field: str) -> dict[str, Any]:
-    split = split_reasoning(reasoning, out.text)
+                reasoning: str | OutputSplitter | None, logprobs_k: int | None, reasoning_field: str) -> dict[str, Any]:
+    split = split_output(reasoning, out)
     item: dict[str, Any] = {"text": split.content}
     if reasoning is not None:
         item[reasoning_field] = split.reasoning
+    if split.tool_calls:
+        item["tool_calls"] = split.tool_calls
     item["finish_reason"] = out.finish_reason
     if include_token_ids:
         item["token_ids"] = list(out.token_ids)
@@ -37,11 +39,12 @@ def _completion(out: RequestOutput, include_token_ids: bool, include_metrics: bo
 
 
 def result_record(rec: InputRecord, outputs: list[RequestOutput], *, model: str, include_token_ids: bool = False,
-                  include_metrics: bool = False, reasoning: str | None = None,
+                  include_metrics: bool = False, reasoning: str | OutputSplitter | None = None,
                   token_bytes: Bytes | None = None, reasoning_field: str = REASONING_FIELD) -> dict[str, Any]:
     """The output line for ``rec``; ``outputs`` are its n completions in index order.
 
-    ``reasoning`` names the reasoning parser (None: the text is left whole) and ``reasoning_field`` the field
+    ``reasoning`` is the reasoning parser (its name, or a splitter that reads token ids; None: the text is
+    left whole) and ``reasoning_field`` the field
     its thinking goes to; ``token_bytes`` gives chat logprobs' ``bytes`` (None: the UTF-8 of each token's text)."""
     if rec.score is not None:
         return score_result(rec, outputs, include_token_ids)

@@ -14,6 +14,7 @@ from llmcli.cli.io.structured_fields import NO_CONSTRAINT
 from llmcli.cli.io.structured_fields import check as check_constraint
 from llmcli.cli.io.time_limit import TimeLimitExceeded, time_limit
 from llmcli.engine.admission import bad_word_ids, truncate_prompt
+from llmcli.engine.harmony import BUDGET_NEEDS_HARMONY, HarmonyTokens
 from llmcli.engine.prompt_encoding import encode_texts
 from llmcli.engine.sequence import RequestRejected
 from llmcli.sampling_params import SamplingParams, SamplingParamsError
@@ -73,8 +74,15 @@ class Preparer:
         self.chat_template = chat_template
         self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs; a record's own keys win
         self._longest_token: int | None = None
+        self._is_harmony: bool | None = None
         self._params_cache: dict[tuple, list[SamplingParams] | FieldProblem] = {}
         self._cached_params = 0
+
+    def _harmony(self) -> bool:
+        """Whether the model's tokenizer has Harmony's tokens (found once: it reads the whole vocabulary)."""
+        if self._is_harmony is None:
+            self._is_harmony = HarmonyTokens.of(self.tokenizer) is not None
+        return self._is_harmony
 
     def prepare(self, rec: InputRecord) -> PreparedRequest | None:
         """The request for ``rec``, or None after recording the problem in ``rec.error``."""
@@ -92,6 +100,8 @@ class Preparer:
             return
         try:
             self._params(rec)
+            if rec.sampling.get("thinking_token_budget") is not None and not self._harmony():
+                raise FieldProblem(rec.field_name("thinking_token_budget"), BUDGET_NEEDS_HARMONY)
             if rec.kind == "prompt_token_ids":
                 self._check_length(rec, self._check_ids(rec))
             elif self.tokenizer is not None:

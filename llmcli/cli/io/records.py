@@ -7,6 +7,7 @@ from typing import Any, Callable
 import orjson
 
 from llmcli.cli.io.field_problem import FieldProblem
+from llmcli.cli.io.reasoning_effort import take_reasoning_effort
 from llmcli.cli.io.openai_fields import OPENAI_ONLY_FIELDS, Echo, check_unhonoured, take_echo, take_tools
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.score_fields import SCORE_FIELDS, Score, take_score
@@ -145,6 +146,7 @@ _SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (lambda v: v is None or _is_int_list(v), "a list of integers or null"),
     "truncate_prompt_tokens": (lambda v: v is None or _is_int(v), "an integer or null"),
     "skip_reading_prefix_cache": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "thinking_token_budget": (lambda v: v is None or _is_int(v), "an integer or null"),
 }
 SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
 
@@ -230,9 +232,10 @@ STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "gu
 def _known(openai_body: bool) -> set[str]:
     # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
     if openai_body:
-        return {"messages", "prompt", "chat_template_kwargs", "top_logprobs", *STRUCTURED_FIELDS, *OPENAI_BODY_EXTRA,
-                *OPENAI_ONLY_FIELDS, *_SAMPLING_CHECKS}
-    return {"id", "chat_template_kwargs", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS, *SCORE_FIELDS}
+        return {"messages", "prompt", "chat_template_kwargs", "reasoning_effort", "top_logprobs", *STRUCTURED_FIELDS,
+                *OPENAI_BODY_EXTRA, *OPENAI_ONLY_FIELDS, *_SAMPLING_CHECKS}
+    return {"id", "chat_template_kwargs", "reasoning_effort", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS,
+            *SCORE_FIELDS}
 
 
 def did_you_mean(name: str) -> str | None:
@@ -287,7 +290,8 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     else:
         rec.prompt = _check_token_ids(value, "prompt_token_ids")
     rec.sampling = _take_sampling(obj, "")
-    rec.chat_template_kwargs = _template_kwargs(obj, "chat_template_kwargs")
+    rec.chat_template_kwargs = take_reasoning_effort(obj, "", _template_kwargs(obj, "chat_template_kwargs"),
+                                                     rec.kind == "messages")
     _take_structured(rec, obj, "")
     rec.score = take_score(obj, rec.sampling)
 
@@ -331,6 +335,7 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
         sampling = _take_sampling(body, "body.")
         rec.openai.echo = take_echo(body, sampling)
+    rec.chat_template_kwargs = take_reasoning_effort(body, "body.", rec.chat_template_kwargs, rec.openai.chat)
     rec.sampling = sampling
     _take_structured(rec, body, "body.")
 

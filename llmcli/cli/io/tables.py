@@ -24,11 +24,11 @@ from llmcli.cli.io.table_formats import TableFile
 from llmcli.cli.usage_error import UsageError
 
 # Columns named as a record's settings fields are that row's settings, as the fields of a JSONL record are.
-SETTINGS_COLUMNS = (*SAMPLING_FIELDS, *STRUCTURED_FIELDS, "chat_template_kwargs")
+SETTINGS_COLUMNS = (*SAMPLING_FIELDS, *STRUCTURED_FIELDS, "chat_template_kwargs", "reasoning_effort")
 # Fields an output row has of its own: a kept column of one of these names is written as input_<name>.
 OUTPUT_FIELDS = frozenset({"id", "text", "finish_reason", "usage", "error", "choices", "prompt_token_ids",
                            "token_ids", "logprobs", "prompt_logprobs", "metrics", "reasoning", "reasoning_content",
-                           "prompt_tokens", "completion_tokens"})
+                           "tool_calls", "prompt_tokens", "completion_tokens"})
 ROW_FIELD = "_row"  # a table OUT's journal: the 0-based row each line answers
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.engine.structured.grammar import GrammarError, grammar_text, load_llguidance, parser_limits
+from llmcli.engine.structured.harmony_grammar import HarmonyFrame
 from llmcli.engine.structured.masks import mask_threads
 from llmcli.sampling_params import StructuredOutputsParams
 
@@ -23,6 +24,10 @@ class _Constraint:
     text: str | None = None  # llguidance's grammar, made at the first compile
     templates: list[Future] = field(default_factory=list)
     requests: int = 0
+
+
+def _key(spec: StructuredOutputsParams, frame: HarmonyFrame | None) -> str:
+    return spec.key if frame is None else frame.key + "|" + spec.key
 
 
 class GrammarCompiler:
@@ -53,27 +58,28 @@ class GrammarCompiler:
         load_llguidance()  # the clear install message first
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
 
-    def submit(self, spec: StructuredOutputsParams) -> Future:
-        """The template for the next request under ``spec``."""
-        entry = self._cache.get(spec.key)
+    def submit(self, spec: StructuredOutputsParams, frame: HarmonyFrame | None = None) -> Future:
+        """The template for the next request under ``spec`` (within ``frame``: a Harmony model's answer)."""
+        key = _key(spec, frame)
+        entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache[spec.key] = _Constraint()
+            entry = self._cache[key] = _Constraint()
         shard = (entry.requests // ROWS_PER_SHARD) % max(1, self.shards)
         entry.requests += 1
         while len(entry.templates) <= shard:
-            entry.templates.append(self.pool.submit(self._compile, spec, entry))
+            entry.templates.append(self.pool.submit(self._compile, spec, entry, frame))
         return entry.templates[shard]
 
-    def templates(self, spec: StructuredOutputsParams) -> int:
+    def templates(self, spec: StructuredOutputsParams, frame: HarmonyFrame | None = None) -> int:
         """How many independent templates ``spec`` has so far."""
-        entry = self._cache.get(spec.key)
+        entry = self._cache.get(_key(spec, frame))
         return len(entry.templates) if entry is not None else 0
 
-    def _compile(self, spec: StructuredOutputsParams, entry: _Constraint) -> Any:
+    def _compile(self, spec: StructuredOutputsParams, entry: _Constraint, frame: HarmonyFrame | None = None) -> Any:
         tokenizer = self._tokenizer.result()
         start = time.perf_counter()
         if entry.text is None:
-            entry.text = grammar_text(spec)
+            entry.text = grammar_text(spec) if frame is None else frame.wrap(grammar_text(spec))
         try:
             matcher = load_llguidance().LLMatcher(tokenizer, entry.text, log_level=0, limits=parser_limits())
         except (KeyboardInterrupt, SystemExit):
@@ -82,7 +88,7 @@ class GrammarCompiler:
             raise GrammarError(" ".join(str(exc).split())[:300] or type(exc).__name__) from None
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        self.compile_seconds.setdefault(spec.key, time.perf_counter() - start)
+        self.compile_seconds.setdefault(_key(spec, frame), time.perf_counter() - start)
         return matcher
 
     def shutdown(self) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from llmcli.engine.sequence import Sequence
 from llmcli.engine.structured.compiler import GrammarCompiler
+from llmcli.engine.structured.harmony_grammar import FREE_TEXT, HarmonyFrame
 from llmcli.engine.structured.masks import ConstrainedBatch
 
 log = logging.getLogger("llmcli")
@@ -27,8 +28,11 @@ class StructuredRequests:
     def num_compiling(self) -> int:
         return len(self.compiling)
 
-    def add(self, seq: Sequence) -> None:
-        self.compiling.append((seq, self.compiler.submit(seq.params.structured_outputs)))
+    def add(self, seq: Sequence, frame: HarmonyFrame | None = None) -> None:
+        """``frame``: a Harmony model's completion, whose final answer alone the constraint shapes (with no
+        constraint, only the frame's thinking budget binds)."""
+        spec = seq.params.structured_outputs or FREE_TEXT
+        self.compiling.append((seq, self.compiler.submit(spec, frame)))
 
     def ready(self, block: bool) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
         """The requests whose grammar is compiled, each with its own matcher, and those whose grammar failed
