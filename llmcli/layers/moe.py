@@ -18,6 +18,7 @@ from torch import nn
 
 from llmcli.kernels.moe_reference import moe_reference, route
 from llmcli.layers.activation import clamped_swiglu
+from llmcli.layers.moe_mxfp4 import Mxfp4Experts
 from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
@@ -25,13 +26,17 @@ MOE_BACKENDS = ("auto", "triton", "reference")
 SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def use_fused_moe(x: torch.Tensor) -> bool:
+def fused_moe_on(device: torch.device) -> bool:
     """The fused kernel on CUDA, the loop elsewhere; ``LLMCLI_MOE=reference`` runs the loop on CUDA too and
     ``LLMCLI_MOE=triton`` the kernel on the CPU too (under TRITON_INTERPRET=1): benchmarks compare the two."""
     mode = os.environ.get("LLMCLI_MOE", "auto") or "auto"
     if mode not in MOE_BACKENDS:
         raise ValueError(f"LLMCLI_MOE={mode!r}: expected one of {', '.join(MOE_BACKENDS)}")
-    return mode == "triton" or (mode == "auto" and x.is_cuda)
+    return mode == "triton" or (mode == "auto" and device.type == "cuda")
+
+
+def use_fused_moe(x: torch.Tensor) -> bool:
+    return fused_moe_on(x.device)
 
 
 def local_intermediate(size: int, field: str) -> int:
@@ -120,17 +125,24 @@ class GptOssMoeBlock(nn.Module):
     gate and up *interleaved* along the last dimension (gate at even columns), ``gate_up_proj_bias`` [E, 2I] the
     same way, ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. They load into ``StackedExperts``' layout
     (gate rows then up rows, [E, 2I, H]; down [E, H, I]), this rank's intermediate slice. The down bias is
-    added on rank 0 only, before the all-reduce that sums the ranks' partial outputs.
+    added on rank 0 only, before the all-reduce that sums the ranks' partial outputs. With ``mxfp4`` (an MXFP4
+    checkpoint on CUDA) the experts stay in the checkpoint's 4-bit form (``moe_mxfp4.Mxfp4Experts``) and run in
+    ``kernels/triton_moe_mxfp4.py``.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, alpha: float,
-                 limit: float) -> None:
+                 limit: float, mxfp4: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.local_inter = local_intermediate(intermediate_size, "intermediate_size")
         self.top_k, self.alpha, self.limit = top_k, alpha, limit
         self.router = nn.Linear(hidden_size, num_experts, bias=True)  # replicated
         self.router.requires_grad_(False)
+        self.mxfp4 = mxfp4  # experts kept as the checkpoint's MXFP4 codes and scales (layers/moe_mxfp4.py)
+        if mxfp4:
+            self.experts = Mxfp4Experts(num_experts, hidden_size, self.local_inter, self.tp_rank, self.tp_size)
+            self.experts.gate_up_proj_bias.weight_loader = self._load_stacked
+            return
         self.experts = StackedExperts(num_experts, hidden_size, self.local_inter)
         experts, n = self.experts, self.local_inter
         experts.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * n), requires_grad=False)
@@ -144,12 +156,12 @@ class GptOssMoeBlock(nn.Module):
         n, start = self.local_inter, self.tp_rank * self.local_inter
         full = n * self.tp_size
         experts = self.experts
-        num_experts, hidden = param.shape[0], experts.down_proj.shape[1]
-        if param is experts.down_proj:  # [E, I, H] -> [E, H, I_local]
+        num_experts, hidden = param.shape[0], experts.down_proj_bias.shape[1]
+        if param is getattr(experts, "down_proj", None):  # [E, I, H] -> [E, H, I_local]
             expect_shape(loaded, (num_experts, full, hidden))
             param.data.copy_(loaded.narrow(1, start, n).transpose(1, 2))
             return
-        if param is experts.gate_up_proj:  # [E, H, 2I] interleaved -> [E, 2 I_local, H], gate rows then up rows
+        if param is getattr(experts, "gate_up_proj", None):  # [E, H, 2I] interleaved -> [E, 2 I_local, H], gate rows then up rows
             expect_shape(loaded, (num_experts, hidden, 2 * full))
             pairs = loaded.unflatten(2, (full, 2)).narrow(2, start, n)  # [E, H, I_local, (gate, up)]
             param.data.copy_(pairs.permute(0, 3, 2, 1).reshape(num_experts, 2 * n, hidden))
@@ -162,7 +174,13 @@ class GptOssMoeBlock(nn.Module):
         weights = torch.softmax(top, dim=-1, dtype=torch.float32)
         e = self.experts
         b2 = e.down_proj_bias if self.tp_rank == 0 else None  # once over the ranks' sum
-        if use_fused_moe(x):
+        if use_fused_moe(x) and self.mxfp4:
+            from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4
+
+            out = fused_moe_mxfp4(x, e.gate_up_proj_blocks, e.gate_up_proj_scales, e.down_proj_blocks,
+                                  e.down_proj_scales, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
+                                  clamp=(self.alpha, self.limit))
+        elif use_fused_moe(x):
             from llmcli.kernels.triton_moe import fused_moe  # imported on use: see kernels/__init__.py
 
             out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
@@ -171,7 +189,8 @@ class GptOssMoeBlock(nn.Module):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
                                    "cannot hold: run it with enforce_eager=True (--enforce-eager)")
-            out = moe_reference(x, e.gate_up_proj, e.down_proj, weights, ids,
+            w13, w2 = e.dequantized(x.dtype) if self.mxfp4 else (e.gate_up_proj, e.down_proj)
+            out = moe_reference(x, w13, w2, weights, ids,
                                 act=lambda h: clamped_swiglu(h, self.alpha, self.limit), b13=e.gate_up_proj_bias,
                                 b2=b2)
         return all_reduce(out)
