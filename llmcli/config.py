@@ -319,10 +319,9 @@ class Config:
         except QuantizationError as exc:
             raise self._fail("quantization", f"{self.model_path}/{exc}") from None
         if quant is not None and quant.source == "mxfp4":  # gpt-oss's experts: 4-bit on CUDA, dequantized on CPU
-            from llmcli.layers.moe_mxfp4 import check_mxfp4_split
+            from llmcli.models.hub import mxfp4_split_problem
 
-            problem = self.device == "cuda" and check_mxfp4_split(self.hf_config.intermediate_size,
-                                                                  self.tensor_parallel_size)
+            problem = self.device == "cuda" and mxfp4_split_problem(self.hf_config, self.tensor_parallel_size)
             if problem:
                 raise self._fail("tensor_parallel_size", f"{self.model_path}/config.json: {problem}")
             return None if self.load_format == "dummy" else quant  # random weights: the model builds them

@@ -25,6 +25,7 @@ from llmcli.kernels.moe_reference import moe_reference, route  # noqa: E402
 from llmcli.kernels.triton_moe import MoeTuning  # noqa: E402
 from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4  # noqa: E402
 from llmcli.layers.activation import clamped_swiglu  # noqa: E402
+from test_engine_vs_hf import greedy, random_prompts, run_factory  # noqa: E402, F401 (a fixture)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -302,3 +303,25 @@ def test_mxfp4_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == 6, done.stdout
+
+
+# -- a whole model -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="the GPU e2e agreement test covers CUDA")
+def test_tiny_mxfp4_gpt_oss_through_the_kernel_equals_transformers_on_its_twin(tiny_checkpoint, tmp_path, hf_oracle,
+                                                                              run_factory, monkeypatch):
+    """The tiny gpt-oss as an MXFP4 checkpoint, built as on CUDA (LLMCLI_MOE=triton: its experts kept as codes and
+    scales, loaded as stored, run in the MXFP4 kernel under the interpreter): transformers' greedy tokens on the
+    16-bit checkpoint of the values its blocks encode."""
+    from test_new_families import MAX_NEW, write_mxfp4_twins
+
+    from llmcli.layers.moe_mxfp4 import Mxfp4Experts
+
+    monkeypatch.setenv("LLMCLI_MOE", "triton")
+    packed, plain = write_mxfp4_twins(tiny_checkpoint("gpt-oss"), tmp_path)
+    prompts = random_prompts([9, 40], seed=431)
+    want = hf_oracle.greedy(plain, prompts, MAX_NEW)
+    run = run_factory(packed, kvcache_block_size=16, max_model_len=256)
+    experts = [m for m in run.llm.engine.model_runner.model.modules() if isinstance(m, Mxfp4Experts)]
+    assert len(experts) == 3 and experts[0].gate_up_proj_blocks.dtype == torch.uint8
+    assert [o["token_ids"] for o in run.llm.generate(prompts, greedy(MAX_NEW))] == want
