@@ -113,3 +113,16 @@ def test_fp8_weights_and_kv_by_hand() -> None:
     assert "floor_s" not in physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, weight_elem_bytes=1)
     assert physical_bound(FACTS, PROMPTS, OUTS, CEILINGS, elem_bytes=2, kv_elem_bytes=1)["floor_s"] == \
         pytest.approx(105.632 - 17 * 128 / 1000)
+
+
+def test_mxfp4_experts_are_read_at_4_25_bits() -> None:
+    """gpt-oss's published configs (MXFP4): each expert weight read as its 4-bit code plus a 32nd of a byte's
+    scale; the dense part stays 16-bit."""
+    from benchmarks.harness.workload import REPO, model_facts
+
+    facts = model_facts(REPO / "configs" / "gpt-oss-20b")
+    assert (facts["experts"], facts["experts_per_tok"], facts["expert_bits"]) == (32, 4, 4.25)
+    assert facts["expert_params"] == 3 * 2880 * 2880
+    b = physical_bound({**MOE_FACTS, "expert_bits": 4.25}, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    assert b["dense_weight_bytes"] == (1000 - 80) * 2 and b["expert_bytes"] == pytest.approx(10 * 4.25 / 8)
+    assert b["weights_read_bytes"] == pytest.approx(4 * 1840 + 18 * 10 * 4.25 / 8)

@@ -161,7 +161,7 @@ class GptOssMoeBlock(nn.Module):
             expect_shape(loaded, (num_experts, full, hidden))
             param.data.copy_(loaded.narrow(1, start, n).transpose(1, 2))
             return
-        if param is getattr(experts, "gate_up_proj", None):  # [E, H, 2I] interleaved -> [E, 2 I_local, H], gate rows then up rows
+        if param is getattr(experts, "gate_up_proj", None):  # [E, H, 2I] interleaved -> [E, 2 I_local, H]: gate, up
             expect_shape(loaded, (num_experts, hidden, 2 * full))
             pairs = loaded.unflatten(2, (full, 2)).narrow(2, start, n)  # [E, H, I_local, (gate, up)]
             param.data.copy_(pairs.permute(0, 3, 2, 1).reshape(num_experts, 2 * n, hidden))
