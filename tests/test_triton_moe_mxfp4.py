@@ -306,22 +306,35 @@ def test_mxfp4_kernels_compile_for_sm90():
 
 
 # -- a whole model -----------------------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.skipif(ON_GPU, reason="the GPU e2e agreement test covers CUDA")
-def test_tiny_mxfp4_gpt_oss_through_the_kernel_equals_transformers_on_its_twin(tiny_checkpoint, tmp_path, hf_oracle,
-                                                                              run_factory, monkeypatch):
-    """The tiny gpt-oss as an MXFP4 checkpoint, built as on CUDA (LLMCLI_MOE=triton: its experts kept as codes and
-    scales, loaded as stored, run in the MXFP4 kernel under the interpreter): transformers' greedy tokens on the
-    16-bit checkpoint of the values its blocks encode."""
+def tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory, **engine) -> None:
+    """The tiny gpt-oss as an MXFP4 checkpoint with its experts kept as codes and scales (loaded as stored, run in
+    the MXFP4 kernel): transformers' float32 greedy tokens on the 16-bit checkpoint of the values its blocks encode."""
     from test_new_families import MAX_NEW, write_mxfp4_twins
 
     from llmcli.layers.moe_mxfp4 import Mxfp4Experts
 
-    monkeypatch.setenv("LLMCLI_MOE", "triton")
     packed, plain = write_mxfp4_twins(tiny_checkpoint("gpt-oss"), tmp_path)
-    prompts = random_prompts([9, 40], seed=431)
+    prompts = random_prompts([9, 40, 70], seed=431)
     want = hf_oracle.greedy(plain, prompts, MAX_NEW)
-    run = run_factory(packed, kvcache_block_size=16, max_model_len=256)
+    run = run_factory(packed, kvcache_block_size=16, max_model_len=256, **engine)
     experts = [m for m in run.llm.engine.model_runner.model.modules() if isinstance(m, Mxfp4Experts)]
     assert len(experts) == 3 and experts[0].gate_up_proj_blocks.dtype == torch.uint8
     assert [o["token_ids"] for o in run.llm.generate(prompts, greedy(MAX_NEW))] == want
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="the CUDA test below runs the compiled kernel")
+def test_tiny_mxfp4_gpt_oss_under_the_interpreter_equals_transformers_on_its_twin(tiny_checkpoint, tmp_path,
+                                                                                 hf_oracle, run_factory, monkeypatch):
+    """On the CPU, built as on CUDA (LLMCLI_MOE=triton packs the experts where the kernel runs)."""
+    monkeypatch.setenv("LLMCLI_MOE", "triton")
+    tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_tiny_mxfp4_gpt_oss_on_cuda_equals_transformers_on_its_twin(tiny_checkpoint, tmp_path, hf_oracle,
+                                                                   run_factory):
+    """On CUDA in float32 (the kernel's IEEE dots; the torch attention backend): exactly transformers' tokens."""
+    tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory, device="cuda",
+                          attention_backend="torch")
