@@ -7,28 +7,30 @@ in registers (code -> float32 bits, times the scale's power of two) and feeds th
 kernels do, accumulating in float32. No 16-bit copy of the experts exists anywhere: decode steps, which read
 every touched expert once, move a quarter of the bytes.
 
-The routing (``align_by_expert``), the tile walk (``_tile``) and the tile sizes (``pick_tuning``) are
-``triton_moe.py``'s; the epilogues round where that kernel rounds, so the two agree on the same values.
+The routing (``align_by_expert``) and the tile walk (``_tile``) are ``triton_moe.py``'s, the tile sizes its own
+(``mxfp4_tuning``); the epilogues round where that kernel rounds, so the two agree on the same values.
 ``K`` must be a multiple of 32 (the format's groups): the hidden size and each rank's intermediate share.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
-from llmcli.kernels.triton_moe import MoeTuning, _tile, align_by_expert, pick_tuning
-
-GROUP = 32  # values per e8m0 scale
+from llmcli.kernels.triton_moe import MoeTuning, _tile, align_by_expert
 
 
 def mxfp4_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
-    """``triton_moe``'s tiles, with 128-deep K tiles where the row tiles are small (decode): 64 bytes of codes per
-    weight row and load, the rows' scales two at a time."""
-    tuning = pick_tuning(num_pairs, num_experts)
-    return replace(tuning, block_k=128) if tuning.block_m <= 32 else tuning
+    """Unpacking a weight tile costs a dozen integer operations a value, paid once per row tile, so an expert's
+    rows share as few row tiles as fit: 16-row tiles 128 deep where each expert sees a few rows (64 bytes of codes
+    a weight row a load), one 64-row tile up to 64 rows (decode at large batches: the tensor cores' padding is
+    cheap, a second unpacking is not), 64 x 128 tiles beyond (prefill)."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return MoeTuning(block_m=16, block_n=64, block_k=128)
+    if per_expert <= 64:
+        return MoeTuning(block_m=64, block_n=64, block_k=64, num_warps=8)
+    return MoeTuning(block_m=64, block_n=128, block_k=64, num_warps=8)
 
 
 @triton.jit
