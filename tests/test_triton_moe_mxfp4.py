@@ -221,6 +221,33 @@ def test_dummy_mxfp4_experts_are_codes_and_sane_scales():
     assert 0.005 < std < 0.05
 
 
+@pytest.mark.parametrize("name,gib", [("gpt-oss-20b", 12.8), ("gpt-oss-120b", 60.8)])
+def test_published_gpt_oss_weighs_its_mxfp4_size(name, gib, monkeypatch):
+    """What the memory probe counts (the parameters' bytes: ``ModelRunner.weights_bytes``) for the published
+    configs built as on CUDA: experts at 4.25 bits, the rest bf16. 120b leaves an H200 about 70 GiB for the KV pool
+    and activations."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from llmcli.kernels import make_backend
+    from llmcli.models import build_model
+
+    monkeypatch.setenv("LLMCLI_MOE", "triton")  # built where the kernel runs: packed
+    config = AutoConfig.from_pretrained(Path(__file__).resolve().parents[1] / "configs" / name)
+    backend = make_backend("torch", config.num_attention_heads, config.num_key_value_heads, 64, 0.125, 16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = build_model(config, backend, 4096)
+    finally:
+        torch.set_default_dtype(default)
+    packed = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8)
+    assert packed * 8 == pytest.approx(config.num_hidden_layers * config.num_local_experts * 3 * 2880 * 2880 * 4.25)
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30 == pytest.approx(gib, abs=0.1)
+
+
 gpu = pytest.mark.gpu
 
 

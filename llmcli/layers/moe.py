@@ -6,7 +6,8 @@ moves between ranks), so the down projection's partial sums need one all-reduce 
 per-expert ``experts.N.gate_proj/up_proj/down_proj`` tensors reach their slices through ``weight_loader``;
 ``checkpoint_shards`` tells the loader which names feed which parameter.
 
-The experts run as ``kernels/triton_moe.fused_moe`` on CUDA and as the reference loop elsewhere.
+The experts run as ``kernels/triton_moe.fused_moe`` on CUDA (gpt-oss's MXFP4 experts:
+``kernels/triton_moe_mxfp4.fused_moe_mxfp4``) and as the reference loop elsewhere.
 """
 from __future__ import annotations
 
