@@ -40,9 +40,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def values_of(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The oracle's float32 weights [E, N, K] of codes [E, N, K/2] and scales [E, N, K/32], written out here (a
     table lookup per nibble, low nibble first, times 2^(scale - 127)) rather than taken from the code under test."""
-    codes, scales = codes.cpu().long(), scales.cpu().double()
+    codes, scales = codes.long(), scales.double()  # on the codes' device (the GPU tests' shapes are large)
     nibbles = torch.stack([codes % 16, codes // 16], dim=-1).flatten(-2)
-    per_group = E2M1[nibbles].double().unflatten(-1, (-1, 32)) * (2.0 ** (scales - 127))[..., None]
+    table = E2M1.to(codes.device, torch.float64)
+    per_group = table[nibbles].unflatten(-1, (-1, 32)) * (2.0 ** (scales - 127))[..., None]
     return per_group.flatten(-2).float()
 
 
@@ -64,11 +65,11 @@ def make_case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dt
 
 
 def reference(x, w13, w2, weights, ids, **kw):
-    return moe_reference(x.float().cpu(), values_of(*w13), values_of(*w2), weights.cpu(), ids.cpu(),
+    return moe_reference(x.float().cpu(), values_of(*w13).cpu(), values_of(*w2).cpu(), weights.cpu(), ids.cpu(),
                          **kw).to(DEVICE)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 17, 40])
+@pytest.mark.parametrize("tokens", [1, 17, 40])
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 4), (4, 4)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mxfp4_moe_matches_dequantize_then_matmul(tokens, experts, top_k, dtype):
@@ -93,7 +94,7 @@ def test_mxfp4_moe_with_biases_and_the_clamped_swiglu(tokens, dtype):
     weights, ids = route(logits, 2, normalize=True)
     ref = reference(x, w13, w2, weights, ids, act=lambda h: clamped_swiglu(h, 1.702, 7.0), b13=b13.float().cpu(),
                     b2=b2.float().cpu())
-    h = torch.nn.functional.linear(x.float().cpu(), values_of(*w13)[0], b13[0].float().cpu())
+    h = torch.nn.functional.linear(x.float().cpu(), values_of(*w13)[0].cpu(), b13[0].float().cpu())
     assert (h.abs() > 7).float().mean() > 0.1, "the case should exercise the clamp"
     got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, b13=b13, b2=b2, clamp=(1.702, 7.0))
     assert rel_err(got, ref) < TOL[dtype]
@@ -190,7 +191,8 @@ def test_two_ranks_of_mxfp4_experts_sum_to_the_whole(monkeypatch):
     whole = gpt_oss_blocks(state, 64, 128, 8, 2)[1](x)
     parts = [gpt_oss_blocks(state, 64, 128, 8, 2, rank=r, world=2)[0] for r in (0, 1)]
     assert parts[0].experts.down_proj_blocks.shape == (8, 64, 32)  # [E, H, 64 of 128 columns / 2]
-    assert parts[1].tp_rank == 1 and not torch.equal(parts[0].experts.down_proj_scales, parts[1].experts.down_proj_scales)
+    assert parts[1].tp_rank == 1
+    assert not torch.equal(parts[0].experts.down_proj_scales, parts[1].experts.down_proj_scales)
     # one process: the block's all-reduce is the identity, so each output is that rank's partial sum
     assert rel_err(parts[0](x) + parts[1](x), whole) < TOL[torch.float32]
 
@@ -264,7 +266,7 @@ def test_bf16_at_gpt_oss_20b_shapes(tokens):
     weights, ids = route(logits, 4, normalize=True)
     kw = dict(b13=b13, b2=b2, clamp=(1.702, 7.0))
     got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, **kw)
-    ref = moe_reference(x.float(), values_of(*w13).to(DEVICE), values_of(*w2).to(DEVICE), weights, ids,
+    ref = moe_reference(x.float(), values_of(*w13), values_of(*w2), weights, ids,
                         act=lambda h: clamped_swiglu(h, 1.702, 7.0), b13=b13.float(), b2=b2.float())
     assert rel_err(got, ref) < TOL[torch.bfloat16]
     assert torch.equal(fused_moe_mxfp4(x, *w13, *w2, weights, ids, **kw), got)
@@ -313,7 +315,7 @@ def test_mxfp4_is_faster_than_bf16_at_gpt_oss_20b_decode_batches():
     for tokens in (1, 16, 64, 256):
         x, w13, w2, logits = make_case(tokens, 32, 4, 2880, 2880, torch.bfloat16, seed=tokens)
         weights, ids = route(logits, 4, normalize=True)
-        w13_16, w2_16 = values_of(*w13).to(DEVICE, torch.bfloat16), values_of(*w2).to(DEVICE, torch.bfloat16)
+        w13_16, w2_16 = values_of(*w13).to(torch.bfloat16), values_of(*w2).to(torch.bfloat16)
         t4 = timed(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids))
         t16 = timed(lambda: fused_moe(x, w13_16, w2_16, weights, ids))
         touched = len(ids.unique())
