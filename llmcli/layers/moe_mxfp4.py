@@ -50,9 +50,7 @@ class Mxfp4Experts(nn.Module):
         n, start = self.local_inter, self.tp_rank * self.local_inter
         full = n * self.tp_size
         num_experts, hidden = self.down_proj_blocks.shape[:2]
-        pairs = (16,) if param is self.gate_up_proj_blocks or param is self.down_proj_blocks else ()
-        if loaded.dtype != torch.uint8:
-            raise ValueError(f"MXFP4 {'blocks' if pairs else 'scales'} must be uint8, got {loaded.dtype}")
+        pairs = (16,) if param is self.gate_up_proj_blocks or param is self.down_proj_blocks else ()  # uint8: loader
         if param is self.gate_up_proj_blocks or param is self.gate_up_proj_scales:  # this rank's gate and up rows
             expect_shape(loaded, (num_experts, 2 * full, hidden // GROUP, *pairs))
             mine = loaded.unflatten(1, (full, 2)).narrow(1, start, n).transpose(1, 2)  # [E, (gate, up), n, ...]
