@@ -205,7 +205,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                 cfg = engine.config
                 bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
                                        max_concurrent=cfg.max_num_seqs,
-                                       weight_elem_bytes=1 if cfg.quant_config is not None else None,
+                                       weight_elem_bytes=None if getattr(cfg.quant_config, "source", "mxfp4") == "mxfp4" else 1,
                                        kv_elem_bytes=1 if cfg.kv_torch_dtype.itemsize == 1 else None)
                 if n_engine == 0 and not mixed:
                     print_bound(f"{facts['name']} {job}", bound)

@@ -327,12 +327,13 @@ class Config:
             quant = load_quant_config(self.hf_config, self.quantization)
         except QuantizationError as exc:
             raise self._fail("quantization", f"{self.model_path}/{exc}") from None
-        if quant is not None and quant.source == "mxfp4":
-            if self.device != "cpu":
-                raise self._fail("device", f"{self.model_path}/config.json quantization_config.quant_method='mxfp4' "
-                                           "(gpt-oss's 4-bit experts) loads on the CPU only (dequantized): llmcli has "
-                                           "no GPU kernel reading MXFP4 yet; use a 16-bit (bf16) checkpoint")
-            return None if self.load_format == "dummy" else quant  # random weights: 16-bit experts
+        if quant is not None and quant.source == "mxfp4":  # gpt-oss's experts: 4-bit on CUDA, dequantized on CPU
+            from llmcli.models.hub import mxfp4_split_problem
+
+            problem = self.device == "cuda" and mxfp4_split_problem(self.hf_config, self.tensor_parallel_size)
+            if problem:
+                raise self._fail("tensor_parallel_size", f"{self.model_path}/config.json: {problem}")
+            return None if self.load_format == "dummy" else quant  # random weights: the model builds them
         if quant is not None and self.load_format == "dummy":  # random weights: every linear layer made FP8
             quant = replace(quant, source="online")
         return quant

@@ -136,3 +136,16 @@ def test_hybrid_and_sliding_layers_by_hand() -> None:
     assert b["state_rw_bytes"] == 2 * 2 * 100 * 5
     assert b["prefill_attention_flops"] == 4 * 2 * 4 * 16 * (4 + 9) / 2
     assert b["floor_s"] == pytest.approx(8.0 + (31 * 128 + 2000) / 1000 + 60.0 + 33.28)
+
+
+def test_mxfp4_experts_are_read_at_4_25_bits() -> None:
+    """gpt-oss's published configs (MXFP4): each expert weight read as its 4-bit code plus a 32nd of a byte's
+    scale; the dense part stays 16-bit."""
+    from benchmarks.harness.workload import REPO, model_facts
+
+    facts = model_facts(REPO / "configs" / "gpt-oss-20b")
+    assert (facts["experts"], facts["experts_per_tok"], facts["expert_bits"]) == (32, 4, 4.25)
+    assert facts["expert_params"] == 3 * 2880 * 2880
+    b = physical_bound({**MOE_FACTS, "expert_bits": 4.25}, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    assert b["dense_weight_bytes"] == (1000 - 80) * 2 and b["expert_bytes"] == pytest.approx(10 * 4.25 / 8)
+    assert b["weights_read_bytes"] == pytest.approx(4 * 1840 + 18 * 10 * 4.25 / 8)

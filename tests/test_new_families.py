@@ -123,16 +123,15 @@ def to_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return codes[..., 0] | (codes[..., 1] << 4), (exp + 127).to(torch.uint8), values
 
 
-def test_gpt_oss_mxfp4_experts_equal_the_same_model_dequantized(tiny_checkpoint, tmp_path, hf_oracle, run_factory):
-    """An MXFP4 checkpoint (its experts as blocks and e8m0 scales, the rest 16-bit) dequantized at load gives
-    transformers' greedy tokens on the 16-bit checkpoint holding the very values the blocks encode."""
+def write_mxfp4_twins(base, where):
+    """``(packed, plain)``: copies of the 16-bit gpt-oss checkpoint ``base``, one with its experts as MXFP4 blocks
+    and e8m0 scales (quantization_config as published), one 16-bit holding the very values the blocks encode."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    base = tiny_checkpoint("gpt-oss")
-    packed, plain = (shutil.copytree(base, tmp_path / n) for n in ("mxfp4", "dequantized"))
+    packed, plain = (shutil.copytree(base, where / n) for n in ("mxfp4", "dequantized"))
     state = load_file(str(base / "model.safetensors"))
     quantized, dequantized = {}, {}
     for name, t in state.items():
@@ -149,7 +148,15 @@ def test_gpt_oss_mxfp4_experts_equal_the_same_model_dequantized(tiny_checkpoint,
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                   "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (packed / "config.json").write_text(json.dumps(cfg))
+    return packed, plain
 
+
+def test_gpt_oss_mxfp4_experts_equal_the_same_model_dequantized(tiny_checkpoint, tmp_path, hf_oracle, run_factory):
+    """An MXFP4 checkpoint (its experts as blocks and e8m0 scales, the rest 16-bit) dequantized at load gives
+    transformers' greedy tokens on the 16-bit checkpoint holding the very values the blocks encode (the CPU path;
+    ``tests/test_triton_moe_mxfp4.py`` runs the same checkpoint with its experts kept in MXFP4)."""
+    base = tiny_checkpoint("gpt-oss")
+    packed, plain = write_mxfp4_twins(base, tmp_path)
     prompts = random_prompts([9, 40, 70], seed=430)
     want = hf_oracle.greedy(plain, prompts, MAX_NEW)
     assert want != hf_oracle.greedy(base, prompts, MAX_NEW), "rounding to MXFP4 should change the tokens"
@@ -158,9 +165,14 @@ def test_gpt_oss_mxfp4_experts_equal_the_same_model_dequantized(tiny_checkpoint,
     assert got == want
 
 
-def test_gpt_oss_mxfp4_is_refused_off_the_cpu_in_one_line(tiny_checkpoint, tmp_path):
+def test_gpt_oss_mxfp4_split_through_a_scale_group_is_refused_in_one_line(tiny_checkpoint, tmp_path):
+    """On CUDA the experts stay in MXFP4 and tensor parallelism cuts whole 32-value groups: the tiny model's
+    intermediate size 32 is one group, which 2 ranks would split (refused before anything loads); on the CPU,
+    which dequantizes at load, the same split is fine."""
     import json
     import shutil
+
+    from transformers import AutoConfig
 
     from llmcli.config import Config, ConfigError
 
@@ -169,13 +181,17 @@ def test_gpt_oss_mxfp4_is_refused_off_the_cpu_in_one_line(tiny_checkpoint, tmp_p
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (model / "config.json").write_text(json.dumps(cfg))
     config = object.__new__(Config)  # the check alone: this machine may have no CUDA to ask Config for
-    config.model_path, config.device, config.quantization, config.load_format = model, "cuda", None, "auto"
-    from transformers import AutoConfig
-
-    config.hf_config = AutoConfig.from_pretrained(model)
-    with pytest.raises(ConfigError, match=r"quant_method='mxfp4'.*CPU only.*no GPU kernel reading MXFP4") as info:
+    config.model_path, config.quantization, config.load_format = model, None, "auto"
+    config.hf_config, config.tensor_parallel_size = AutoConfig.from_pretrained(model), 2
+    config.device = "cpu"
+    assert config._resolve_quantization().source == "mxfp4"
+    config.device = "cuda"
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: .*intermediate_size 32 over 2 ranks would "
+                                          r"split the MXFP4 experts' 32-value scale groups") as info:
         config._resolve_quantization()
     assert "\n" not in str(info.value)
+    config.tensor_parallel_size = 1
+    assert config._resolve_quantization().source == "mxfp4"
 
 
 # published sizes (configs/): the text model llmcli builds has the parameter count the model card gives

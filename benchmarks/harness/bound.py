@@ -61,8 +61,8 @@ class Shape:
         return batches
 
     @property
-    def expert_bytes(self) -> int:
-        return self.facts.get("expert_params", 0) * self.elem_bytes
+    def expert_bytes(self) -> float:  # MXFP4 experts (gpt-oss) at their 4.25 bits, read as stored
+        return self.facts.get("expert_params", 0) * self.facts.get("expert_bits", 8 * self.elem_bytes) / 8
 
     @property
     def dense_weight_bytes(self) -> int:

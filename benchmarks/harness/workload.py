@@ -96,14 +96,16 @@ def moe_facts(cfg: Any) -> dict[str, Any]:
     experts = getattr(cfg, "num_experts", 0) or 0
     if not experts:
         return {}
+    from llmcli.layers.quantization.mxfp4 import BITS_PER_WEIGHT, is_mxfp4
     from llmcli.models.qwen3_moe import is_sparse_layer
 
-    H = cfg.hidden_size
+    H, inter = cfg.hidden_size, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size  # or gpt-oss's
     sparse = sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
     shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # Qwen3.5-MoE: read every step, with its gate
+    bits = {"expert_bits": BITS_PER_WEIGHT} if is_mxfp4(cfg) else {}  # MXFP4 experts: read as stored on CUDA
     return {"experts": experts, "experts_per_tok": cfg.num_experts_per_tok, "sparse_layers": sparse,
-            "expert_params": 3 * H * cfg.moe_intermediate_size, "router_params": experts * H,
-            "shared_params": 3 * H * shared + H if shared else 0}
+            "expert_params": 3 * H * inter, "router_params": experts * H,
+            "shared_params": 3 * H * shared + H if shared else 0, **bits}
 
 
 def add_workload_args(group: Any) -> None:

@@ -7,7 +7,8 @@ per-expert ``experts.N.gate_proj/up_proj/down_proj`` tensors reach their slices 
 ``checkpoint_shards`` tells the loader which names feed which parameter. Checkpoints that store the experts
 already stacked (Gemma 4's ``experts.gate_up_proj`` / ``experts.down_proj``) load whole (``stored_stacked``).
 
-The experts run as ``kernels/triton_moe.fused_moe`` on CUDA and as the reference loop elsewhere.
+The experts run as ``kernels/triton_moe.fused_moe`` on CUDA (gpt-oss's MXFP4 experts:
+``kernels/triton_moe_mxfp4.fused_moe_mxfp4``) and as the reference loop elsewhere.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcli.kernels.moe_reference import moe_reference, route
+from llmcli.layers.moe_mxfp4 import Mxfp4Experts
 from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import all_reduce, tp_rank, tp_size
 
@@ -25,13 +27,17 @@ MOE_BACKENDS = ("auto", "triton", "reference")
 SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def use_fused_moe(x: torch.Tensor) -> bool:
+def fused_moe_on(device: torch.device) -> bool:
     """The fused kernel on CUDA, the loop elsewhere; ``LLMCLI_MOE=reference`` runs the loop on CUDA too and
     ``LLMCLI_MOE=triton`` the kernel on the CPU too (under TRITON_INTERPRET=1): benchmarks compare the two."""
     mode = os.environ.get("LLMCLI_MOE", "auto") or "auto"
     if mode not in MOE_BACKENDS:
         raise ValueError(f"LLMCLI_MOE={mode!r}: expected one of {', '.join(MOE_BACKENDS)}")
-    return mode == "triton" or (mode == "auto" and x.is_cuda)
+    return mode == "triton" or (mode == "auto" and device.type == "cuda")
+
+
+def use_fused_moe(x: torch.Tensor) -> bool:
+    return fused_moe_on(x.device)
 
 
 def local_intermediate(size: int, field: str) -> int:
@@ -148,19 +154,27 @@ class GptOssMoeBlock(nn.Module):
     gate and up *interleaved* along the last dimension (gate at even columns), ``gate_up_proj_bias`` [E, 2I] the
     same way, ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. They load into ``StackedExperts``' layout
     (gate rows then up rows, [E, 2I, H]; down [E, H, I]), this rank's intermediate slice. The down bias is
-    added on rank 0 only, before the all-reduce that sums the ranks' partial outputs.
+    added on rank 0 only, before the all-reduce that sums the ranks' partial outputs. With ``mxfp4`` (an MXFP4
+    checkpoint on CUDA) the experts stay in the checkpoint's 4-bit form (``moe_mxfp4.Mxfp4Experts``) and run in
+    ``kernels/triton_moe_mxfp4.py``.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, alpha: float,
-                 limit: float) -> None:
+                 limit: float, mxfp4: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.local_inter = local_intermediate(intermediate_size, "intermediate_size")
         self.top_k = top_k
         self.router = nn.Linear(hidden_size, num_experts, bias=True)  # replicated
         self.router.requires_grad_(False)
+        self.mxfp4 = mxfp4  # experts kept as the checkpoint's MXFP4 codes and scales (layers/moe_mxfp4.py)
+        self.clamp = (alpha, limit)
+        if mxfp4:
+            self.experts = Mxfp4Experts(num_experts, hidden_size, self.local_inter, self.tp_rank, self.tp_size)
+            self.experts.gate_up_proj_bias.weight_loader = self._load_stacked
+            return
         self.experts = experts = StackedExperts(num_experts, hidden_size, self.local_inter, bias=True,
-                                                clamp=(alpha, limit))
+                                                clamp=self.clamp)
         for param in (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias):
             param.weight_loader = self._load_stacked  # one stacked tensor each, not a tensor per expert
             param.checkpoint_shards = {}
@@ -169,12 +183,12 @@ class GptOssMoeBlock(nn.Module):
         n, start = self.local_inter, self.tp_rank * self.local_inter
         full = n * self.tp_size
         experts = self.experts
-        num_experts, hidden = param.shape[0], experts.down_proj.shape[1]
-        if param is experts.down_proj:  # [E, I, H] -> [E, H, I_local]
+        num_experts, hidden = param.shape[0], experts.down_proj_bias.shape[1]
+        if param is getattr(experts, "down_proj", None):  # [E, I, H] -> [E, H, I_local]
             expect_shape(loaded, (num_experts, full, hidden))
             param.data.copy_(loaded.narrow(1, start, n).transpose(1, 2))
             return
-        if param is experts.gate_up_proj:  # [E, H, 2I] interleaved -> [E, 2 I_local, H], gate rows then up rows
+        if param is getattr(experts, "gate_up_proj", None):  # [E, H, 2I] interleaved -> [E, 2 I_local, H]: gate, up
             expect_shape(loaded, (num_experts, hidden, 2 * full))
             pairs = loaded.unflatten(2, (full, 2)).narrow(2, start, n)  # [E, H, I_local, (gate, up)]
             param.data.copy_(pairs.permute(0, 3, 2, 1).reshape(num_experts, 2 * n, hidden))
@@ -185,4 +199,19 @@ class GptOssMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = torch.topk(F.linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1, dtype=torch.float32)
-        return all_reduce(self.experts(x, weights, ids))
+        if not self.mxfp4:
+            return all_reduce(self.experts(x, weights, ids))
+        e = self.experts
+        b2 = e.down_proj_bias if self.tp_rank == 0 else None  # once over the ranks' sum
+        if use_fused_moe(x):
+            from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4
+
+            out = fused_moe_mxfp4(x, e.gate_up_proj_blocks, e.gate_up_proj_scales, e.down_proj_blocks,
+                                  e.down_proj_scales, weights, ids, b13=e.gate_up_proj_bias, b2=b2, clamp=self.clamp)
+        else:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "
+                                   "cannot hold: run it with enforce_eager=True (--enforce-eager)")
+            w13, w2 = e.dequantized(x.dtype)
+            out = moe_reference(x, w13, w2, weights, ids, b13=e.gate_up_proj_bias, b2=b2, clamp=self.clamp)
+        return all_reduce(out)

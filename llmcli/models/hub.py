@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from llmcli.layers.moe_mxfp4 import check_mxfp4_split
 from llmcli.layers.quantization import QuantConfig, QuantizationError, parse_quant_config
 from llmcli.models.model_files import check_readable_file, json_kind, read_json
 
@@ -233,3 +234,8 @@ def _check_tokenizer_json(file: Path) -> None:
 def load_quant_config(hf_config: Any, quantization: str | None) -> QuantConfig | None:
     """config.json's quantization_config (with the ``quantization`` setting) as llmcli loads it; None: 16-bit."""
     return parse_quant_config(hf_config, quantization)
+
+
+def mxfp4_split_problem(hf_config: Any, tensor_parallel_size: int) -> str | None:
+    """Why ``tensor_parallel_size`` ranks cannot share MXFP4 experts kept packed (on CUDA); None: they can."""
+    return check_mxfp4_split(hf_config.intermediate_size, tensor_parallel_size)

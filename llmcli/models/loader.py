@@ -133,8 +133,10 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
     for file in files:  # every header read first, so a damaged file is named before anything loads
         with open_weights(file):
             pass
+    # parameters that take their checkpoint tensors as stored (MXFP4 experts kept in 4 bits: layers/moe_mxfp4.py)
+    as_stored = {n for n, p in params.items() if getattr(p, "mxfp4_packed", False)}
     try:
-        fp8 = Fp8Checkpoint(quant, files)
+        fp8 = Fp8Checkpoint(quant, files, as_stored)
     except QuantizationError as exc:
         raise CheckpointError(f"checkpoint in {model_path}: {exc}") from None
     except (SafetensorError, OSError) as exc:
@@ -150,22 +152,27 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
                     raise CheckpointError(f"{INDEX_NAME} puts tensor {stored} in {weight_map[stored]}, but it is "
                                           f"stored in {file.name}")
                 name = language_model_name(stored)  # a multimodal checkpoint's language-model names, or None
+                raw = name in as_stored
                 if name is None or name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") \
-                        or fp8.consumes(stored):
+                        or (not raw and fp8.consumes(stored)):
                     continue
-                name = fp8.parameter_name(name)
+                name = name if raw else fp8.parameter_name(name)
                 target, shard = stacked.get(name) or _target(name, mapping)
                 param = params.get(target)
                 if param is None:
                     unexpected.append(name)
                     continue
                 try:
-                    tensor = fp8.values(stored, f.get_tensor(stored), target)
+                    tensor = f.get_tensor(stored)
+                    tensor = tensor if raw else fp8.values(stored, tensor, target)
                 except QuantizationError as exc:
                     raise CheckpointError(f"{file.name}: {exc}") from None
                 except SafetensorError as exc:
                     raise CheckpointError(f"weight file {file} is damaged: tensor {name}: {exc}") from None
-                if not tensor.is_floating_point():
+                if raw and tensor.dtype != torch.uint8:
+                    raise CheckpointError(f"{file.name}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; "
+                                          "MXFP4 blocks and scales are uint8")
+                if not raw and not tensor.is_floating_point():
                     raise CheckpointError(f"{file.name}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; "
                                           "weights must be floating point (float32, bfloat16, float16 or FP8)")
                 loader = getattr(param, "weight_loader", None)
@@ -196,10 +203,13 @@ def load_safetensors(model: nn.Module, model_path: Path, quant: QuantConfig | No
 
 @torch.no_grad()
 def load_dummy(model: nn.Module, seed: int = 0) -> None:
-    """Random weights from config.json alone: norms at 1, everything else small Gaussians."""
+    """Random weights from config.json alone: norms at 1, packed (integer) weights random in their ``dummy_range``,
+    everything else small Gaussians."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.fill_(getattr(param, "dummy_value", 1.0))  # a zero-centred norm's gain at w = 0
+        elif not param.is_floating_point():  # codes and scales of packed weights, in the range each names
+            param.random_(*param.dummy_range, generator=gen)
         else:
             param.normal_(0.0, 0.02, generator=gen)

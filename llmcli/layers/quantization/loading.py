@@ -3,10 +3,10 @@ after load.
 
 ``Fp8Checkpoint`` sits in ``models/loader.py``'s read loop: it collects every scale tensor first (they are small
 and may sit in another shard than their weight), turns each FP8 weight into float32 values before the weight
-loader shards it (an MXFP4 ``X_blocks`` with its ``X_scales`` into ``X``'s values: ``mxfp4.py``), and says which
-tensors it consumed. ``finish_fp8`` then picks each linear layer's method
-(``fp8.Fp8Linear`` where FP8 GEMMs run, the dequantized weights elsewhere) and sets the attention layers'
-FP8 KV-cache scales.
+loader shards it (an MXFP4 ``X_blocks`` with its ``X_scales`` into ``X``'s values: ``mxfp4.py``; on CUDA the
+experts take their blocks and scales as stored, which the loader passes by), and says which tensors it
+consumed. ``finish_fp8`` then picks each linear layer's method (``fp8.Fp8Linear`` where FP8 GEMMs run, the
+dequantized weights elsewhere) and sets the attention layers' FP8 KV-cache scales.
 """
 from __future__ import annotations
 
@@ -30,16 +30,18 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 class Fp8Checkpoint:
     """What one load of an FP8 checkpoint needs: its scales, and which modules came in FP8."""
 
-    def __init__(self, quant: QuantConfig | None, files: list[Path]) -> None:
+    def __init__(self, quant: QuantConfig | None, files: list[Path], as_stored: set[str] | None = None) -> None:
         self.quant = quant
         self.mxfp4 = quant is not None and quant.source == "mxfp4"
+        as_stored = as_stored or set()  # parameters that take MXFP4 tensors as stored: their scales are not kept
         self.scales: dict[str, torch.Tensor] = {}
         self.kv_scales: dict[int, dict[str, float]] = {}  # layer index -> {"k": ..., "v": ...}
         self.quantized_modules: set[str] = set()  # our (fused) module names that held FP8 weights
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name.endswith(WEIGHT_SCALE_SUFFIXES) or (self.mxfp4 and name.endswith(SCALES_SUFFIX)):
+                    if name.endswith(WEIGHT_SCALE_SUFFIXES) or (
+                            self.mxfp4 and name.endswith(SCALES_SUFFIX) and name not in as_stored):
                         self.scales[name] = f.get_tensor(name)
                     elif name.endswith(KV_SCALE_SUFFIXES):
                         self._kv_scale(name, f.get_tensor(name))

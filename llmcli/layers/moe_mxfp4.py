@@ -1,0 +1,66 @@
+"""gpt-oss's experts kept in MXFP4 as shipped (on CUDA): codes and e8m0 scales, this rank's intermediate share.
+
+The checkpoint's ``experts.gate_up_proj_blocks`` [E, 2I, H/32, 16] (gate and up rows interleaved, gate at even
+rows) and ``_scales`` [E, 2I, H/32] load as ``gate_up_proj_blocks`` [E, 2 I_local, H/2] (gate rows then up rows,
+the layout of ``moe.StackedExperts``) and ``gate_up_proj_scales`` [E, 2 I_local, H/32]; ``down_proj_blocks``
+[E, H, I/32, 16] and its scales as [E, H, I_local/2] and [E, H, I_local/32]: tensor parallelism cuts whole
+32-value groups along the intermediate dimension, so each rank's share must be a multiple of 32.
+``kernels/triton_moe_mxfp4.py`` reads these tensors as they are.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmcli.layers.quantization.mxfp4 import DUMMY_SCALES, GROUP, mxfp4_values
+from llmcli.layers.weight_shape import expect_shape
+
+
+def check_mxfp4_split(intermediate_size: int, tp: int) -> str | None:
+    """Why ``tp`` ranks cannot share MXFP4 experts of ``intermediate_size`` (None: they can)."""
+    if intermediate_size % tp or (intermediate_size // tp) % GROUP:
+        return (f"intermediate_size {intermediate_size} over {tp} ranks would split the MXFP4 experts' 32-value "
+                "scale groups: use a tensor_parallel_size that divides it into multiples of 32")
+    return None
+
+
+class Mxfp4Experts(nn.Module):
+    """E experts' gate/up and down projections as uint8 codes and scales (4.25 bits a weight), and their biases."""
+
+    def __init__(self, num_experts: int, hidden_size: int, local_inter: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        problem = check_mxfp4_split(local_inter * tp_size, tp_size) or (
+            f"hidden_size {hidden_size} is not a multiple of 32 (MXFP4 groups)" if hidden_size % GROUP else None)
+        if problem:
+            raise ValueError(problem)
+        self.tp_rank, self.tp_size, self.local_inter = tp_rank, tp_size, local_inter
+        e, h, n = num_experts, hidden_size, local_inter
+        shapes = {"gate_up_proj_blocks": (e, 2 * n, h // 2), "gate_up_proj_scales": (e, 2 * n, h // GROUP),
+                  "down_proj_blocks": (e, h, n // 2), "down_proj_scales": (e, h, n // GROUP)}
+        for name, shape in shapes.items():
+            param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+            param.weight_loader, param.checkpoint_shards = self.weight_loader, {}
+            param.mxfp4_packed = True  # the loader passes these checkpoint tensors as stored
+            param.dummy_range = (0, 256) if name.endswith("blocks") else DUMMY_SCALES  # load_dummy's random ints
+            setattr(self, name, param)
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * n), requires_grad=False)  # the block loads it
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n, start = self.local_inter, self.tp_rank * self.local_inter
+        full = n * self.tp_size
+        num_experts, hidden = self.down_proj_blocks.shape[:2]
+        pairs = (16,) if param is self.gate_up_proj_blocks or param is self.down_proj_blocks else ()  # uint8: loader
+        if param is self.gate_up_proj_blocks or param is self.gate_up_proj_scales:  # this rank's gate and up rows
+            expect_shape(loaded, (num_experts, 2 * full, hidden // GROUP, *pairs))
+            mine = loaded.unflatten(1, (full, 2)).narrow(1, start, n).transpose(1, 2)  # [E, (gate, up), n, ...]
+        else:  # down: whole groups of this rank's intermediate columns
+            expect_shape(loaded, (num_experts, hidden, full // GROUP, *pairs))
+            mine = loaded.narrow(2, start // GROUP, n // GROUP)
+        param.data.copy_(mine.reshape(param.shape))
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``: the reference loop's operands (a 16-bit copy: tests and
+        ``LLMCLI_MOE=reference`` only)."""
+        return (mxfp4_values(self.gate_up_proj_blocks, self.gate_up_proj_scales).to(dtype),
+                mxfp4_values(self.down_proj_blocks, self.down_proj_scales).to(dtype))
