@@ -24,7 +24,6 @@ if not ON_GPU:
 from llmcli.kernels.moe_reference import moe_reference, route  # noqa: E402
 from llmcli.kernels.triton_moe import MoeTuning  # noqa: E402
 from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4  # noqa: E402
-from llmcli.layers.activation import clamped_swiglu  # noqa: E402
 from test_engine_vs_hf import greedy, random_prompts, run_factory  # noqa: E402, F401 (a fixture)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -92,7 +91,7 @@ def test_mxfp4_moe_with_biases_and_the_clamped_swiglu(tokens, dtype):
     b13 = torch.randn(8, 192, generator=g).to(DEVICE, dtype)
     b2 = torch.randn(8, 64, generator=g).to(DEVICE, dtype)
     weights, ids = route(logits, 2, normalize=True)
-    ref = reference(x, w13, w2, weights, ids, act=lambda h: clamped_swiglu(h, 1.702, 7.0), b13=b13.float().cpu(),
+    ref = reference(x, w13, w2, weights, ids, clamp=(1.702, 7.0), b13=b13.float().cpu(),
                     b2=b2.float().cpu())
     h = torch.nn.functional.linear(x.float().cpu(), values_of(*w13)[0].cpu(), b13[0].float().cpu())
     assert (h.abs() > 7).float().mean() > 0.1, "the case should exercise the clamp"
@@ -267,7 +266,7 @@ def test_bf16_at_gpt_oss_20b_shapes(tokens):
     kw = dict(b13=b13, b2=b2, clamp=(1.702, 7.0))
     got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, **kw)
     ref = moe_reference(x.float(), values_of(*w13), values_of(*w2), weights, ids,
-                        act=lambda h: clamped_swiglu(h, 1.702, 7.0), b13=b13.float(), b2=b2.float())
+                        clamp=(1.702, 7.0), b13=b13.float(), b2=b2.float())
     assert rel_err(got, ref) < TOL[torch.bfloat16]
     assert torch.equal(fused_moe_mxfp4(x, *w13, *w2, weights, ids, **kw), got)
 
@@ -383,7 +382,7 @@ def tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory, **e
     want = hf_oracle.greedy(plain, prompts, MAX_NEW)
     run = run_factory(packed, kvcache_block_size=16, max_model_len=256, **engine)
     experts = [m for m in run.llm.engine.model_runner.model.modules() if isinstance(m, Mxfp4Experts)]
-    assert len(experts) == 3 and experts[0].gate_up_proj_blocks.dtype == torch.uint8
+    assert len(experts) == 2 and experts[0].gate_up_proj_blocks.dtype == torch.uint8
     assert [o["token_ids"] for o in run.llm.generate(prompts, greedy(MAX_NEW))] == want
 
 
