@@ -218,6 +218,18 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def grouped_launch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, inter: int, tuning: MoeTuning):
+    """What both grouped GEMMs of a fused MoE call share: the (token, expert) pairs sorted by expert in tiles of
+    ``block_m`` (and the tiles' count), the activation buffer between the GEMMs, the launch settings."""
+    pairs, experts, total = align_by_expert(topk_ids, num_experts, tuning.block_m)
+    act = torch.empty(topk_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    launch = dict(BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, BLOCK_K=tuning.block_k, GROUP_M=tuning.group_m,
+                  num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+                  # float32 weights mean a check against the reference: no TF32 rounding then
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return pairs, experts, total, pairs.numel() // tuning.block_m, act, launch
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tuning: MoeTuning | None = None, b13: torch.Tensor | None = None,
               b2: torch.Tensor | None = None, gelu: bool = False,
@@ -233,13 +245,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_pairs = num_tokens * top_k
     tuning = tuning or pick_tuning(num_pairs, num_experts)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    pairs, experts, total = align_by_expert(topk_ids, num_experts, tuning.block_m)
-    tiles_m = pairs.numel() // tuning.block_m
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    launch = dict(BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, BLOCK_K=tuning.block_k, GROUP_M=tuning.group_m,
-                  num_warps=tuning.num_warps, num_stages=tuning.num_stages,
-                  # float32 weights mean a check against the reference: no TF32 rounding then
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    pairs, experts, total, tiles_m, act, launch = grouped_launch(x, topk_ids, num_experts, inter, tuning)
     _moe_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13, act, pairs, experts, total, num_pairs, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmcli.kernels.triton_moe import MoeTuning, _tile, align_by_expert
+from llmcli.kernels.triton_moe import MoeTuning, _tile, grouped_launch
 
 
 def mxfp4_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
@@ -160,12 +160,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w
     num_pairs = num_tokens * top_k
     tuning = tuning or mxfp4_tuning(num_pairs, num_experts)
     x, w13_q, w13_s, w2_q, w2_s = (t.contiguous() for t in (x, w13_q, w13_s, w2_q, w2_s))
-    pairs, experts, total = align_by_expert(topk_ids, num_experts, tuning.block_m)
-    tiles_m = pairs.numel() // tuning.block_m
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    launch = dict(BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, BLOCK_K=tuning.block_k, GROUP_M=tuning.group_m,
-                  num_warps=tuning.num_warps, num_stages=tuning.num_stages,
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    pairs, experts, total, tiles_m, act, launch = grouped_launch(x, topk_ids, num_experts, inter, tuning)
     _mxfp4_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13_q, w13_s, act, pairs, experts, total, num_pairs, inter, hidden,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_s.stride(0), w13_s.stride(1), act.stride(0), TOP_K=top_k,
