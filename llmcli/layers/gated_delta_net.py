@@ -239,12 +239,16 @@ class GatedDeltaNet(nn.Module):
                 out, state = chunked_varlen(q, k, v, g, beta, state, cu_seqlens)
                 final = state
             else:
+                start = state if p.entries is None else state.index_select(0, p.entries)
                 part, final = chunked_varlen(q[p.tokens], k[p.tokens], v[p.tokens], g[p.tokens], beta[p.tokens],
-                                             state[p.entries], p.cu_seqlens)
+                                             start, p.cu_seqlens)
                 if out is None:
                     out = part.new_empty(v.shape)
                 out[p.tokens] = part
-                state[p.entries] = final
+                if p.entries is None:
+                    state = final
+                else:
+                    state.index_copy_(0, p.entries, final)
             for j, slot in p.snapshots:
                 self.ssm_state[slot].copy_(final[j])
         return out, state
