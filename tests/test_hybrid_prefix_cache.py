@@ -381,3 +381,17 @@ def test_shared_system_prompt_takes_no_more_steps_than_no_cache(hybrid, run_fact
     assert steps[True] <= steps[False], steps
     assert sum(waits) <= 2, sum(waits)
     assert tokens[True] == tokens[False]
+
+
+def test_memory_probe_of_a_hybrid_on_cuda_has_a_row_per_sequence():
+    """The start-up probe's prefill on a hybrid model on CUDA: the whole token budget over max_num_seqs rows (a
+    mixed step of that many decode rows holds every row's linear-attention state in each layer's temporaries);
+    other models, or the CPU, keep chunks as long as max_model_len allows."""
+    from llmcli.engine.warmup import probe_lens
+
+    cfg = types.SimpleNamespace(max_model_len=40960, max_num_seqs=1024)
+    assert probe_lens(cfg, 16384) == [16384]
+    assert probe_lens(cfg, 16384, many_rows=True) == [1] * 1023 + [15361]
+    short = types.SimpleNamespace(max_model_len=4096, max_num_seqs=6)
+    assert probe_lens(short, 16384, many_rows=True) == [1, 1, 4094, 4096, 4096, 4096]
+    assert probe_lens(types.SimpleNamespace(max_model_len=64, max_num_seqs=4), 16, many_rows=True) == [1, 1, 1, 13]
