@@ -249,7 +249,7 @@ class GatedDeltaNet(nn.Module):
                 if p.entries is None:
                     state = final
                 else:
-                    state.index_copy_(0, p.entries, final)
+                    state.index_copy_(0, p.entries, final.to(state.dtype))
             for j, slot in p.snapshots:
                 self.ssm_state[slot].copy_(final[j])
         return out, state
