@@ -320,3 +320,78 @@ def test_registry_hits_waits_recycles_and_releases():
     assert [w[2].slot for w in e.snapshot_writes] == [1 - slot] and f.snapshot_writes == []
     reg.release(d)  # d is preempted before its chunk ran: its slot comes back
     assert reg.free_slots == [slot] and d.snapshot_writes == []
+
+
+def test_first_pass_covers_every_chunk_without_a_gather():
+    """A cut in one chunk of a mixed step: the first pass is every chunk's first segment and names no entries
+    (the layer runs it on the step's whole state, which a thousand decode rows make gigabytes per layer on a
+    9B hybrid, not on a gathered copy); the second pass is the cut chunk's rest alone."""
+    from llmcli.layers.state_segments import state_segments
+
+    # three decode rows, then a 10-token chunk cut after 4 tokens, then a 5-token chunk
+    cu = [0, 1, 2, 3, 13, 18]
+    seg = state_segments([0, 1, 2, 3, 4], cu, [(3, 9)], [(3, 4, 8)], torch.device("cpu"))
+    first, second = seg.passes
+    assert first.entries is None
+    assert first.tokens.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 14, 15, 16, 17]
+    assert first.cu_seqlens.tolist() == [0, 1, 2, 3, 7, 12] and first.snapshots == [(3, 8)]
+    assert second.entries.tolist() == [3] and second.tokens.tolist() == list(range(7, 13))
+    assert seg.sources == [0, 1, 2, 9, 4]
+
+
+def test_shared_system_prompt_takes_no_more_steps_than_no_cache(hybrid, run_factory):
+    """The shape of configs/bench-shared-system-prompt.toml, scaled down (a few hundred tokens of system prompt,
+    a tail of its own each, more requests than fit at once, mixed steps): with the cache on, the engine runs no
+    more steps than with it off, the shared prefix's snapshot is created once (end-of-prompt snapshots of
+    unique tails recycle the other slots, never the one every request hits), and hardly any request waits for
+    a snapshot being written."""
+    from llmcli import SamplingParams
+    from llmcli.engine.state_snapshots import WAIT, SnapshotRegistry
+
+    prompts = shared_prefix_prompts(48, seed=560, prefix=56, lengths=(30, 45))
+    created, waits = [], []
+    take, admit = SnapshotRegistry._take, SnapshotRegistry.admit
+
+    def counting_take(self, h):
+        snap = take(self, h)
+        if snap is not None:
+            created.append(h)
+        return snap
+
+    def counting_admit(self, seq, hashes, kv_blocks):
+        depth = admit(self, seq, hashes, kv_blocks)
+        waits.append(depth == WAIT)
+        return depth
+
+    steps, tokens, hits = {}, {}, 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SnapshotRegistry, "_take", counting_take)
+        mp.setattr(SnapshotRegistry, "admit", counting_admit)
+        for cache in (True, False):
+            run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_seqs=12, max_num_batched_tokens=192,
+                              max_model_len=256, enable_prefix_caching=cache, num_state_snapshots=4,
+                              mixed_steps=True)
+            outs = run.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
+            tokens[cache] = [list(o.outputs[0].token_ids) for o in outs]
+            steps[cache] = run.llm.engine.stats.num_steps
+            hits = run.llm.engine.stats.state_snapshot_hits if cache else hits
+    assert len(set(created)) == len(created), "a snapshot was evicted and created again"
+    assert hits >= len(prompts) - 3, hits  # the first requests compute the prefix before it is cached
+    assert steps[True] <= steps[False], steps
+    assert sum(waits) <= 2, sum(waits)
+    assert tokens[True] == tokens[False]
+
+
+def test_memory_probe_of_a_hybrid_on_cuda_has_a_row_per_sequence():
+    """The start-up probe's prefill on a hybrid model on CUDA: the whole token budget over max_num_seqs rows (a
+    mixed step of that many decode rows holds every row's linear-attention state in each layer's temporaries);
+    other models, or the CPU, keep chunks as long as max_model_len allows."""
+    from llmcli.engine.warmup import probe_lens
+
+    cfg = types.SimpleNamespace(max_model_len=40960, max_num_seqs=1024)
+    assert probe_lens(cfg, 16384) == [16384]
+    assert probe_lens(cfg, 16384, many_rows=True) == [1] * 1023 + [15361]
+    short = types.SimpleNamespace(max_model_len=4096, max_num_seqs=6)
+    assert probe_lens(short, 16384, many_rows=True) == [1, 1, 4094, 4096, 4096, 4096]
+    assert probe_lens(types.SimpleNamespace(max_model_len=64, max_num_seqs=4), 16, many_rows=True) == [1, 1, 1, 13]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
+from llmcli.engine.state_pool import has_linear_layers
 from llmcli.kernels.backend import AttentionBackend, AttentionMetadata
 from llmcli.layers.logprobs import token_logprobs
 from llmcli.layers.sampler import Sampler, SamplingRows
@@ -53,14 +54,25 @@ def prefill_dummy(runner: WarmupTarget, q_lens: list[int], k_lens: list[int], ta
     return runner.model(torch.zeros(sum(q_lens), dtype=torch.int64, device=runner.device), positions)
 
 
+def probe_lens(cfg: Config, tokens: int, many_rows: bool = False) -> list[int]:
+    """The probe's chunks: ``tokens`` in chunks as long as ``max_model_len`` allows. ``many_rows`` (a hybrid model
+    on CUDA): ``max_num_seqs`` rows, single tokens taken off the first chunk, as in a mixed step of that many decode
+    rows: each row's linear-attention state is copied in and out of every Gated DeltaNet layer's varlen pass (the
+    initial and final states: 2 MiB each per row on Qwen3.5-9B, gigabytes at a thousand rows), which one long
+    chunk would leave out of the peak."""
+    seq_len = min(cfg.max_model_len, tokens)
+    lens = [seq_len] * min(tokens // seq_len, cfg.max_num_seqs)
+    singles = min(cfg.max_num_seqs - len(lens), lens[0] - 1) if lens and many_rows else 0
+    return [1] * singles + [lens[0] - singles] + lens[1:] if singles > 0 else lens
+
+
 @torch.inference_mode()
 def measure_activation_peak(runner: WarmupTarget) -> int:
     """Run the largest prefill the scheduler may send (no cache yet) and return its activation peak."""
     cfg, device = runner.config, runner.device
     tokens = cfg.max_num_batched_tokens if device.type == "cuda" else min(cfg.max_num_batched_tokens,
                                                                           CPU_WARMUP_TOKENS)
-    seq_len = min(cfg.max_model_len, tokens)
-    lens = [seq_len] * min(tokens // seq_len, cfg.max_num_seqs)
+    lens = probe_lens(cfg, tokens, many_rows=device.type == "cuda" and has_linear_layers(cfg.hf_config))
     if not lens:
         return 0
     if device.type == "cuda":

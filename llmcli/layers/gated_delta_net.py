@@ -186,10 +186,11 @@ class GatedDeltaNet(nn.Module):
         if use_cuda_kernels(mixed):  # every chunk's conv in one launch, the conv states updated in place
             from llmcli.kernels.triton_gated_delta import conv_varlen_
 
-            if pool:  # a chunk starting from a snapshot: its conv state into its own row first
-                for i, row in enumerate(rows):
-                    if starts[i] is not None and sources[i] != row:
-                        self.conv_state[row].copy_(starts[i])
+            # a chunk starting from a snapshot: its conv state into its own row first (one copy for every hit)
+            moved = [i for i, row in enumerate(rows) if starts[i] is not None and sources[i] != row] if pool else []
+            if moved:
+                into = torch.tensor([rows[i] for i in moved], device=mixed.device)
+                self.conv_state.index_copy_(0, into, self.conv_state[[sources[i] for i in moved]])
             carried = torch.tensor([not f for f in fresh], device=mixed.device)
             x = conv_varlen_(mixed, weight, self.conv_state, meta.rows, carried, meta.cu_seqlens_q)
         else:
@@ -239,12 +240,16 @@ class GatedDeltaNet(nn.Module):
                 out, state = chunked_varlen(q, k, v, g, beta, state, cu_seqlens)
                 final = state
             else:
+                start = state if p.entries is None else state.index_select(0, p.entries)
                 part, final = chunked_varlen(q[p.tokens], k[p.tokens], v[p.tokens], g[p.tokens], beta[p.tokens],
-                                             state[p.entries], p.cu_seqlens)
+                                             start, p.cu_seqlens)
                 if out is None:
                     out = part.new_empty(v.shape)
                 out[p.tokens] = part
-                state[p.entries] = final
+                if p.entries is None:
+                    state = final
+                else:
+                    state.index_copy_(0, p.entries, final.to(state.dtype))
             for j, slot in p.snapshots:
                 self.ssm_state[slot].copy_(final[j])
         return out, state

@@ -19,7 +19,10 @@ import torch
 class Pass:
     """One varlen call of the delta rule: a segment of some chunks (``tokens`` None: the whole step)."""
 
-    entries: torch.Tensor | None  # int64: the chunks this pass continues (None: every chunk)
+    # int64: the chunks this pass continues; None: every chunk (the first pass: each chunk's first segment), so
+    # the layer runs it on the step's whole state tensor, not a gathered copy (in a mixed step of a thousand
+    # rows that state is a thousand slots: gigabytes per layer on Qwen3.5-9B)
+    entries: torch.Tensor | None
     tokens: torch.Tensor | None  # int64: their segments' token rows, flat
     cu_seqlens: torch.Tensor | None  # int64 [len(entries) + 1]
     snapshots: list[tuple[int, int]]  # (index in this pass's chunks, pool slot): the state after the segment
@@ -57,7 +60,8 @@ def state_segments(rows: list[int], cu: list[int], reads: list[tuple[int, int]],
         tokens = np.concatenate([np.arange(lo, hi) for lo, hi in seg])
         cu_p = np.zeros(len(seg) + 1, dtype=np.int64)
         np.cumsum([hi - lo for lo, hi in seg], out=cu_p[1:])
-        passes.append(Pass(_on(device, entries), _on(device, tokens), _on(device, cu_p), snaps))
+        every = len(entries) == len(rows)
+        passes.append(Pass(None if every else _on(device, entries), _on(device, tokens), _on(device, cu_p), snaps))
     return StateSegments(_on(device, sources), sources, cuts, passes)
 
 
