@@ -95,8 +95,9 @@ def run_factory():
 # --------------------------------------------------------------------------
 # checks
 # --------------------------------------------------------------------------
-def assert_same_tokens(hf_oracle, model_dir, prompts, outs, expected, config: str) -> None:
-    """llmcli's ids equal HF's for every prompt, token for token (see the module docstring on ties)."""
+def assert_same_tokens(hf_oracle, model_dir, prompts, outs, expected, config: str, tie_tol: float = TIE_TOL) -> None:
+    """llmcli's ids equal HF's for every prompt, token for token (see the module docstring on ties; ``tie_tol``
+    wider for kernels that round inside, as fla's TF32 dots on the GPU)."""
     assert len(outs) == len(prompts), f"{len(outs)} outputs for {len(prompts)} prompts"
     problems = []
     for i, (prompt, out, want) in enumerate(zip(prompts, outs, expected)):
@@ -107,7 +108,7 @@ def assert_same_tokens(hf_oracle, model_dir, prompts, outs, expected, config: st
         if j < min(len(got), len(want)):
             logits = hf_oracle.next_token_logits(model_dir, list(prompt) + want[:j])
             gap = float(logits[want[j]] - logits[got[j]])
-            if 0.0 <= gap < TIE_TOL and len(got) == len(want):
+            if 0.0 <= gap < tie_tol and len(got) == len(want):
                 warnings.warn(f"prompt {i} (len {len(prompt)}): near-tie at new token {j} "
                               f"(HF {want[j]} vs llmcli {got[j]}, logit gap {gap:.2e}); rest not compared")
                 continue

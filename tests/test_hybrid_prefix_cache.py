@@ -251,7 +251,9 @@ def test_snapshot_hits_on_cuda_with_fla(hf_oracle, hybrid):
             hits = llm.engine.stats.state_snapshot_hits
         finally:
             llm.shutdown()
-        assert_same_tokens(hf_oracle, model, prompts, outs, want, f"CUDA fla, enforce_eager={eager}")
+        # fla's chunked kernel rounds its fp32 dots to TF32: a top-2 gap of a few 1e-3 may flip (seen: 5.6e-3 on
+        # an H200); a wrong snapshot moves tokens far past that (this file's slowly-decaying heads)
+        assert_same_tokens(hf_oracle, model, prompts, outs, want, f"CUDA fla, enforce_eager={eager}", tie_tol=2e-2)
         assert hits >= 10
 
 
