@@ -5,10 +5,9 @@
 #   kernels tests/test_triton_kernels.py, test_triton_elementwise.py, test_sampler_filter.py on the GPU (bf16, CUDA
 #           graphs; ~2 min)
 #   bench   benchmarks/bench_vs_hf.py: llmcli vs transformers, ceilings, the physical bound; args in BENCH_ARGS
-#   speed   benchmarks/host_step_cpu.py (host ms per decode step on this CPU), then benchmarks/speed_gpu.py: the
-#           default workload on 0.6B and 8B and the prefill-heavy preset on 0.6B, share of the bound (~5 min);
-#           args in SPEED_ARGS (SPEED_ARGS="--preset sampling": Qwen3's top-k/top-p defaults; "--preset families":
-#           Llama-3.1-8B and Qwen2.5-7B next to Qwen3-8B; "--preset attention": flash-attn against triton)
+#   speed   benchmarks/host_step_cpu.py (host ms per decode step), then speed_gpu.py: the default workload on 0.6B
+#           and 8B, the prefill-heavy preset on 0.6B, share of the bound (~5 min); args in SPEED_ARGS (e.g.
+#           "--preset sampling|families|attention": speed_gpu.py's PRESETS)
 #   job     benchmarks/job_gpu.py: `llmcli generate` wall vs the engine alone, args in JOB_ARGS
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   startup benchmarks/startup_gpu.py: process launch to a ready engine; run it FIRST on a fresh machine;
@@ -25,18 +24,14 @@
 #           weights on 8B against bf16, each against its bound (~5 min)
 #   moe     tests/test_triton_moe.py on the GPU, test_gpu_e2e.py on a 4-layer random Qwen3-30B-A3B, then
 #           speed_gpu.py --preset moe: Qwen3-30B-A3B against the MoE bound (~6 min)
-#   blocks  issue 45's default KV block: speed_gpu.py --preset blocks (0.6B and 8B at 64 vs 256, one call), then
-#           the shared-system-prompt preset at the default (hit rate, wall time; JSON in $OUT) (~5 min)
+#   blocks  speed_gpu.py --preset blocks (0.6B, 8B at 64 vs 256), the shared-system-prompt preset (~5 min)
 #   hybrid-prefix  the shared-system-prompt preset (5,000 records) on Qwen3.5-9B dummy, prefix cache (state
 #           snapshots) on, then off: prompt tokens computed vs unique, wall time (JSON in $OUT) (~6 min)
 #   e2e-all tests/test_gpu_e2e.py whole, at the default block size: Qwen3-0.6B, Llama-3.2-1B and the 4-layer
 #           Qwen3-30B-A3B (#31's noise-aware near-tie rule; xfail until it passes) (~6 min)
-# Retired stages and scripts (decode-gemm, prefill-graphs, elementwise, host-diag, gaps, real_path_gpu.py,
-# fp8_gpu.py, moe_gpu.py, families_gpu.py, step_gaps_gpu.py, ...): benchmarks/RESULTS.md, "Scripts retired in the
-# round of 2026-12-02" and after it, says what each answered and where it lives in history.
+# Retired stages and scripts: benchmarks/RESULTS.md ("Scripts retired ..." sections) says what each answered.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-# Print every torch.compile recompilation and its reason (run 3 saw 491 ms prefill launches; suspect).
 export TORCH_LOGS=${TORCH_LOGS:-recompiles}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

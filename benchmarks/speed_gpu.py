@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/: the greedy comparison
 
 from benchmarks.harness.bound import physical_bound, print_bound  # noqa: E402
-from benchmarks.harness.ceilings import free_memory, measure_ceilings, sync  # noqa: E402
-from benchmarks.harness.llmcli_run import compiled_so_far, setting_kwargs  # noqa: E402
+from benchmarks.harness.ceilings import free_memory, measure_ceilings  # noqa: E402
+from benchmarks.harness.llmcli_run import compiled_so_far, setting_kwargs, timed_generate  # noqa: E402
 from benchmarks.harness.output import md_table, say  # noqa: E402
 from benchmarks.harness.script_args import add_device_args, settle_device  # noqa: E402
 from benchmarks.harness.workload import NEUTRAL, model_facts, write_tiny_config  # noqa: E402
@@ -103,11 +103,7 @@ def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], workload: Wor
     params = [replace(request_params(workload, i, o), logprobs=logprobs) for i, o in enumerate(outs)]
     del records[:]
     variants_before = compiled_so_far()["triton_variants"]
-    sync(device)
-    start = time.perf_counter()
-    results = llm.generate(prompts, params)
-    sync(device)
-    wall = time.perf_counter() - start
+    wall, results = timed_generate(llm, prompts, params, device)
     variants_after = compiled_so_far()["triton_variants"]
     got = sum(len(r.token_ids) for r in results)
     read_s = None

@@ -89,11 +89,17 @@ def llmcli_generate(llm: Any, prompts: list[list[int]], outs: list[int], tempera
     from llmcli import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=o, **NEUTRAL) for o in outs]
+    wall, results = timed_generate(llm, prompts, params, device)
+    return wall, [len(r.token_ids) for r in results]
+
+
+def timed_generate(llm: Any, prompts: list[list[int]], params: list, device: str) -> tuple[float, list]:
+    """``llm.generate`` between two device syncs: (wall seconds, its outputs)."""
     sync(device)
     t = time.perf_counter()
     results = llm.generate(prompts, params)
     sync(device)
-    return time.perf_counter() - t, [len(r.token_ids) for r in results]
+    return time.perf_counter() - t, results
 
 
 def run_llmcli(args: argparse.Namespace, report: Report, facts: dict[str, Any], prompts: list[list[int]],

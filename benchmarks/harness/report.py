@@ -126,8 +126,8 @@ def final_tables(report: Report) -> str:
     trows = []
     for name, e in d["llmcli"].items():
         for kind, st in (e.get("step_timer") or {}).items():
-            phases = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in st.items() if k.endswith("_ms") and k != "host_ms")
-            total = st["steps"] * sum(v for k, v in st.items() if k.endswith("_ms") and k != "host_ms") / 1e3
+            ms = {k[:-3]: v for k, v in st.items() if k.endswith("_ms") and k != "host_ms"}
+            phases, total = ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), st["steps"] * sum(ms.values()) / 1e3
             trows.append([name, kind, fmt_int(st["steps"]), fmt_int(st["tokens"]), phases, f"{total:.2f} s"])
     if trows:
         parts.append("llmcli step timer over the timed run (mean ms per step by phase; a step's launch is prepare + "

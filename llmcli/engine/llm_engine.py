@@ -74,9 +74,10 @@ class LLMEngine:
             self.eos_token_ids += [t for t in (self.harmony.ret, self.harmony.call) if t not in self.eos_token_ids]
         self.model_runner = self._start_runner(config)
         self.clock.check()
-        self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks, state_snapshot_bytes=getattr(
-            self.model_runner.memory_report, "state_snapshot_bytes", 0))
-        self.kv_windows = kv_windows_of(getattr(self.model_runner, "memory_report", None))
+        report = getattr(self.model_runner, "memory_report", None)  # none from a stand-in runner (benchmarks)
+        self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks,
+                                 state_snapshot_bytes=getattr(report, "state_snapshot_bytes", 0))
+        self.kv_windows = kv_windows_of(report)
         self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats, self.kv_windows)
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len, self.harmony)
         self._rng = random.Random(config.seed)
