@@ -399,3 +399,37 @@ def test_reused_mask_buffers_leave_no_stale_rows(llm):
         assert masks.fill([seqs[2]]) is None
     finally:
         compiler.shutdown()
+
+
+class _FlippingFuture:
+    """A compile that completes between two looks at it (a slow machine's timing, made certain)."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def done(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> object:
+        return type("Template", (), {"deep_copy": lambda self: "matcher"})()
+
+
+def test_a_grammar_finishing_while_ready_looks_is_never_lost():
+    from types import SimpleNamespace
+
+    from llmcli.engine.structured.requests import StructuredRequests
+
+    requests = StructuredRequests(None, [], 16)
+    seq = SimpleNamespace(matcher=None)
+    requests.compiling = [(seq, _FlippingFuture())]
+    seen = []
+    for _ in range(3):
+        ready, failed = requests.ready(block=False)
+        seen += ready
+        assert not failed and len(seen) + requests.num_compiling == 1
+    assert seen == [seq] and seq.matcher == "matcher"
+    requests.shutdown()

@@ -40,8 +40,11 @@ class StructuredRequests:
         nothing else could run, so that the step loop does not spin)."""
         if block and self.compiling:
             wait([f for _, f in self.compiling], timeout=5.0, return_when=FIRST_COMPLETED)
-        done, self.compiling = ([(s, f) for s, f in self.compiling if f.done()],
-                                [(s, f) for s, f in self.compiling if not f.done()])
+        # one look at each future: one that completes between two looks would land in neither list
+        done, waiting = [], []
+        for pair in self.compiling:
+            (done if pair[1].done() else waiting).append(pair)
+        self.compiling = waiting
         ready, failed = [], []
         for seq, future in done:
             error = future.exception()
