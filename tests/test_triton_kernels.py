@@ -687,7 +687,7 @@ def test_carried_decode_arrays_are_the_ones_built_from_the_sequences(tiny_model,
     runner = run.llm.engine.model_runner
     runner.graphs = eager_decode_graphs(runner, sample_in_graph=True)
     prompts = random_prompts([20, 33, 40, 47, 60, 70, 90, 110], seed=300)
-    check_against_hf(run, hf_oracle, prompts, max_new=40)
+    check_against_hf(run, hf_oracle, prompts, max_new=24)
     assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
     assert len(carried) >= 20 and len(set(carried)) > 1, carried  # carried at several batch sizes
 
@@ -907,8 +907,8 @@ def test_one_pass_sampler_matches_torch_sampler(rows, vocab, dtype, monkeypatch)
 
 
 def test_one_pass_sampler_draws_follow_the_distribution():
-    """4,000 draws from one row with fresh steps: token frequencies follow softmax(logits / T)."""
-    vocab, n, temp = 50, 4000, 0.7
+    """1,000 draws from one row with fresh steps: token frequencies follow softmax(logits / T)."""
+    vocab, n, temp = 10, 1000, 0.7
     logits = torch.linspace(-2.0, 2.0, vocab).to(DEVICE)
     rows = logits.expand(n, vocab).contiguous()
     steps = torch.arange(n).to(DEVICE)
@@ -917,8 +917,9 @@ def test_one_pass_sampler_draws_follow_the_distribution():
                                row_keys(seeds, steps))
     freq = torch.bincount(tokens.cpu(), minlength=vocab).float() / n
     want = torch.softmax(logits.cpu() / temp, -1)
-    # total variation distance of the empirical distribution: ~0.05 expected at n=4000, 50 bins
-    assert 0.5 * (freq - want).abs().sum().item() < 0.1
+    # total variation distance of the empirical distribution: ~0.04 expected at n=1000, 10 bins (the
+    # interpreter runs one program per draw, so few draws over few bins; ignoring T would give ~0.12)
+    assert 0.5 * (freq - want).abs().sum().item() < 0.08
 
 
 # The hash, written out again here on Python ints/NumPy (not llmcli's), to build rows with chosen noise.

@@ -100,6 +100,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if q_len == 0:
         return out
     offset = k_len - q_len  # query j sits at position offset + j
+    if offset == 0 and window is None and sinks is None and num_heads * q_len * k_len <= score_budget:
+        # a whole prompt with nothing cached (most CPU prefills): SDPA's own causal kernel, which shares KV heads
+        # itself, runs ~4x faster on small heads than the grouped rows under an explicit mask below
+        o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                           v.float().transpose(0, 1)[None], is_causal=True, scale=scale,
+                                           enable_gqa=group > 1)
+        return o[0].transpose(0, 1).to(q.dtype)
     span = k_len if window is None else min(k_len, window)  # keys one query sees, at most
     rows = max(MIN_QUERY_ROWS, min(score_budget // (num_heads * span), math.isqrt(score_budget // num_heads)))
     rows = min(rows, q_len)
