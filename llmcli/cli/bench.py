@@ -12,6 +12,7 @@ from rich.table import Table
 
 from llmcli.cli.io.writer import reserve_stdout
 from llmcli.cli.progress import say
+from llmcli.engine.engine_api import EngineAPI
 from llmcli.sampling_params import SamplingParams
 
 
@@ -105,14 +106,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": sum(ordered) / len(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-def _drain(engine: Any) -> list[Any]:
+def _drain(engine: EngineAPI) -> list[Any]:
     finished = []
     while engine.has_unfinished():
         finished.extend(engine.step())
     return finished
 
 
-def run_timed(engine: Any, requests: list[tuple[list[int], int]], w: Workload) -> tuple[list[Any], float]:
+def run_timed(engine: EngineAPI, requests: list[tuple[list[int], int]], w: Workload) -> tuple[list[Any], float]:
     """All requests at once, as an offline batch; returns their outputs and the wall time."""
     start = time.perf_counter()
     for i, (ids, n_out) in enumerate(requests):

@@ -2,15 +2,14 @@
 wrote that causes it, and the flags that fix it (only a pool too small is fixed by a bigger KV cache)."""
 from __future__ import annotations
 
-from typing import Any
-
 from llmcli.cli.io.prepare import PreparedRequest
+from llmcli.engine.engine_api import EngineAPI
 from llmcli.engine.sequence import PoolTooSmall, RequestRejected
 
 POOL_FLAGS = "--num-kvcache-blocks / --gpu-memory-utilization"
 
 
-def first_rejection(engine: Any, item: PreparedRequest) -> tuple[int, RequestRejected] | None:
+def first_rejection(engine: EngineAPI, item: PreparedRequest) -> tuple[int, RequestRejected] | None:
     """The first of ``item``'s engine requests the engine can never run, with its refusal; None if all can."""
     for i, params in enumerate(item.params):
         try:

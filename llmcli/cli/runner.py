@@ -5,6 +5,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Protocol
 
+from llmcli.engine.engine_api import EngineAPI
 from llmcli.engine.outputs import ModelFailure, RequestOutput
 from llmcli.engine.sequence import RequestRejected
 from llmcli.cli.io.output import error_record, result_record
@@ -87,7 +88,7 @@ class Runner:
     batches.
     """
 
-    def __init__(self, engine: Any, writer: BackgroundWriter, progress: ProgressSink, *, model: str,
+    def __init__(self, engine: EngineAPI, writer: BackgroundWriter, progress: ProgressSink, *, model: str,
                  include_token_ids: bool, window: int, stop: StopFlag, include_metrics: bool = False,
                  reasoning: str | None = None, max_model_len: int = 0, guess: BudgetGuess | None = None,
                  token_bytes: Any = None, reasoning_field: str = "reasoning", block_size: int = 0) -> None:

@@ -52,6 +52,8 @@ class InflightStep:
 
 
 class LLMEngine:
+    """One engine on one device (or one tensor-parallel group); the command line sees it as an ``EngineAPI``."""
+
     def __init__(self, config: Config, tokenizer: Any = None, cancelled: Callable[[], bool] | None = None) -> None:
         """``cancelled``: asked between start-up phases; when it says True, start-up raises StartupCancelled."""
         self.config = config

@@ -1,9 +1,9 @@
 """Data parallelism: one input fed to many engine replicas, answers merged back, each request answered once.
 
-``DataParallelEngine`` has the surface the CLI's runner uses on ``LLMEngine``
-(``add_request``, ``step``, ``has_unfinished``, ``stats``, ``tokenizer``,
-``check_fits``, ``config``, ``model_runner.memory_report``, ``shutdown``), so
-ordering, ``--resume`` and error records work unchanged: they go by request id.
+``DataParallelEngine`` is an ``engine.engine_api.EngineAPI``, as ``LLMEngine``
+is (and has ``config`` and ``model_runner.memory_report`` as it does), so the
+CLI drives either one: ordering, ``--resume`` and error records work unchanged,
+as they go by request id.
 Behind it sits a pool of replicas, each a complete engine with its own
 ``tensor_parallel_size`` ranks: processes on this machine (``local_pool``) or
 actors on a Ray cluster (``ray_pool``).
@@ -129,7 +129,7 @@ class ReplicaRunners:
 
 
 class DataParallelEngine:
-    """Many engine replicas behind the interface of one ``LLMEngine``."""
+    """Many engine replicas behind the interface of one ``LLMEngine`` (``EngineAPI``)."""
 
     def __init__(self, config: Config, scale: ScaleOut, *, engine_kwargs: dict[str, Any] | None = None,
                  tokenizer: Any = None, pool: Any = None) -> None:
@@ -186,6 +186,20 @@ class DataParallelEngine:
         # Every replica reads the folder the driver resolved (a hub id is downloaded once, here).
         kwargs = dict(kwargs, model=str(config.model_path), device=config.device)
         return LocalReplicaPool(kwargs, scale.data_parallel_size, device=config.device, tensor_parallel_size=tp)
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """None of its own: each replica's engine times its phases in its own process and hands the driver only
+        what it sized (``ReplicaInfo``)."""
+        return {}
+
+    @property
+    def detokenize(self) -> bool:
+        """Always on: each replica's engine decodes its outputs before they cross, with its own tokenizer."""
+        return True
+
+    def fill_texts(self, outs: list[RequestOutput]) -> None:
+        """Nothing to decode: outputs arrive with their texts (``detokenize``)."""
 
     # -- requests -----------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -16,6 +16,7 @@ from llmcli.cli.io.resume import ResumeError, ResumeState, scan_output
 from llmcli.cli.progress import say
 from llmcli.cli.rejection import first_rejection, rejection
 from llmcli.cli.usage_error import UsageError
+from llmcli.engine.engine_api import EngineAPI
 
 
 def check_out(output: str, input: str, resume: bool, overwrite: bool) -> ResumeState:
@@ -131,7 +132,7 @@ def report_errors(console: Console, source: str, bad: list[InputRecord], cap: in
         say(console, f"... and {len(bad) - cap} more")
 
 
-def check_pool(ahead: list[tuple[int, Any]], engine: Any) -> list[InputRecord]:
+def check_pool(ahead: list[tuple[int, Any]], engine: EngineAPI) -> list[InputRecord]:
     """Requests that can never fit the KV pool are known once start-up has sized it (the engine's own rule);
     the records prepared ahead are checked now, the rest when admitted."""
     too_big = []

@@ -18,6 +18,7 @@ from llmcli.cli.io.source import InputFile
 from llmcli.cli.io.table_formats import TableFile
 from llmcli.cli.io.tables import ColumnFlags, TableColumns
 from llmcli.cli.runner import BudgetGuess, RunCounts
+from llmcli.engine.engine_api import EngineAPI
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool that stopped because its reader left
@@ -131,7 +132,7 @@ class Prepared:
 
     job: Job
     plan: RunPlan
-    engine: Any  # LLMEngine or DataParallelEngine
+    engine: EngineAPI  # an LLMEngine, or with -dp a DataParallelEngine
     items: Iterator[tuple[int, PreparedRequest | InputRecord]]
     late: list[InputRecord]  # records the stream finds invalid after the first token, filled as it runs
     guess: BudgetGuess

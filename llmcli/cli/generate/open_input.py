@@ -5,7 +5,7 @@ import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 
@@ -19,6 +19,7 @@ from llmcli.cli.io.tables import TableInput
 from llmcli.cli.io.writer import reserve_stdout
 from llmcli.cli.progress import say
 from llmcli.cli.usage_error import UsageError
+from llmcli.engine.engine_api import EngineAPI
 from llmcli.models.hub import load_tokenizer
 
 
@@ -123,7 +124,7 @@ def _open(path: str, closes: ExitStack, tables: TablePlan | None = None) -> Inpu
 
 
 def _start_engine(opts: GenerateOptions, scale: Any, config: Any, tokenizer: Any) -> EngineStarter:
-    def build(cancelled: Any) -> Any:
+    def build(cancelled: Callable[[], bool]) -> EngineAPI:
         if scale.enabled:
             from llmcli.scaleout.data_parallel import DataParallelEngine
 

@@ -5,7 +5,7 @@ import time
 from collections import deque
 from contextlib import ExitStack
 from itertools import chain
-from typing import Any, Iterator
+from typing import Iterator
 
 from llmcli.cli.generate.checks import check_pool, report_errors
 from llmcli.cli.generate.handoff import EXIT_USAGE, Checked, EndRun, Job, Prepared
@@ -16,6 +16,7 @@ from llmcli.cli.io.stream import Item, PreparedStream
 from llmcli.cli.progress import say
 from llmcli.cli.runner import BudgetGuess, token_budget
 from llmcli.config import env_number
+from llmcli.engine.engine_api import EngineAPI
 
 # Records prepared (tokenized, length-checked) before the first token: with --on-error fail a problem among
 # them still means exit 2 and nothing generated. Later records are checked when the stream reaches them.
@@ -78,8 +79,8 @@ def _guess_budget(ahead: list[Item], total: int, max_model_len: int) -> BudgetGu
                        total=known + mean * rest)
 
 
-def _report_startup(job: Job, engine: Any, input_s: float, ready_s: float) -> None:
-    phases = {**getattr(engine, "startup_s", {}), "tokenizer": round(job.tokenizer_s, 3)}  # loaded here, not there
+def _report_startup(job: Job, engine: EngineAPI, input_s: float, ready_s: float) -> None:
+    phases = {**engine.startup_s, "tokenizer": round(job.tokenizer_s, 3)}  # loaded here, not there
     listed = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
     say(job.console, f"start-up: {listed}; input checked and first records prepared after {input_s:.2f} s; "
                      f"engine ready after {ready_s:.2f} s")

@@ -38,7 +38,7 @@ def run_engine(prepared: Prepared) -> Outcome:
                             include_token_ids=opts.include_token_ids or job.tokenizer is None, window=window, stop=stop,
                             include_metrics=opts.include_metrics, reasoning=make_splitter(plan.reasoning, job.tokenizer),
                             guess=prepared.guess,
-                            token_bytes=TokenBytes(getattr(engine, "tokenizer", None)),
+                            token_bytes=TokenBytes(engine.tokenizer),
                             reasoning_field=opts.reasoning_field,
                             block_size=config.kvcache_block_size if config.enable_prefix_caching else 0)
             counts = runner.run(prepared.items)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import Callable
 
+from llmcli.engine.engine_api import EngineAPI
 
 THREAD_NAME = "llmcli-engine-start-up"
 
@@ -49,12 +50,12 @@ class EngineStarter:
     memory and actors with it).
     """
 
-    def __init__(self, build: Callable[[Callable[[], bool]], Any], *, in_thread: bool = True) -> None:
+    def __init__(self, build: Callable[[Callable[[], bool]], EngineAPI], *, in_thread: bool = True) -> None:
         """``in_thread=False`` builds at once in this thread (for what must start in the main thread)."""
         self._build = build
         self._cancel = threading.Event()
         self._done = threading.Event()
-        self._engine: Any = None
+        self._engine: EngineAPI | None = None
         self._error: BaseException | None = None
         if not in_thread:
             self._engine = build(self._cancel.is_set)
@@ -75,11 +76,12 @@ class EngineStarter:
         while not self._done.wait(0.1):  # short waits: Ctrl-C reaches the main thread at once
             pass
 
-    def result(self) -> Any:
+    def result(self) -> EngineAPI:
         """The engine, once started; start-up's own error if it failed."""
         self._wait()
         if self._error is not None:
             raise self._error
+        assert self._engine is not None, "result() after close()"
         return self._engine
 
     def close(self) -> None:

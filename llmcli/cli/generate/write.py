@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from llmcli.cli.generate.handoff import Job, RunPlan
 from llmcli.cli.io.background_writer import BackgroundWriter
@@ -11,6 +10,7 @@ from llmcli.cli.io.fingerprint import write_sidecar
 from llmcli.cli.io.lock import OutputLocked
 from llmcli.cli.io.writer import OutputWriteError, RecordWriter, open_sink
 from llmcli.cli.usage_error import UsageError
+from llmcli.engine.engine_api import EngineAPI
 
 
 def start_output(job: Job, plan: RunPlan) -> None:
@@ -34,9 +34,9 @@ def start_output(job: Job, plan: RunPlan) -> None:
                          + (f" ({exc.filename})" if exc.filename else "")) from None
 
 
-def open_writer(job: Job, plan: RunPlan, engine: Any) -> BackgroundWriter:
+def open_writer(job: Job, plan: RunPlan, engine: EngineAPI) -> BackgroundWriter:
     """The writer thread for OUT; it decodes texts the engine left undecoded, in batches."""
-    finish = engine.fill_texts if not getattr(engine, "detokenize", True) else None
+    finish = None if engine.detokenize else engine.fill_texts
     return BackgroundWriter(RecordWriter(open_sink(job.opts.output, plan.stdout), ordered=job.opts.ordered), finish)
 
 
