@@ -15,9 +15,8 @@
 #   logprobs  benchmarks/speed_gpu.py --preset logprobs: the default workload on 0.6B with and without
 #           logprobs=5 (cost <= 10%), args in LOGPROBS_ARGS
 #   lmeval  benchmarks/lm_eval_gpu.py: a 2,000-question multiple-choice task through lm-eval's llmcli model vs
-#           LLM.generate on the same prompts, Qwen3-8B dummy (overhead <= 10%; needs lm-eval and its wheels)
-#   structured  benchmarks/structured_bench.py: unconstrained / one JSON schema / 64 schemas (needs
-#           .whl/llguidance-*.whl), args in STRUCTURED_ARGS
+#           LLM.generate on the same prompts, Qwen3-8B dummy (overhead <= 10%; wheels in .whl/lmeval/)
+#   structured  benchmarks/structured_bench.py: unconstrained / one JSON schema / 64 schemas, args in STRUCTURED_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), args in TP_ARGS
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS
 #   fp8     tests/test_fp8_kv.py on the GPU, then speed_gpu.py --preset fp8: the FP8 KV cache on 0.6B and FP8
@@ -79,7 +78,8 @@ for stage in "$@"; do
     job) env -u TOKENIZERS_PARALLELISM timeout 580 python3 benchmarks/job_gpu.py ${JOB_ARGS:-} 2>&1 | tee "$OUT/job.log" ;;
     startup) timeout 420 python3 benchmarks/startup_gpu.py ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" ;;
     logprobs) timeout 330 python3 benchmarks/speed_gpu.py --preset logprobs ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
-    lmeval) timeout 240 python3 benchmarks/lm_eval_gpu.py ${LMEVAL_ARGS:-} 2>&1 | tee "$OUT/lm_eval.log" ;;
+    lmeval) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/lmeval/*.whl
+      timeout 240 python3 benchmarks/lm_eval_gpu.py ${LMEVAL_ARGS:-} 2>&1 | tee "$OUT/lm_eval.log" ;;
     structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;
