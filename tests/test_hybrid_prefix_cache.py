@@ -164,20 +164,27 @@ def _torch_decode_in_place(self, mixed, a, b, weight, rows):
     return self._decode(mixed, g, torch.sigmoid(b), weight, rows)
 
 
-def test_varlen_passes_of_the_cuda_path(hybrid, hf_oracle, run_factory, monkeypatch):
-    """The CUDA path's varlen delta rule in passes (chunks cut at snapshots), run on CPU with a torch stand-in
-    for fla's kernel: same tokens as transformers, with hits."""
+def _cuda_path_on_cpu(monkeypatch) -> None:
+    """The CUDA path of the Gated DeltaNet layer on CPU: fla's varlen kernel and the Triton kernels (they need
+    CUDA here) by torch stand-ins with their contracts."""
     import llmcli.layers.gated_delta_net as gdn
 
     fake = types.ModuleType("llmcli.kernels.gated_delta_fla")
     fake.chunked_varlen = _torch_varlen
     monkeypatch.setitem(sys.modules, "llmcli.kernels.gated_delta_fla", fake)
-    # the Triton kernels of the same path, by torch stand-ins with their contracts (they need CUDA here)
     kernels = types.ModuleType("llmcli.kernels.triton_gated_delta")
     kernels.conv_varlen_ = _torch_conv_varlen_
     monkeypatch.setitem(sys.modules, "llmcli.kernels.triton_gated_delta", kernels)
     monkeypatch.setattr(gdn.GatedDeltaNet, "_decode_in_place", _torch_decode_in_place)
     monkeypatch.setattr(gdn, "use_cuda_kernels", lambda x: True)
+
+
+def test_varlen_passes_of_the_cuda_path(hybrid, hf_oracle, run_factory, monkeypatch):
+    """The CUDA path's varlen delta rule in passes (chunks cut at snapshots), run on CPU with a torch stand-in
+    for fla's kernel: same tokens as transformers, with hits."""
+    import llmcli.layers.gated_delta_net as gdn
+
+    _cuda_path_on_cpu(monkeypatch)
     calls = []
     real = gdn.GatedDeltaNet._chunk_passes
     monkeypatch.setattr(gdn.GatedDeltaNet, "_chunk_passes",
@@ -191,6 +198,35 @@ def test_varlen_passes_of_the_cuda_path(hybrid, hf_oracle, run_factory, monkeypa
     check_against_hf(run, hf_oracle, prompts[:1], max_new=5)
     check_against_hf(run, hf_oracle, prompts[1:], max_new=5)
     assert run.llm.engine.stats.state_snapshot_hits >= 4 and max(calls) > 1, calls
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda-on-cpu"])
+def test_mixed_steps_decode_rows_apart_but_not_a_one_token_hit(path, hybrid, hf_oracle, run_factory, monkeypatch):
+    """A mixed step's decode rows take the decode path (their states in place, no gather); a one-token chunk
+    that starts from a snapshot (a prompt one token past a cached boundary) also looks like a decode row to
+    attention, but its state is the snapshot's, not its row's: it must stay a chunk. Requests arrive while
+    others decode (a 64-token budget), so such chunks run beside decode rows."""
+    import llmcli.layers.gated_delta_net as gdn
+
+    if path == "cuda-on-cpu":
+        _cuda_path_on_cpu(monkeypatch)
+    splits = []
+    real = gdn.GatedDeltaNet.forward
+
+    def spy(self, hidden):
+        step = self.backend.metadata.linear_step if self.backend.metadata.is_prefill else None
+        if step is not None and step.num_decode:
+            splits.append((step.num_decode, step.rest is not None and step.rest.state_segments is not None))
+        return real(self, hidden)
+
+    monkeypatch.setattr(gdn.GatedDeltaNet, "forward", spy)
+    system = random_prompts([48], seed=610)[0]  # three blocks of 16
+    first = system + random_prompts([20], seed=611)[0]
+    one_past = [system + [t] for t in (7, 11, 13, 17, 19)]  # each: a 3-block hit, then one token from a snapshot
+    run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=256)
+    check_against_hf(run, hf_oracle, [first, *one_past], max_new=12)
+    assert run.llm.engine.stats.state_snapshot_hits >= 3
+    assert any(reads for _, reads in splits), splits  # decode rows apart in a step whose chunks read snapshots
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")

@@ -24,11 +24,12 @@ from llmcli.engine.warmup import compile_variants, measure_activation_peak
 from llmcli.engine.step_inputs import DecodeArrays, StepInputs, decode_arrays, prepare_decode, prepare_prefill
 from llmcli.engine.uploader import Uploader
 from llmcli.kernels import make_backend
+from llmcli.kernels.backend import AttentionMetadata
 from llmcli.layers.logit_bias import BiasTables
 from llmcli.layers.logprobs import worker_prompt_logits
 from llmcli.layers.penalties import PenaltyTables
 from llmcli.layers.sampler import Sampler, greedy_tokens
-from llmcli.layers.state_segments import StateSegments, state_segments
+from llmcli.layers.state_segments import LinearStep, linear_step
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
 from llmcli.layers.quantization.loading import finish_fp8
@@ -269,8 +270,8 @@ class ModelRunner:
             self.rows.update(plan, self.uploader)
             prepare = prepare_prefill if plan.is_prefill else prepare_decode
             inputs = prepare(plan, self.uploader, self.rows.group_tables)
-            if plan.state_reads or plan.state_writes:  # a hybrid model's prefix hits and state snapshots
-                inputs.metadata.state_segments = self._state_segments(plan)
+            if plan.is_prefill and self.state_pool:  # a hybrid model: decode rows apart, prefix hits, snapshots
+                inputs.metadata.linear_step = self._linear_step(plan, inputs.metadata)
             sampling = self.rows.sampling(*self.rows.sampled(plan), self.uploader) \
                 if self.rank == 0 and inputs.num_sampled else None
             # penalties, logit biases and logprobs (rank 0 samples alone); None when no request of the step asks
@@ -307,13 +308,11 @@ class ModelRunner:
             self.prev_tokens = token_ids
             return LaunchedStep(token_ids if self.rank == 0 else None, extras, self.readback)
 
-    def _state_segments(self, plan: StepPlan) -> StateSegments:
+    def _linear_step(self, plan: StepPlan, meta: AttentionMetadata) -> LinearStep:
         """Snapshot ``i`` is pool slot ``max_num_seqs + 1 + i`` (engine/state_pool.py)."""
         base = self.config.max_num_seqs + 1
-        cu = np.zeros(plan.num_entries + 1, dtype=np.int64)
-        np.cumsum(plan.scheduled, out=cu[1:])
-        return state_segments(plan.rows.tolist(), cu.tolist(), [(e, base + s) for e, s in plan.state_reads],
-                              [(e, o, base + s) for e, o, s in plan.state_writes], self.device)
+        return linear_step(meta, plan.rows, plan.scheduled, [(e, base + s) for e, s in plan.state_reads],
+                           [(e, o, base + s) for e, o, s in plan.state_writes], self.device)
 
     def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask

@@ -70,6 +70,9 @@ class AttentionMetadata:
     # prefill of a hybrid model with prefix caching: where each chunk's linear-attention state comes from and the
     # snapshots to take inside chunks (layers/state_segments.py's StateSegments; None: each from its own row)
     state_segments: Any = None
+    # prefill of a hybrid model: the decode rows its linear-attention layers split off, and the rest
+    # (layers/state_segments.py's LinearStep; None: every chunk as a chunk)
+    linear_step: Any = None
     # a model with several KV groups (full and sliding-window layers, each kind its own block table per
     # sequence): ``slot_mapping`` and ``block_tables`` above are group 0's, these the other groups'
     group_slots: tuple[torch.Tensor, ...] = ()

@@ -140,17 +140,29 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z, b, a = proj.split(self.sizes, dim=-1)
         mixed = proj[:, :self.conv_dim]  # q, k, v: the conv's channels
         weight = self.conv1d.weight[:, 0]
-        if not meta.is_prefill and use_cuda_kernels(hidden):
-            out = self._decode_in_place(mixed, a, b, weight, meta.rows)
-        else:
-            beta = torch.sigmoid(b)
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-            if meta.is_prefill:
-                out = self._chunks(mixed, g, beta, weight, meta)
-            else:
-                out = self._decode(mixed, g, beta, weight, meta.rows)
+        split = meta.linear_step if meta.is_prefill else None
+        if not meta.is_prefill:
+            out = self._decode_rows(mixed, a, b, weight, meta.rows)
+        elif split is None:
+            out = self._chunks(mixed, *self._decay_beta(a, b), weight, meta)
+        else:  # a mixed step: its decode rows in place, then the chunks (layers/state_segments.py)
+            k = split.num_decode
+            parts = [self._decode_rows(mixed[:k], a[:k], b[:k], weight, meta.rows[:k])] if k else []
+            if split.rest is not None:
+                parts.append(self._chunks(mixed[k:], *self._decay_beta(a[k:], b[k:]), weight, split.rest))
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = gated_rms_norm(out, z.reshape(-1, self.hv, self.dv), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
+
+    def _decay_beta(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token decay (log space) and write strength from the raw projections."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()), torch.sigmoid(b)
+
+    def _decode_rows(self, mixed, a, b, weight, rows) -> torch.Tensor:
+        """One token per row, each continuing its own row's state: the Triton kernels in place on CUDA."""
+        if use_cuda_kernels(mixed):
+            return self._decode_in_place(mixed, a, b, weight, rows)
+        return self._decode(mixed, *self._decay_beta(a, b), weight, rows)
 
     def _split_heads(self, mixed: torch.Tensor):
         key = self.hk * self.dk

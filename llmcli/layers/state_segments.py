@@ -1,6 +1,10 @@
 """Where a prefill step's linear-attention states come from and where snapshots of them go (hybrid models with
 prefix caching: engine/state_snapshots.py).
 
+A mixed step's decode rows (one token each, continuing their own row's state) are split off first
+(``linear_step``): the layers run them through the decode path, in place in the pool, so that a thousand of them
+cost no gather of their states; the segments below describe the chunks after them.
+
 Each chunk of the varlen step starts from a slot of the state pool: its own row's (a continued chunk), or a
 snapshot's (a prefix hit), or zeros (a fresh chunk: ``AttentionMetadata.has_initial_state``). A snapshot to
 take after ``o`` tokens of a chunk cuts the chunk there: the delta rule runs over the batch in passes, pass
@@ -9,7 +13,8 @@ copied into its snapshot slot. Built once per step on the host; every Gated Delt
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +39,39 @@ class StateSegments:
     sources: list[int]  # the same, on the host
     cuts: dict[int, list[tuple[int, int]]]  # chunk -> [(token offset in the chunk, pool slot)], offsets ascending
     passes: list[Pass]
+
+
+@dataclass
+class LinearStep:
+    """A prefill step as the linear-attention layers run it: the first ``num_decode`` entries by the decode
+    path, then ``rest`` (the metadata of the chunks after them, with their ``state_segments``; None: none)."""
+
+    num_decode: int
+    rest: Any
+
+
+def linear_step(meta: Any, rows: np.ndarray, scheduled: np.ndarray, reads: list[tuple[int, int]],
+                writes: list[tuple[int, int, int]], device: torch.device) -> LinearStep:
+    """``meta``: the step's AttentionMetadata; ``rows``/``scheduled``: the plan's; ``reads``/``writes``: its
+    snapshot reads and writes with pool slots (not snapshot indices). The leading one-token entries over a
+    computed prefix (``meta.num_decode``) decode, up to the first that reads or writes a snapshot (its state
+    is not its row's, or must be cut out of it)."""
+    touched = min([e for e, _ in reads] + [e for e, _, _ in writes], default=len(rows))
+    k = min(meta.num_decode, touched)
+    if k == len(rows):
+        return LinearStep(k, None)
+    segments = None
+    if reads or writes:
+        cu = np.zeros(len(rows) - k + 1, dtype=np.int64)
+        np.cumsum(scheduled[k:], out=cu[1:])
+        segments = state_segments(rows[k:].tolist(), cu.tolist(), [(e - k, s) for e, s in reads],
+                                  [(e - k, o, s) for e, o, s in writes], device)
+    if k == 0:
+        return LinearStep(0, replace(meta, state_segments=segments))
+    # decode rows are one token each: the chunks' token offsets move down by k
+    return LinearStep(k, replace(meta, cu_seqlens_q=meta.cu_seqlens_q[k:] - k, context_lens=meta.context_lens[k:],
+                                 rows=meta.rows[k:], has_initial_state=meta.has_initial_state[k:], num_decode=0,
+                                 state_segments=segments))
 
 
 def state_segments(rows: list[int], cu: list[int], reads: list[tuple[int, int]],
