@@ -207,6 +207,7 @@ class ModelRunner:
         self.prev_in_graph = False  # they are in the decode graphs' own token buffer already
         self.timer = StepTimer()
         self.graphs = None
+        self.state_pool: list[torch.Tensor] = []  # hybrid models' linear-attention states, once allocated
 
     @property
     def block_tables(self) -> "BlockTables":
