@@ -121,7 +121,10 @@ class SamplingParams:
     to the final answer, which a structured-output constraint then shapes (docs/cli.md).
     ``skip_reading_prefix_cache=True`` computes the whole prompt even where the prefix cache holds it (its
     blocks are still cached for others); None, the default, skips it only with ``prompt_logprobs``, whose
-    cached positions would have no logits (so False with ``prompt_logprobs`` is an error).
+    cached positions would have no logits (so False with ``prompt_logprobs`` is an error), unless
+    ``prompt_logprobs_start=s`` says only prompt tokens ``s`` onwards need theirs: ``prompt_logprobs[j]`` is
+    None for ``j < s``, and the prefix cache may serve the prompt up to the position whose logits give token
+    ``s`` (scoring continuations of a shared context).
     """
 
     temperature: float | None = None
@@ -149,6 +152,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True  # False: completions' text stays "" (token ids only), as in vLLM
     skip_reading_prefix_cache: bool | None = None
+    prompt_logprobs_start: int | None = None  # the first prompt token whose prompt logprob is wanted
     thinking_token_budget: int | None = None  # a Harmony model's analysis, at most this many tokens (vLLM's name)
     unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -201,7 +205,17 @@ class SamplingParams:
     @property
     def reads_prefix_cache(self) -> bool:
         """Whether the request may start from prompt blocks the prefix cache holds."""
-        return not self.skip_reading_prefix_cache and self.prompt_logprobs is None
+        return self.max_cached_prompt_tokens != 0
+
+    @property
+    def max_cached_prompt_tokens(self) -> int | None:
+        """How many leading prompt tokens the prefix cache may serve (None: as many as it holds). The logprob
+        of prompt token j comes from the logits at position j - 1, which must be computed, not cached."""
+        if self.skip_reading_prefix_cache:
+            return 0
+        if self.prompt_logprobs is None:
+            return None
+        return max(0, (self.prompt_logprobs_start or 0) - 1)
 
     @property
     def has_penalties(self) -> bool:
@@ -282,9 +296,16 @@ class SamplingParams:
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for what max_model_len allows")
         if not (self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool)):
             raise bad("skip_reading_prefix_cache", "must be true, false or None")
-        if self.skip_reading_prefix_cache is False and self.prompt_logprobs is not None:
+        if self.prompt_logprobs_start is not None:
+            if not is_int(self.prompt_logprobs_start) or not 0 <= self.prompt_logprobs_start <= INT32_MAX:
+                raise bad("prompt_logprobs_start", "must be an integer >= 0 (a prompt position), or None")
+            if self.prompt_logprobs is None:
+                raise bad("prompt_logprobs_start", "needs prompt_logprobs (it says which prompt tokens get theirs)")
+        if self.skip_reading_prefix_cache is False and self.prompt_logprobs is not None \
+                and self.prompt_logprobs_start is None:
             raise bad("skip_reading_prefix_cache", "cannot be False with prompt_logprobs: a cached prompt "
-                                                   "position has no logits (leave it None)")
+                                                   "position has no logits (leave it None, or give "
+                                                   "prompt_logprobs_start)")
         if not isinstance(self.detokenize, bool):
             raise bad("detokenize", "must be true or false")
         if not self.detokenize and self.stop:

@@ -3,6 +3,7 @@ against transformers' log-softmax on the same tiny fp32 weights; bad score recor
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -87,3 +88,29 @@ def test_resume_answers_each_score_record_once(answered, tiny_model, tmp_path):
     resumed = read_jsonl(part)
     assert sorted(line["id"] for line in resumed) == sorted(r["id"] for r in RECORDS)
     assert {orjson.dumps(line) for line in resumed} == {orjson.dumps(orjson.loads(line)) for line in lines}
+
+
+def test_continuations_share_their_prompt_through_the_prefix_cache(tiny_model, tmp_path):
+    """A record's continuations ask for their own tokens' logprobs only, so the prompt they share is computed
+    once and served from the prefix cache to the others (in the same run: they are queued together); the
+    scores equal a run with the cache off (fp32, within 1e-5)."""
+    from test_cli import engine_args, runner
+    from llmcli.cli.app import app
+
+    prompt = "the quick brown fox jumps over the lazy dog while the farmer watches from the gate and"
+    records = [{"id": i, "prompt": prompt + tail, "continuations": [" the sea", " a dog", " river", [5, 6, 7]]}
+               for i, tail in enumerate(["", " then"])]
+    inp = write_jsonl(tmp_path / "in.jsonl", records)
+    args = [a if a != "16" else "4" for a in engine_args(tiny_model)]  # 4-token blocks: the prompt fills several
+    lines, rates = {}, {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / f"{flag}.jsonl"
+        result = runner.invoke(app, ["generate", str(inp), "-o", str(out), *args, flag, "--dtype", "float32"])
+        assert result.exit_code == 0, result.output
+        lines[flag] = read_jsonl(out)
+        rates[flag] = float(re.search(r"prefix-cache hit rate\s*│?\s*([\d.]+)%", result.stderr).group(1))
+    assert rates["--no-enable-prefix-caching"] == 0 and rates["--enable-prefix-caching"] > 50
+    for got, want in zip(*lines.values()):
+        for a, b in zip(got["continuations"], want["continuations"]):
+            assert a["is_greedy"] == b["is_greedy"]
+            assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-5)

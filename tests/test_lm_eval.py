@@ -103,3 +103,36 @@ def test_data_parallel_replicas_give_the_same_log_likelihoods(tiny_model):
         two.engine.shutdown()
     assert [g for _, g in got] == [g for _, g in want]
     assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in want], abs=1e-5)
+
+
+def test_choices_of_a_question_share_its_context_through_the_prefix_cache(tiny_model):
+    """A multiple-choice question's requests ask for the continuation's logprobs only
+    (``prompt_logprobs_start``), so all but the first choice take the context's KV blocks from the prefix cache,
+    in the same engine run; the log-likelihoods equal a run with the cache off (fp32, within 1e-5)."""
+    import json
+
+    import llmcli.lm_eval
+    from lm_eval.api.instance import Instance
+
+    docs = [json.loads(line) for line in (TASKS_DIR / "tiny_mc.jsonl").read_text().splitlines()]
+    preamble = "Pick the ending that fits the sentence best. "  # a longer context: several 4-token blocks
+    requests = [Instance("loglikelihood", doc, (preamble + doc["question"], choice), i)
+                for i, doc in enumerate(docs) for choice in doc["choices"]]
+    engine = dict(dtype="float32", kvcache_block_size=4, num_kvcache_blocks=256, max_num_seqs=16, device="cpu")
+    got = {}
+    for caching in (True, False):
+        model = llmcli.lm_eval.LLMCLIModel(str(tiny_model), enable_prefix_caching=caching, **engine)
+        try:
+            got[caching] = model.loglikelihood(requests, disable_tqdm=True)
+            stats = model.engine.stats
+        finally:
+            model.engine.shutdown()
+        if caching:
+            # every choice after a question's first takes the context's blocks that end before the position
+            # whose logits give the continuation's first token
+            contexts = [model.tok_encode(preamble + doc["question"]) for doc in docs]
+            assert min(len(c) for c in contexts) > 8
+            least = sum((len(doc["choices"]) - 1) * ((len(c) - 1) // 4 * 4) for doc, c in zip(docs, contexts))
+            assert stats.prefix_cache_hit_tokens >= least > 0
+    assert [g for _, g in got[True]] == [g for _, g in got[False]]
+    assert [ll for ll, _ in got[True]] == pytest.approx([ll for ll, _ in got[False]], abs=1e-5)

@@ -98,8 +98,17 @@ class BlockManager:
         return self.num_free_blocks >= blocks_needed(seq.num_tokens, self.windows, self.block_size, self.block_size)
 
     def cached_blocks(self, seq: Sequence) -> int:
-        """How many leading blocks of ``seq`` the prefix cache holds (in every KV group that needs them)."""
-        return len(self._find_hits(seq)[1])
+        """How many leading blocks of ``seq`` the prefix cache holds (in every KV group that needs them) and
+        ``seq`` may take (``hit_limit``)."""
+        return len(self._find_hits(seq, self.hit_limit(seq))[1])
+
+    def hit_limit(self, seq: Sequence, limit: int | None = None) -> int | None:
+        """At most ``limit`` blocks, and no more than ``seq``'s settings let the cache serve (the positions
+        whose logits give its prompt logprobs are computed: SamplingParams.max_cached_prompt_tokens)."""
+        tokens = seq.params.max_cached_prompt_tokens
+        if tokens is None:
+            return limit
+        return tokens // self.block_size if limit is None else min(limit, tokens // self.block_size)
 
     def allocate(self, seq: Sequence, budget: int | None = None, max_cached_blocks: int | None = None) -> int:
         """Give ``seq`` blocks for its tokens (a window group: for its first chunk of at most ``budget``
@@ -114,11 +123,11 @@ class BlockManager:
         seq.table_id = next(self._table_ids)
         seq.decode_until = 0
         bs = self.block_size
-        # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt,
-        # as one that asks to skip the cache (skip_reading_prefix_cache) does.
+        # Prompt logprobs need the logits of the positions before the tokens they score: such a request takes
+        # no more blocks than end before the first of them (all of the prompt's without prompt_logprobs_start).
         hits, hashes = [], []
         if self.enable_prefix_caching and seq.params.reads_prefix_cache:
-            hits, hashes = self._find_hits(seq, max_cached_blocks)
+            hits, hashes = self._find_hits(seq, self.hit_limit(seq, max_cached_blocks))
         depth = len(hashes)
         cached = depth * bs
         seq.block_tables = [[] for _ in self.windows]
@@ -215,11 +224,13 @@ class BlockManager:
             due = at if due is None or at < due else due
         seq.slide_at = due if due is not None else 1 << 62
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Publish the full blocks whose K/V is (being) computed and whose tokens are all known."""
+    def register_computed(self, seq: Sequence, upto: int | None = None) -> None:
+        """Publish the full blocks whose K/V is (being) computed and whose tokens are all known: those of the
+        first ``upto`` tokens (default: ``num_computed_tokens``)."""
         if not self.enable_prefix_caching:
             return
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+        end = seq.num_computed_tokens if upto is None else upto
+        for i in range(seq.num_hashed_blocks, end // self.block_size):
             tokens = seq.block_tokens(i)
             if PENDING_TOKEN in tokens:
                 break  # its last token is still on the device; registered once it is read back

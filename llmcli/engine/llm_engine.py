@@ -268,7 +268,8 @@ class LLMEngine:
             if logprobs is not None:
                 for entry, first, entries in logprobs.prompt:
                     seq = step.seqs[entry]
-                    del seq.prompt_logprob_entries[first:]  # a recomputed prompt (after preemption) replaces
+                    # a recomputed prompt (after preemption) replaces
+                    del seq.prompt_logprob_entries[first - seq.prompt_logprobs_from:]
                     seq.prompt_logprob_entries.extend(entries)
             now = time.perf_counter()
             # a row flagged by the sampler (its logits were not finite) ends its request alone, first
@@ -356,8 +357,9 @@ class LLMEngine:
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None:
-            prompt_logprobs = LazyLogprobs(prompt_ids[1:], seq.prompt_logprob_entries, self._token_text,
-                                           leading_none=True)
+            skipped = seq.prompt_logprobs_from  # positions whose next token's logprob was not asked for
+            prompt_logprobs = LazyLogprobs(prompt_ids[skipped + 1:], seq.prompt_logprob_entries, self._token_text,
+                                           leading_nones=skipped + 1)
         metrics = RequestMetrics(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                                  finish_time=seq.finish_time, num_cached_prompt_tokens=seq.num_cached_tokens)
         return RequestOutput(request_id=seq.request_id, prompt=None, prompt_token_ids=prompt_ids,

@@ -56,18 +56,19 @@ class BlockEntries:
 
 
 class LazyLogprobs(SequenceABC):
-    """A list of positions (``None`` where ``leading_none``: the first prompt token has no context)."""
+    """A list of positions, the first ``leading_nones`` of them ``None`` (prompt logprobs: the first prompt token
+    has no context, and those before ``SamplingParams.prompt_logprobs_start`` were not asked for)."""
 
     def __init__(self, tokens: list[int], entries: "list[Entry] | BlockEntries", text: TokenText,
-                 leading_none: bool = False) -> None:
-        self._raw: tuple | None = (tokens, entries, text, leading_none)
+                 leading_nones: int = 0) -> None:
+        self._raw: tuple | None = (tokens, entries, text, leading_nones)
         self._items: list | None = None
-        self._len = len(entries) + leading_none
+        self._len = len(entries) + leading_nones
 
     def _build(self) -> list:
         if self._items is None:
-            tokens, entries, text, leading_none = self._raw
-            self._items = ([None] if leading_none else []) + [position(t, e, text) for t, e in zip(tokens, entries)]
+            tokens, entries, text, leading_nones = self._raw
+            self._items = [None] * leading_nones + [position(t, e, text) for t, e in zip(tokens, entries)]
             self._raw = None
         return self._items
 

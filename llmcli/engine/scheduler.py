@@ -93,6 +93,7 @@ class Scheduler:
         """Prompt chunks within ``budget`` tokens: (sequences, tokens, those of them that sample this step)."""
         batch: list[Sequence] = []
         start = budget
+        manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
@@ -114,6 +115,11 @@ class Scheduler:
             seq.num_scheduled_tokens = end - done
             budget -= seq.num_scheduled_tokens
             batch.append(seq)
+            if manager.enable_prefix_caching and end // manager.block_size > seq.num_hashed_blocks:
+                # published now, not at launch: a prompt later in this very batch may start from them (every
+                # backend stores a layer's K/V for the whole batch before any of it attends), so requests
+                # added together that share a context (one question's choices) compute it once
+                manager.register_computed(seq, end)
             if not seq.samples_this_step:
                 # a chunk of a longer prompt: the budget is spent, it continues next step (so only the last
                 # sequence of a prefill batch can be one that does not sample)
@@ -128,7 +134,9 @@ class Scheduler:
         snapshot), or ``WAIT`` (a deeper one is being written)."""
         if not seq.params.reads_prefix_cache:
             return None
-        hashes = self.snapshots.hashes(seq)
+        # a request that may take only the first blocks (prompt_logprobs_start) sees its prompt end there: its
+        # snapshots are taken at most that deep (where its siblings' hits end too), and it waits only for those
+        hashes = self.snapshots.hashes(seq)[:self.block_manager.hit_limit(seq)]
         return self.snapshots.admit(seq, hashes, self.block_manager.cached_blocks(seq))
 
     def _schedule_decode(self) -> list[Sequence]:

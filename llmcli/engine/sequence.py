@@ -91,7 +91,11 @@ class Sequence:
         self.logprob_blocks: list[Any] = []
         self.logprob_rows: list[int] = []
         self.prompt_logprob_entries: list[tuple[float, int, list[int], list[float]]] = []
-        self.prompt_logprobs_done = 0  # prompt positions whose next-token logprobs are computed
+        # the first prompt position whose next-token logprob is wanted (SamplingParams.prompt_logprobs_start):
+        # entry i of prompt_logprob_entries is position prompt_logprobs_from + i
+        self.prompt_logprobs_from = min(max(0, (params.prompt_logprobs_start or 0) - 1),
+                                        max(0, self.num_prompt_tokens - 1))
+        self.prompt_logprobs_done = self.prompt_logprobs_from  # prompt positions whose logprobs are computed
         # set by the engine: bad_words as token ids, and the ids min_tokens holds back (EOS, stop tokens)
         self.banned_token_ids: list[int] = []
         self.hold_ids: list[int] = []

@@ -20,7 +20,9 @@ from llmcli.vllm_args import config_kwargs
 log = logging.getLogger("llmcli")
 
 # A log-likelihood request: the whole token sequence runs as a prompt and its own prompt logprobs are read
-# (rank 1: the greedy token); one token is generated because a request must generate something.
+# (rank 1: the greedy token); one token is generated because a request must generate something. Each request
+# asks only for the continuation's (prompt_logprobs_start), so the prefix cache may serve the context that a
+# question's choices share.
 SCORE = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
 
 
@@ -116,8 +118,17 @@ class LLMCLIModel(TemplateLM):
             whole = (context + continuation)[-limit:]
             wholes.append(whole)
             firsts.append(max(1, len(whole) - len(continuation)))  # the first scored position
-        unique = list(dict.fromkeys(tuple(w) for w in wholes))  # repeated sequences run once
-        outs = dict(zip(unique, self._run([list(u) for u in unique], [SCORE] * len(unique))))
+        # repeated sequences run once, scored from the first position any of their requests reads
+        starts: dict[tuple[int, ...], int] = {}
+        for whole, first in zip(wholes, firsts):
+            key = tuple(whole)
+            starts[key] = min(first, starts.get(key, first))
+        params: dict[int, SamplingParams] = {}  # one SamplingParams per start (most contexts share a length)
+        for first in starts.values():
+            if first not in params:
+                params[first] = SCORE.replace(prompt_logprobs_start=first)
+        unique = list(starts)
+        outs = dict(zip(unique, self._run([list(u) for u in unique], [params[starts[u]] for u in unique])))
         results = []
         for (key, _, _), whole, first in zip(requests, wholes, firsts):
             positions = outs[tuple(whole)].prompt_logprobs

@@ -176,7 +176,9 @@ class Preparer:
             if max(cont) >= self.vocab_size:
                 raise FieldProblem(f"continuations[{j}]", f"token ids must be in [0, {self.vocab_size})")
         rec.score.continuation_ids = conts
-        return PreparedRequest(rec, ids, [SCORE_PARAMS] * len(conts), True, prompts=[ids + c for c in conts])
+        # only the continuations' tokens are scored: the prompt they share may come from the prefix cache
+        params = SCORE_PARAMS.replace(prompt_logprobs_start=len(ids))
+        return PreparedRequest(rec, ids, [params] * len(conts), True, prompts=[ids + c for c in conts])
 
     # -- sampling ---------------------------------------------------------------
     def _params(self, rec: InputRecord) -> list[SamplingParams]:
