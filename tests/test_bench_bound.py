@@ -138,6 +138,22 @@ def test_hybrid_and_sliding_layers_by_hand() -> None:
     assert b["floor_s"] == pytest.approx(8.0 + (31 * 128 + 2000) / 1000 + 60.0 + 33.28)
 
 
+def test_gemma4_layers_of_two_shapes_by_hand() -> None:
+    """Gemma 4: of 2 attention layers, the sliding one (window 3) has 2 KV heads of 16, the full one 1 of 32 (and
+    its queries 32 wide): each kind's K and V bytes over its own tokens read, each its head size in the attention
+    FLOPs. gemma-4-31B's config gives its full layers' shape as facts."""
+    from benchmarks.harness.workload import REPO, model_facts
+
+    facts = {**FACTS, "sliding_layers": 1, "sliding_window": 3, "global_kv_heads": 1, "global_head_dim": 32}
+    b = physical_bound(facts, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    sliding, full = 2 * 2 * 16 * 2, 2 * 1 * 32 * 2
+    assert b["kv_bytes_per_token"] == sliding + full
+    assert b["kv_read_bytes"] == 17 * full + 14 * sliding
+    assert b["prefill_attention_flops"] == 4 * 4 * (16 + 32) * (4 + 9) / 2
+    real = model_facts(REPO / "configs" / "gemma-4-31B")
+    assert (real["kv_heads"], real["head_dim"], real["global_kv_heads"], real["global_head_dim"]) == (16, 256, 4, 512)
+
+
 def test_mxfp4_experts_are_read_at_4_25_bits() -> None:
     """gpt-oss's published configs (MXFP4): each expert weight read as its 4-bit code plus a 32nd of a byte's
     scale; the dense part stays 16-bit."""

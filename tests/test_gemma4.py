@@ -1,7 +1,7 @@
 """Gemma 4 beyond the family matrix (tests/test_new_families.py runs the tiny dense, MoE and multimodal-wrapper
-checkpoints against transformers): prefix hits over layers of two head sizes, the KV pool sized per layer, the
-edge models' features refused by name, and the MoE block's router and GeGLU experts against transformers'
-own modules."""
+checkpoints against transformers): prefix hits over layers of two head sizes, the KV pool's groups of layers of
+two shapes sharing one slab per block id, the edge models' features refused by name, and the MoE block's router
+and GeGLU experts against transformers' own modules."""
 from __future__ import annotations
 
 import pytest
@@ -13,15 +13,41 @@ from test_model_checks import _copy, _edit_config, _llm
 
 def test_prefix_hits_across_local_and_global_layers(tiny_checkpoint, hf_oracle, run_factory):
     """A repeated long prompt reuses its cached blocks in both kinds of layer (16-wide local and 32-wide
-    global heads) and still gives transformers' tokens; the pool's bytes per token add each layer's own."""
+    global heads) and still gives transformers' tokens; the local layer is a window group of its own, so a block
+    id is one layer's K and V (both kinds' are the same size here)."""
     model = tiny_checkpoint("gemma4-moe")
     prompts = random_prompts([80, 33], seed=450)
     run = run_factory(model, kvcache_block_size=16, max_model_len=256)
     check_against_hf(run, hf_oracle, prompts, max_new=8)
     check_against_hf(run, hf_oracle, prompts, max_new=8)
     assert run.llm.engine.stats.prefix_cache_hit_tokens > 0
-    # K and V, float32: a local layer of 4 x 16 and a global one of 2 x 32 (tests/tiny_qwen3.py GEMMA4)
-    assert run.llm.engine.model_runner.memory_report.kv_bytes_per_token == 2 * 4 * (4 * 16 + 2 * 32)
+    # K and V, float32: a local layer of 4 x 16 or a global one of 2 x 32 (tests/tiny_qwen3.py GEMMA4)
+    report = run.llm.engine.model_runner.memory_report
+    assert report.kv_bytes_per_token == 2 * 4 * 4 * 16 == 2 * 4 * 2 * 32
+    assert [g["window"] for g in report.kv_groups] == [None, 24]
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_window_groups_of_two_shapes_through_chunks_preemption_and_prefix_hits(tiny_checkpoint, hf_oracle,
+                                                                                run_factory, block_size):
+    """The dense checkpoint (two local layers of 4 x 16, two global ones of 1 x 32 side by side in one slab, three
+    KV groups) over prompts up to ten windows long: 20-token chunks, a pool of a few sequences' blocks (so
+    sequences are preempted, and window blocks go back and are handed out again), prompts sharing a prefix, then
+    some of them once more, from the prefix cache; transformers' tokens every time."""
+    model = tiny_checkpoint("gemma4")
+    shared = random_prompts([130], seed=451)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 40, 90], seed=452)] + random_prompts([60, 200], seed=453)
+    blocks = {16: 48, 64: 11}[block_size]  # the longest request's blocks (28 / 10) and a few more
+    run = run_factory(model, kvcache_block_size=block_size, num_kvcache_blocks=blocks, max_model_len=256,
+                      max_num_batched_tokens=20)
+    report = run.llm.engine.model_runner.memory_report
+    assert [g["window"] for g in report.kv_groups] == [None, 24, 24]
+    check_against_hf(run, hf_oracle, prompts, max_new=24)
+    stats = run.llm.engine.stats
+    assert stats.num_preemptions > 0, "the small pool should have forced preemption"
+    before = stats.prefix_cache_hit_tokens
+    check_against_hf(run, hf_oracle, prompts[:3], max_new=24)
+    assert run.llm.engine.stats.prefix_cache_hit_tokens > before > 0
 
 
 @pytest.mark.parametrize("field,value", [("hidden_size_per_layer_input", 16), ("num_kv_shared_layers", 2)])

@@ -17,10 +17,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # blocks of 16 tokens: the full layout's pool holds every sequence at once (no preemption, no waiting), so both
 # runs schedule the same steps; the windowed pools hold every sequence's window but fewer blocks than the run
 # takes over time, so blocks given back are handed out again
-POOLS = {("gemma3", "0"): 120, ("gemma3", "1"): 200, ("mistral-window", "0"): 120, ("mistral-window", "1"): 48}
+POOLS = {("gemma3", "0"): 120, ("gemma3", "1"): 200, ("mistral-window", "0"): 120, ("mistral-window", "1"): 48,
+         ("gemma4", "0"): 120, ("gemma4", "1"): 200}  # Gemma 4: Gemma 3's groups, its layers of two shapes in slabs
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window", "gemma4"])
 def test_window_release_through_cuda_graphs_changes_no_token(family, tiny_checkpoint, monkeypatch):
     from llmcli import LLM
 

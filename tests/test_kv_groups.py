@@ -1,11 +1,14 @@
-"""KV groups (engine/kv_groups.py) and the block manager's sliding-window rules: how layers are grouped, which
-blocks a window group gives back as a sequence advances, and which prefix hits a window group allows."""
+"""KV groups (engine/kv_groups.py) and the block manager's sliding-window rules: how layers are grouped (layers of
+two KV shapes, Gemma 4's, in one slab per block id), which blocks a window group gives back as a sequence
+advances, and which prefix hits a window group allows."""
 from __future__ import annotations
 
 import pytest
 
 from llmcli.engine.block_manager import BlockManager
-from llmcli.engine.kv_groups import NULL_BLOCK, blocks_held, plan_kv_groups
+from llmcli.engine.kv_groups import (
+    MAX_MIXED_GROUPS, NULL_BLOCK, blocks_held, plan_kv_groups, plan_mixed_kv_groups,
+)
 from llmcli.engine.sequence import Sequence
 from llmcli.sampling_params import SamplingParams
 
@@ -182,3 +185,76 @@ def test_freed_window_blocks_are_counted_free_and_reused_by_others():
     run_prefill(manager, b, chunk=4)
     held = {x for x in a.block_table + b.block_table if x != NULL_BLOCK}
     assert len(held) == 4  # two window blocks each, none shared
+
+
+def published_gemma4(name: str) -> tuple[list[int | None], list[int]]:
+    """Per attention layer of a published Gemma 4 config: its window (None: global) and K + V elements per token."""
+    from pathlib import Path
+
+    from llmcli.models.gemma4 import Gemma4ForCausalLM
+    from llmcli.models.hub import load_hf_config
+
+    spec = Gemma4ForCausalLM.spec(load_hf_config(Path(__file__).resolve().parent.parent / "configs" / name))
+    kinds = [spec.layer_kind(i) for i in range(spec.num_layers)]
+    sizes = [2 * spec.attention_shape(kind)[0] * spec.attention_shape(kind)[1] for kind in kinds]
+    return [None if kind == "full_attention" else spec.sliding_window for kind in kinds], sizes
+
+
+def test_gemma4_layers_of_two_sizes_fill_one_slab_per_block_id(monkeypatch):
+    """Gemma-4-31B: 50 local layers of 16 x 256 and 10 global ones of 4 x 512 (half the bytes). A block id is a
+    slab of five local layers' K and V: ten window groups of five, and the ten global layers side by side in the
+    eleventh; no group wastes any of it. With release off: one group, the slab every layer's."""
+    windows, sizes = published_gemma4("gemma-4-31B")
+    layout = plan_mixed_kv_groups(windows, sizes, max_model_len=32768)
+    assert layout.windows == (None,) + (1024,) * 10
+    assert [len(group) for group in layout.layers] == [10] + [5] * 10
+    assert layout.slab == 5 * 2 * 16 * 256 == 10 * 2 * 4 * 512
+    for window, group in zip(layout.windows, layout.layers):
+        assert all(windows[i] == window for i in group)
+        # side by side from the slab's start, none past its end
+        spans = sorted((layout.offsets[i], layout.offsets[i] + sizes[i]) for i in group)
+        assert spans[0][0] == 0 and spans[-1][1] == layout.slab
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert sorted(i for group in layout.layers for i in group) == list(range(60))
+    # 26B-A4B's 25 local layers do not split evenly: the plan still holds the least per long sequence
+    windows, sizes = published_gemma4("gemma-4-26B-A4B")
+    layout = plan_mixed_kv_groups(windows, sizes, max_model_len=32768)
+    global_bytes = sum(s for s, w in zip(sizes, windows) if w is None)
+    assert layout.num_groups <= MAX_MIXED_GROUPS and layout.slab < 2 * global_bytes
+    monkeypatch.setenv("LLMCLI_KV_WINDOW_RELEASE", "0")
+    off = plan_mixed_kv_groups(windows, sizes, max_model_len=32768)
+    assert off.windows == (None,) and off.slab == sum(sizes)
+
+
+def test_layers_of_two_shapes_share_a_block_id_without_overwriting_each_other():
+    """The pool for layers of two KV shapes: each layer's K and V are views of its own shape into a block id's
+    slab; the layers of one group never overlap there, and every view stays inside the pool."""
+    import torch
+    from torch import nn
+
+    from llmcli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, kv_layout
+    from llmcli.layers.attention import Attention
+
+    # local 4 x 16 with a 24-key window, global 1 x 32: two local groups, the two global layers in the third
+    model = nn.ModuleList([Attention(4, 4, 16, None, 24), Attention(4, 1, 32, None),
+                           Attention(4, 4, 16, None, 24), Attention(4, 1, 32, None)])
+    layout = kv_layout(model, max_model_len=192)
+    assert layout.windows == (None, 24, 24) and layout.slab == 2 * 4 * 16
+    assert kv_bytes_per_token(None, 4, 16, torch.float32, model, layout) == 2 * 4 * 16 * 4
+    cache = allocate_kv_cache(model, 5, BS, 4, 16, torch.float32, torch.device("cpu"), layout)
+    assert cache.numel() == 5 * BS * layout.slab
+    start, end = cache.data_ptr(), cache.data_ptr() + cache.numel() * 4
+    for layer in model:
+        assert layer.k_cache.shape == (5, BS, layer.num_kv_heads, layer.head_dim)
+        assert layer.k_cache.stride(0) == BS * layout.slab
+    for g, group in enumerate(layout.layers):
+        assert all(model[i].kv_group == g for i in group)
+        for n, i in enumerate(group):  # block 3, as group g would hold it
+            model[i].k_cache[3] = 10 * n + 1
+            model[i].v_cache[3] = 10 * n + 2
+        for n, i in enumerate(group):
+            assert bool((model[i].k_cache[3] == 10 * n + 1).all()) and bool((model[i].v_cache[3] == 10 * n + 2).all())
+    for layer in model:
+        for view in (layer.k_cache, layer.v_cache):
+            last = view[-1, -1, -1, -1]
+            assert start <= view.data_ptr() and last.data_ptr() + 4 <= end

@@ -43,9 +43,12 @@ def test_chunked_prefill_and_preemption(new_family, hf_oracle, run_factory):
     at once: sequences are preempted and recomputed (a hybrid's state restarts from zero). Window blocks go back
     to the pool as the chunks advance (engine/kv_groups.py)."""
     prompts = random_prompts([50, 75, 99, 120, 8, 64], seed=410)
-    # the same memory for every family: Gemma 3's layers are three KV groups of one layer and gpt-oss's two, so
-    # their blocks are a third and a half of the others'
-    groups = 3 if new_family.name.startswith("tiny_gemma3") else 2 if new_family.name.startswith("tiny_gpt") else 1
+    # the same memory for every family: Gemma 3's layers are three KV groups of one layer, the dense Gemma 4's three
+    # (two local ones, the two half-size global layers side by side in the third), gpt-oss's and the Gemma 4 MoE's
+    # two, so their blocks are a third and a half of the others'
+    name = new_family.name
+    groups = 2 if name.startswith(("tiny_gpt", "tiny_gemma4-moe")) else 3 if name.startswith(("tiny_gemma3",
+                                                                                               "tiny_gemma4")) else 1
     blocks = 12 * groups
     run = run_factory(new_family, kvcache_block_size=16, num_kvcache_blocks=blocks, max_model_len=192,
                       max_num_batched_tokens=20)
@@ -53,8 +56,17 @@ def test_chunked_prefill_and_preemption(new_family, hf_oracle, run_factory):
     assert run.llm.engine.stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
 
 
+def kv_elements_per_token(cfg: dict) -> int:
+    """K and V of one token over every layer, each layer its own shape (Gemma 4's global layers: transformers
+    writes them as ``per_layer_config``)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    shapes = [cfg.get("per_layer_config", {}).get(str(i), {}) for i in range(cfg["num_hidden_layers"])]
+    return 2 * sum(s.get("num_key_value_heads", cfg["num_key_value_heads"]) * s.get("head_dim", head_dim)
+                   for s in shapes)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window", "gemma4"])
 def test_window_memory_comes_back_so_more_long_sequences_run_at_once(family, tiny_checkpoint, hf_oracle, run_factory,
                                                                      monkeypatch):
     """The same KV memory and the same prompts (each four windows long): with the blocks that fall out of the
@@ -62,8 +74,7 @@ def test_window_memory_comes_back_so_more_long_sequences_run_at_once(family, tin
     attention (``LLMCLI_KV_WINDOW_RELEASE=0``: one group, nothing released), and both equal transformers."""
     model = tiny_checkpoint(family)
     cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    full_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4 * 16  # fp32, 16 tokens
+    full_block = kv_elements_per_token(cfg) * 4 * 16  # fp32, 16 tokens
     memory_gib = 30 * full_block / 2**30  # 30 blocks of full attention: 480 tokens, three of these sequences
     prompts = random_prompts([100] * 8, seed=430)
     peak, blocks = {}, {}
@@ -77,12 +88,13 @@ def test_window_memory_comes_back_so_more_long_sequences_run_at_once(family, tin
         blocks[release] = (report.num_blocks, [g["window"] for g in report.kv_groups])
     assert blocks["0"] == (30, [None])
     # Mistral's every layer is windowed: a sequence holds ~3 blocks instead of 9. Gemma 3's global layer keeps
-    # all 9 (of a third of the size) beside two local layers' ~3 each: (3 x 9) / (9 + 2 x 3) = 1.8x at most
+    # all 9 (of a third of the size) beside two local layers' ~3 each: (3 x 9) / (9 + 2 x 3) = 1.8x at most; so
+    # does the dense Gemma 4, its two half-size global layers in one group beside its two local layers' groups
     gain = 2.0 if family == "mistral-window" else 1.5
     assert peak["1"] >= gain * peak["0"], (peak, blocks)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window", "gemma4"])
 def test_prefix_hits_deeper_than_the_window(family, tiny_checkpoint, hf_oracle, run_factory):
     """A 100-token shared prefix (four windows) computed in chunks, its early window blocks given back on the
     way: later prompts sharing it hit 96 tokens (the window group needs only the blocks its first query reads)

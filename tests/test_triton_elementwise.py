@@ -216,6 +216,24 @@ def test_qk_norm_rotary_store_is_the_kernel_then_store_kv(dtype, m, heads, kv_he
     assert torch.equal(flat_k[slots[kept]], k_ref[kept])  # the store happened (not both runs storing nothing)
 
 
+def test_qk_norm_rotary_store_into_views_of_a_wider_slab():
+    """Gemma 4's pool (engine/kv_cache.py): a layer's caches are views into block rows four layers wide. The fused
+    kernel stores the rows it stores into plain caches, steps from block to block by the row, and writes nothing
+    beside its layer's part (NaN here)."""
+    dtype, heads, kv_heads, head_dim, bs = torch.float32, 4, 1, 32, 16
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
+    _, (q, k, v), pool, slots, positions, (qw, kw) = qk_store_case(40, heads, kv_heads, head_dim, bs, dtype)
+    blocks, n = pool.shape[2], kv_heads * head_dim
+    slab = torch.full((blocks, bs * 4 * n), float("nan"), dtype=dtype, device=DEVICE)
+    k_view, v_view = (slab[:, bs * n * i:bs * n * (i + 1)].view(pool.shape[2:]) for i in (1, 2))
+    k_view.copy_(pool[0, 1])
+    v_view.copy_(pool[1, 1])
+    te.qk_norm_rotary_store(q, k, v, positions, qw, kw, EPS, rotary.cos, rotary.sin, k_view, v_view, slots)
+    te.qk_norm_rotary_store(q, k, v, positions, qw, kw, EPS, rotary.cos, rotary.sin, pool[0, 1], pool[1, 1], slots)
+    assert torch.equal(k_view, pool[0, 1]) and torch.equal(v_view, pool[1, 1])
+    assert torch.isnan(slab[:, :bs * n]).all() and torch.isnan(slab[:, 3 * bs * n:]).all()
+
+
 def test_qk_norm_rotary_store_with_every_slot_skipped():
     """Slots all -1 (a warm-up step, padding rows of a decode graph): q/k as ever, the caches untouched."""
     dtype, heads, kv_heads, head_dim = torch.float32, 4, 2, 64

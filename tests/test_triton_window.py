@@ -155,6 +155,48 @@ def test_backend_mixed_step_with_a_window_matches_torch():
     assert 1 <= triton_backend._decode_splits(24) <= triton_backend._decode_splits(None)
 
 
+def in_slab(k_cache: torch.Tensor, v_cache: torch.Tensor, width: int, at: int):
+    """``k_cache`` and ``v_cache`` copied into views of a pool whose block rows hold ``width`` elements per token,
+    K at ``at`` and V right after it, everything else NaN (Gemma 4's pool, engine/kv_cache.py: the other layers of
+    the group lie beside this one); (the slab, K's view, V's view)."""
+    blocks, bs, heads, dim = k_cache.shape
+    n = heads * dim
+    slab = torch.full((blocks, bs * width), float("nan"), dtype=k_cache.dtype, device=k_cache.device)
+    k_view = slab[:, bs * at:bs * (at + n)].view(k_cache.shape)
+    v_view = slab[:, bs * (at + n):bs * (at + 2 * n)].view(k_cache.shape)
+    k_view.copy_(k_cache)
+    v_view.copy_(v_cache)
+    return slab, k_view, v_view
+
+
+def test_backend_over_views_of_a_wider_slab_matches_torch():
+    """A layer's K and V as views into block rows three layers wide (Gemma 4's pool): a mixed step through both
+    backends stores the new tokens in this layer's part of the row (their slots start as NaN, and decode rows
+    read them back) and reads nothing of the rest; the same outputs as over plain caches."""
+    shape = (8, 2, 32, 16)
+    prefix, q_lens = [300, 5, 200, 0], [1, 1, 30, 25]
+    case = paged_case(prefix, q_lens, shape, torch.float32, DEVICE, 24)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=case.slots, context_lens=case.lens,
+                             block_tables=case.tables, cu_seqlens_q=case.cu_q, cu_seqlens_k=case.cu_k,
+                             max_seqlen_q=30, max_seqlen_k=int(case.lens.max()), has_prefix=True, num_decode=2,
+                             rest_max_seqlen_q=30, rest_has_prefix=True)
+    outs = []
+    for backend in (TritonAttentionBackend(8, 2, 32, 32 ** -0.5, 16), TorchAttentionBackend(8, 2, 32, 32 ** -0.5, 16)):
+        slab, k_cache, v_cache = in_slab(case.k_cache, case.v_cache, 6 * 2 * 32, 2 * 2 * 32)
+        assert not k_cache.is_contiguous()  # blocks a slab's row apart
+        for cache in (k_cache, v_cache):
+            cache[case.slots // 16, case.slots % 16] = float("nan")
+        backend.prepare(meta)
+        outs.append(backend.forward(case.q, case.k, case.v, k_cache, v_cache, window=24))
+        outside = torch.ones(slab.shape[1], dtype=torch.bool, device=slab.device)
+        outside[16 * 2 * 2 * 32:16 * 4 * 2 * 32] = False
+        assert torch.isnan(slab[:, outside]).all(), f"{backend.name} wrote outside its layer's part of the slab"
+        assert torch.equal(k_cache[case.slots // 16, case.slots % 16], case.k)
+    for out in outs:
+        check(out, case, torch.float32)
+    assert rel_err(outs[0], outs[1]) <= TOL[torch.float32]
+
+
 def test_backend_decode_splits_of_a_window_follow_its_length():
     """Batch 1 over 8k keys splits wide; a 128-key window of the same step needs one split, and a window longer
     than the context the step's own count."""

@@ -264,7 +264,11 @@ FAMILIES: dict[str, Family] = {
     # the sqrt(hidden) embedding scale make a tiny random model repeat its input
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(GEMMA3)),
     # Gemma 4 31B-like and 26B-A4B-like (a routed mixture of experts beside each dense MLP)
-    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4)),
+    # the dense one with local and global layers alternating, two of each, and one global KV
+    # head: its global layers' KV is half a local layer's, as on gemma-4-31B (KV groups pack two in a block's slab)
+    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM",
+                     {**GEMMA4, "num_global_key_value_heads": 1, "num_hidden_layers": 4,
+                      "layer_types": ["sliding_attention", "full_attention"] * 2}),
     "gemma4-moe": Family("Gemma4TextConfig", "Gemma4ForCausalLM", {**GEMMA4, **GEMMA4_MOE}),
     # Qwen3.5: Gated DeltaNet layers (2 key heads grouping 4 value heads) around a gated full-attention layer
     # with a half-head rotary; Qwen3.5-MoE and Qwen3-Next with the shared expert (Next: one dense layer)

@@ -88,10 +88,21 @@ class Shape:
         return len(self.decode_batches) * self.dense_weight_bytes + self.experts_touched * self.expert_bytes
 
     @property
+    def kv_layer_bytes(self) -> tuple[int, int]:  # K and V of a token in a (full, sliding) layer (Gemma 4: two shapes)
+        f, size = self.facts, 2 * (self.kv_elem_bytes or self.elem_bytes)
+        return size * f.get("global_kv_heads", f["kv_heads"]) * f.get("global_head_dim", f["head_dim"]), \
+            size * f["kv_heads"] * f["head_dim"]
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over the attention layers (a hybrid's linear layers keep none)."""
-        f = self.facts
-        return 2 * attention_layers(f) * f["kv_heads"] * f["head_dim"] * (self.kv_elem_bytes or self.elem_bytes)
+        f, (full, local) = self.facts, self.kv_layer_bytes
+        return (attention_layers(f) - f.get("sliding_layers", 0)) * full + f.get("sliding_layers", 0) * local
+
+    @property
+    def head_dims(self) -> int:  # the attention layers' head sizes summed (Gemma 4's full layers: global_head_dim)
+        f, sliding = self.facts, self.facts.get("sliding_layers", 0)
+        return (attention_layers(f) - sliding) * f.get("global_head_dim", f["head_dim"]) + sliding * f["head_dim"]
 
     @property
     def kv_tokens_read(self) -> int:
@@ -104,9 +115,9 @@ class Shape:
         if not f.get("sliding_layers"):
             return self.kv_tokens_read * self.kv_bytes_per_token
         windowed = sum(min(i + t, window) for i, o in zip(self.prompt_lens, self.output_lens) for t in range(o))
-        full = attention_layers(f) - f["sliding_layers"]
-        return (full * self.kv_tokens_read + f["sliding_layers"] * windowed) * self.kv_bytes_per_token \
-            / attention_layers(f)
+        full, local = self.kv_layer_bytes
+        return (attention_layers(f) - f["sliding_layers"]) * self.kv_tokens_read * full \
+            + f["sliding_layers"] * windowed * local
 
     @property
     def state_bytes(self) -> int:
@@ -189,8 +200,7 @@ TERMS: tuple[Term, ...] = (
          lambda b: f"prefill linear FP8: {b['prefill_linear_fp8_flops'] / 1e12:.2f} TFLOP"),
     Term("prefill_attention", "prefill_attention_flops", MATMUL, "4 x attention layers x heads x head_dim x sum(I^2)/2",
          "prefill FLOPs",
-         lambda s: 4 * attention_layers(s.facts) * s.facts["heads"] * s.facts["head_dim"]
-         * sum(i * i for i in s.prompt_lens) / 2,
+         lambda s: 4 * s.facts["heads"] * s.head_dims * sum(i * i for i in s.prompt_lens) / 2,
          lambda b: f"prefill attention: {b['prefill_attention_flops'] / 1e12:.2f} TFLOP"),
 )
 
@@ -221,7 +231,6 @@ def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[i
     ``weight_elem_bytes`` / ``kv_elem_bytes``: 1 for FP8 weights / an FP8 KV cache (module docstring).
     """
     s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes, max_concurrent, weight_elem_bytes, kv_elem_bytes)
-    L, nh, hd = attention_layers(facts), facts["heads"], facts["head_dim"]
     out: dict[str, Any] = {
         "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent, "weight_bytes": s.weight_bytes,
         "kv_bytes_per_token": s.kv_bytes_per_token, "kv_tokens_read": s.kv_tokens_read,
@@ -230,7 +239,7 @@ def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[i
         **{t.amount_key: t.amount(s) for t in TERMS},
         # decode compute: memory-bound, so reported beside the floor rather than in it
         "output_tokens": sum(outs), "decode_flops_info": 2 * active_params(facts) * sum(outs)
-        + 4 * L * nh * hd * s.kv_tokens_read,
+        + 4 * facts["heads"] * s.head_dims * s.kv_tokens_read,
     }
     rates = {t.ceiling.key: ceilings.get(t.ceiling.key) for t in TERMS if out[t.amount_key]}
     if all(rates.values()):

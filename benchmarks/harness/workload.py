@@ -41,12 +41,11 @@ def write_tiny_config(parent: Path | None = None) -> Path:
 def model_facts(model_dir: Path) -> dict[str, Any]:
     """Shapes from config.json, analytic parameter count (the family's layout: llmcli's DecoderSpec), EOS ids."""
     import torch
-    from transformers import AutoConfig
 
     from llmcli.models import model_class
-    from llmcli.models.multimodal import text_only_config
+    from llmcli.models.hub import load_hf_config
 
-    cfg = text_only_config(AutoConfig.from_pretrained(str(model_dir)))
+    cfg = load_hf_config(Path(model_dir))  # as llmcli reads it (Gemma 4's per-layer shapes included)
     eos: list[int] = []
     try:
         from llmcli.models.hub import load_generation_eos
@@ -86,7 +85,8 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
             "params": total, "params_non_embedding": total - embed - head,
             "params_active_non_embedding": active - embed - head, "eos_token_ids": eos, **moe,
             "attention_layers": L - linear, "sliding_layers": kinds.count("sliding_attention"),
-            "sliding_window": spec.sliding_window, "linear_layers": linear, "linear_state_bytes": state}
+            "sliding_window": spec.sliding_window, "linear_layers": linear, "linear_state_bytes": state,
+            **dict(zip(("global_head_dim", "global_kv_heads"), spec.attention_shape("full_attention")[:2]))}
 
 
 def moe_facts(cfg: Any) -> dict[str, Any]:

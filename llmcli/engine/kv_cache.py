@@ -1,9 +1,9 @@
 """Sizing and allocating the KV block pool from what the warm-up left free, laid out in KV groups
-(engine/kv_groups.py: one block id is one block of each of ``layout.slots`` layer tensors)."""
+(engine/kv_groups.py: one block id is one block of each of ``layout.slots`` layer tensors, or where the layers'
+KV shapes differ one slab that each group's layers share)."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from typing import Any
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
-from llmcli.engine.kv_groups import KVLayout, blocks_held, plan_kv_groups
+from llmcli.engine.kv_groups import KVLayout, blocks_held, plan_kv_groups, plan_mixed_kv_groups
 from llmcli.engine.outputs import MemoryReport
 from llmcli.layers.attention import Attention
 
@@ -32,27 +32,34 @@ class KVCacheAllocationError(RuntimeError):
 
 
 def kv_layout(model: nn.Module, max_model_len: int | None = None) -> KVLayout:
-    """The model's KV groups, from its attention layers' windows. Layers of different KV shapes (Gemma 4's global
-    layers) share no block size in bytes, which groups drawing ids from one pool need: such a model is one full
-    group (its windows still apply in the kernels; their memory is not given back)."""
+    """The model's KV groups, from its attention layers' windows; where the layers differ in KV heads or head size
+    (Gemma 4's global layers), planned by each layer's size (kv_groups.plan_mixed_kv_groups)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
+    windows = [m.sliding_window for m in layers]
     if not _uniform(layers):
-        return plan_kv_groups([None] * len(layers), max_model_len)
-    return plan_kv_groups([m.sliding_window for m in layers], max_model_len)
+        return plan_mixed_kv_groups(windows, _sizes(layers), max_model_len)
+    return plan_kv_groups(windows, max_model_len)
 
 
 def _uniform(layers: list[Attention]) -> bool:
     return len({(m.num_kv_heads, m.head_dim) for m in layers}) <= 1
 
 
+def _sizes(layers: list[Attention]) -> list[int]:
+    """Each layer's K and V elements per token."""
+    return [2 * m.num_kv_heads * m.head_dim for m in layers]
+
+
 def kv_bytes_per_token(hf_config: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        model: nn.Module | None = None, layout: KVLayout | None = None) -> int:
-    """Bytes one token of one block id takes: over the attention layers of ``model`` when their KV shapes differ
-    (Gemma 4's global layers), else over the layout's layer tensors, else the attention layers of ``model``,
-    else config.json's ``layer_types`` (a hybrid's linear layers keep no KV)."""
+    """Bytes one token of one block id takes: a mixed-shape layout's slab, else over the layout's layer
+    tensors, else the attention layers of ``model`` (each its own size where they differ), else config.json's
+    ``layer_types`` (a hybrid's linear layers keep no KV)."""
+    if layout is not None and layout.slab:
+        return layout.slab * dtype.itemsize
     attention = [m for m in model.modules() if isinstance(m, Attention)] if model is not None else []
     if not _uniform(attention):
-        return sum(2 * m.num_kv_heads * m.head_dim * dtype.itemsize for m in attention)
+        return sum(_sizes(attention)) * dtype.itemsize
     if layout is not None:
         layers = layout.slots
     elif model is not None:
@@ -152,10 +159,12 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv
                       dtype: torch.dtype, device: torch.device, layout: KVLayout | None = None) -> torch.Tensor:
     """One tensor [2, layer tensors, blocks, block_size, kv_heads, head_dim]; each attention layer gets the views
     of its tensor (its index in its KV group) and, with several groups, its group. Where layers differ in KV heads
-    or head size (Gemma 4), one flat tensor, each layer's K and V views in turn (one group)."""
+    or head size (Gemma 4), one [blocks, block_size * slab] tensor instead (``_allocate_slabs``)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not _uniform(layers):
-        return _allocate_flat(layers, num_blocks, block_size, dtype, device)
+        if layout is None or not layout.slab:
+            layout = plan_mixed_kv_groups([None] * len(layers), _sizes(layers))
+        return _allocate_slabs(layers, layout, num_blocks, block_size, dtype, device)
     layout = layout if layout is not None else plan_kv_groups([None] * len(layers))
     size = 2 * layout.slots * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
     with _allocation_error(num_blocks, size, device):
@@ -167,19 +176,19 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv
     return cache
 
 
-def _allocate_flat(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor:
-    shapes = [(num_blocks, block_size, m.num_kv_heads, m.head_dim) for m in layers]
-    numel = 2 * sum(math.prod(shape) for shape in shapes)
-    with _allocation_error(num_blocks, numel * dtype.itemsize, device):
-        cache = torch.empty(numel, dtype=dtype, device=device)
-    start = 0
-    for layer, shape in zip(layers, shapes):
-        n = math.prod(shape)
-        layer.k_cache = cache[start:start + n].view(shape)
-        layer.v_cache = cache[start + n:start + 2 * n].view(shape)
-        layer.kv_group = None
-        start += 2 * n
+def _allocate_slabs(layers: list[Attention], layout: KVLayout, num_blocks: int, block_size: int,
+                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A block id is one row of ``block_size * slab`` elements, whichever group holds it: a layer's K is its
+    [block_size, kv_heads, head_dim] at its offset in the row, its V right after; the kernels step from block to
+    block by the row's stride, so every layer keeps its own shape."""
+    bs = block_size
+    with _allocation_error(num_blocks, num_blocks * bs * layout.slab * dtype.itemsize, device):
+        cache = torch.empty(num_blocks, bs * layout.slab, dtype=dtype, device=device)
+    for layer, (group, _), at in zip(layers, layout.group_of(), layout.offsets):
+        n, shape = layer.num_kv_heads * layer.head_dim, (num_blocks, bs, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = cache[:, bs * at:bs * (at + n)].view(shape)
+        layer.v_cache = cache[:, bs * (at + n):bs * (at + 2 * n)].view(shape)
+        layer.kv_group = group if layout.num_groups > 1 else None
     return cache
 
 

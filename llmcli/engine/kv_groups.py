@@ -15,6 +15,11 @@ and stays findable, like any freed block. A prefix hit of depth ``d`` blocks nee
 the blocks the first computed query sees (``window_start_block(d * block_size) .. d``), and all ``d`` in a
 full group.
 
+Layers of different KV shapes (Gemma 4: 256-wide local heads, 512-wide global ones with fewer KV heads) are
+planned by size instead (``plan_mixed_kv_groups``): a block id is a slab of ``slab`` elements per token, and the
+layers of one group lie side by side in it (``offsets``), each viewed with its own shape; a group of the smaller
+layers packs more of them into the slab, so that no group wastes much of it.
+
 ``LLMCLI_KV_WINDOW_RELEASE=0`` lays a windowed model out as full attention (one group, nothing released): the
 kernels still apply the windows; only the memory stays held (for comparisons).
 """
@@ -25,6 +30,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 MAX_GROUPS = 8
+# Layers of several sizes fill a slab exactly only with more groups (Gemma 4 31B: ten groups of five local layers
+# and one of its ten half-size global layers); each group costs a block table and a slot mapping per step
+MAX_MIXED_GROUPS = 12
 NULL_BLOCK = -1  # a released window block's table entry on the scheduler side (the runner's table keeps a valid id)
 
 
@@ -35,6 +43,11 @@ class KVLayout:
     windows: tuple[int | None, ...]  # per group: its sliding window, None for full attention
     layers: tuple[tuple[int, ...], ...]  # per group: its attention layers (indices in model order)
     slots: int  # layer tensors in the cache; layer j of a group uses tensor j
+    # layers of several KV shapes (plan_mixed_kv_groups): per attention layer (model order) where its K starts in
+    # a block's slab, in elements per token (its V follows K), and the slab's elements per token; empty and 0
+    # where every layer has one shape (the ``slots`` layer tensors above)
+    offsets: tuple[int, ...] = ()
+    slab: int = 0
 
     @property
     def num_groups(self) -> int:
@@ -83,6 +96,73 @@ def plan_kv_groups(windows: Sequence[int | None], max_model_len: int | None = No
             out_windows.append(kind)
             out_layers.append(tuple(layers[lo:lo + size]))
     return KVLayout(tuple(out_windows), tuple(out_layers), size)
+
+
+def plan_mixed_kv_groups(windows: Sequence[int | None], sizes: Sequence[int],
+                         max_model_len: int | None = None) -> KVLayout:
+    """Groups for attention layers of different KV sizes (``sizes``: each layer's K and V elements per token).
+
+    Each kind's layers are cut, in order, into groups of at most ``slab`` elements per token; of the slabs that
+    give at most ``MAX_MIXED_GROUPS`` groups, the one whose sequence of ``max_model_len`` tokens holds the fewest
+    bytes (a full group's blocks for every token, a window group's for its window; without ``max_model_len``:
+    the fewest wasted elements), then the fewest groups."""
+    n = len(windows)
+    if max_model_len is not None:
+        windows = [None if w is not None and w >= max_model_len else w for w in windows]
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)  # full first
+    if len(kinds) <= 1 or not release_enabled():
+        kind = kinds[0] if len(kinds) == 1 and release_enabled() else None
+        return _packed([kind], [list(range(n))], sizes, sum(sizes))
+    members = [[i for i, w in enumerate(windows) if w == kind] for kind in kinds]
+    candidates = set()
+    for layers in members:  # a greedy cut changes only where the slab equals some run of a kind's layers
+        for lo in range(len(layers)):
+            total = 0
+            for i in layers[lo:]:
+                total += sizes[i]
+                candidates.add(total)
+    best: tuple[tuple[int, int, int], list[int | None], list[list[int]]] | None = None
+    for slab in sorted(c for c in candidates if c >= max(sizes)):
+        out_windows: list[int | None] = []
+        out_layers: list[list[int]] = []
+        for kind, layers in zip(kinds, members):
+            for group in _cut(layers, sizes, slab):
+                out_windows.append(kind)
+                out_layers.append(group)
+        if len(out_layers) > MAX_MIXED_GROUPS:
+            continue
+        tokens = [1 if max_model_len is None else max_model_len if w is None else min(w, max_model_len)
+                  for w in out_windows]
+        key = (slab * sum(tokens), len(out_layers), slab)
+        if best is None or key < best[0]:
+            best = (key, out_windows, out_layers)
+    if best is None:  # more kinds than groups allowed: every layer as full attention, nothing released
+        return _packed([None], [list(range(n))], sizes, sum(sizes))
+    _, out_windows, out_layers = best
+    return _packed(out_windows, out_layers, sizes, best[0][2])
+
+
+def _cut(layers: list[int], sizes: Sequence[int], slab: int) -> list[list[int]]:
+    """``layers`` in order, in runs of at most ``slab`` elements per token."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i in layers:
+        if used + sizes[i] > slab:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += sizes[i]
+    return groups
+
+
+def _packed(windows: list[int | None], groups: list[list[int]], sizes: Sequence[int], slab: int) -> KVLayout:
+    offsets = [0] * len(sizes)
+    for group in groups:
+        at = 0
+        for i in group:
+            offsets[i], at = at, at + sizes[i]
+    return KVLayout(tuple(windows), tuple(tuple(g) for g in groups), max(len(g) for g in groups),
+                    tuple(offsets), slab)
 
 
 def kv_windows_of(report: object) -> tuple[int | None, ...]:

@@ -36,10 +36,14 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Scatter each token's k/v into its cache slot; slot -1 means 'do not store'."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k[slots] = quantize_kv(k[keep], k_cache.dtype, kv_scales[0])
-    flat_v[slots] = quantize_kv(v[keep], v_cache.dtype, kv_scales[1])
+    k_new, v_new = quantize_kv(k[keep], k_cache.dtype, kv_scales[0]), quantize_kv(v[keep], v_cache.dtype, kv_scales[1])
+    if not k_cache.is_contiguous():  # a layer's view of a shared slab (Gemma 4, engine/kv_cache.py): by block, row
+        bs = k_cache.shape[1]
+        k_cache[slots // bs, slots % bs] = k_new
+        v_cache[slots // bs, slots % bs] = v_new
+        return
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k_new
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v_new
 
 
 def gather_kv_torch(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: float = 1.0,
