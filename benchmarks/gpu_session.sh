@@ -78,8 +78,7 @@ for stage in "$@"; do
     job) env -u TOKENIZERS_PARALLELISM timeout 580 python3 benchmarks/job_gpu.py ${JOB_ARGS:-} 2>&1 | tee "$OUT/job.log" ;;
     startup) timeout 420 python3 benchmarks/startup_gpu.py ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" ;;
     logprobs) timeout 330 python3 benchmarks/speed_gpu.py --preset logprobs ${LOGPROBS_ARGS:-} 2>&1 | tee "$OUT/logprobs.log" ;;
-    lmeval) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/lmeval/*.whl
-      timeout 240 python3 benchmarks/lm_eval_gpu.py ${LMEVAL_ARGS:-} 2>&1 | tee "$OUT/lm_eval.log" ;;
+    lmeval) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/lmeval/*.whl; timeout 240 python3 benchmarks/lm_eval_gpu.py ${LMEVAL_ARGS:-} 2>&1 | tee "$OUT/lm_eval.log" ;;
     structured) timeout 300 python3 benchmarks/structured_bench.py ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     tp) timeout 560 python3 benchmarks/tp_gpu.py ${TP_ARGS:---stack-dump-after 150} 2>&1 | tee "$OUT/tp.log" ;;
     dp) timeout 590 python3 benchmarks/dp_gpu.py ${DP_ARGS:-} 2>&1 | tee "$OUT/dp.log" ;;

@@ -110,8 +110,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     for i in range(args.batch):
         prompt = [rng.randrange(3, 600) for _ in range(rng.randint(100, 1024))]
         engine.add_request(prompt, SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1, min_p=0.0,
-                                                  repetition_penalty=1.0, max_tokens=max_out,
-                                                  ignore_eos=True, seed=i))
+                                                  repetition_penalty=1.0, max_tokens=max_out, ignore_eos=True, seed=i))
     while engine.scheduler.waiting:  # prefill (stubbed) until every request decodes
         engine.step()
     for _ in range(args.warmup_steps):

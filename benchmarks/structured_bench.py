@@ -22,9 +22,6 @@ from llmcli.cli.bench import Workload, make_requests  # noqa: E402
 from llmcli.config import Config  # noqa: E402
 from llmcli.engine.llm_engine import LLMEngine  # noqa: E402
 
-WS = {"whitespace_flexible": False}
-
-
 def schema(i: int) -> dict:
     """The i-th distinct schema: the same shape, its own field names and bounds. Never finishes early."""
     item = {"type": "object", "additionalProperties": False,

@@ -164,12 +164,9 @@ def decode_breakdown(args: argparse.Namespace, report: Report, llm: Any, facts: 
     result.update(
         steps_timed=len(walls), total_ms=total_ms, total_ms_mean=1e3 * sum(walls) / len(walls),
         gpu_forward_ms=probe.get("forward_ms"), gpu_forward_sample_ms=gpu_ms, kernel_groups=probe.get("kernel_groups"),
-        host_ms=(total_ms - gpu_ms) if gpu_ms is not None else None,
-        prepare_probe_ms=probe.get("prepare_ms"),
-        step_timer=(timers or {}).get("decode"),
-        preemptions=engine.stats.num_preemptions - preempt0,
-        batch_tokens_per_s=running / (total_ms / 1e3),
-    )
+        host_ms=(total_ms - gpu_ms) if gpu_ms is not None else None, prepare_probe_ms=probe.get("prepare_ms"),
+        step_timer=(timers or {}).get("decode"), preemptions=engine.stats.num_preemptions - preempt0,
+        batch_tokens_per_s=running / (total_ms / 1e3))
     if result["preemptions"]:
         log(f"{result['preemptions']} preemptions during the probe: the timed steps may not all be at batch {running}")
     st = result["step_timer"] or {}

@@ -20,8 +20,7 @@ TINY_CONFIG = {
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 16, "max_position_embeddings": 512, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
     "rope_theta": 1000000, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
-    "attention_bias": False, "hidden_act": "silu", "use_cache": True,
-}
+    "attention_bias": False, "hidden_act": "silu", "use_cache": True}
 
 
 def resolve_model(path: str) -> Path:
