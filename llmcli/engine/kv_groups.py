@@ -66,16 +66,26 @@ def release_enabled() -> bool:
     return os.environ.get("LLMCLI_KV_WINDOW_RELEASE", "1") != "0"
 
 
+def _window_kinds(windows: Sequence[int | None], max_model_len: int | None
+                  ) -> tuple[list[int | None], list[int | None], int | None | bool]:
+    """The windows (one no shorter than ``max_model_len`` releases nothing: full), their distinct kinds full first,
+    and the one kind every layer is laid out as when there is no more than one (None: full, also with release
+    off), or False when the kinds make several groups."""
+    if max_model_len is not None:
+        windows = [None if w is not None and w >= max_model_len else w for w in windows]
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    if len(kinds) <= 1 or not release_enabled():
+        return list(windows), kinds, kinds[0] if len(kinds) == 1 and release_enabled() else None
+    return list(windows), kinds, False
+
+
 def plan_kv_groups(windows: Sequence[int | None], max_model_len: int | None = None) -> KVLayout:
     """Groups for attention layers with these windows (None: full). A window no shorter than ``max_model_len``
     never releases a block, so such layers count as full."""
     n = len(windows)
-    if max_model_len is not None:
-        windows = [None if w is not None and w >= max_model_len else w for w in windows]
-    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)  # full first
-    if len(kinds) <= 1 or not release_enabled():
-        kind = kinds[0] if len(kinds) == 1 and release_enabled() else None
-        return KVLayout((kind,), (tuple(range(n)),), max(n, 1))
+    windows, kinds, single = _window_kinds(windows, max_model_len)
+    if single is not False:
+        return KVLayout((single,), (tuple(range(n)),), max(n, 1))
     members = {kind: [i for i, w in enumerate(windows) if w == kind] for kind in kinds}
     counts = [len(members[kind]) for kind in kinds]
     best: tuple[int, int, int] | None = None  # (wasted slots, groups, slots)
@@ -107,12 +117,9 @@ def plan_mixed_kv_groups(windows: Sequence[int | None], sizes: Sequence[int],
     bytes (a full group's blocks for every token, a window group's for its window; without ``max_model_len``:
     the fewest wasted elements), then the fewest groups."""
     n = len(windows)
-    if max_model_len is not None:
-        windows = [None if w is not None and w >= max_model_len else w for w in windows]
-    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)  # full first
-    if len(kinds) <= 1 or not release_enabled():
-        kind = kinds[0] if len(kinds) == 1 and release_enabled() else None
-        return _packed([kind], [list(range(n))], sizes, sum(sizes))
+    windows, kinds, single = _window_kinds(windows, max_model_len)
+    if single is not False:
+        return _packed([single], [list(range(n))], sizes, sum(sizes))
     members = [[i for i, w in enumerate(windows) if w == kind] for kind in kinds]
     candidates = set()
     for layers in members:  # a greedy cut changes only where the slab equals some run of a kind's layers
