@@ -123,10 +123,8 @@ class LLMCLIModel(TemplateLM):
         for whole, first in zip(wholes, firsts):
             key = tuple(whole)
             starts[key] = min(first, starts.get(key, first))
-        params: dict[int, SamplingParams] = {}  # one SamplingParams per start (most contexts share a length)
-        for first in starts.values():
-            if first not in params:
-                params[first] = SCORE.replace(prompt_logprobs_start=first)
+        # one SamplingParams per start (most contexts share a length)
+        params = {first: SCORE.replace(prompt_logprobs_start=first) for first in set(starts.values())}
         unique = list(starts)
         outs = dict(zip(unique, self._run([list(u) for u in unique], [params[starts[u]] for u in unique])))
         results = []
