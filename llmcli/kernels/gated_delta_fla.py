@@ -1,12 +1,20 @@
 """The gated delta rule on CUDA through fla-core (flash-linear-attention's Triton ops): the chunked form over a
 varlen batch with per-sequence initial and final states (prefill; decode runs ``triton_gated_delta``). Imported
 on CUDA only (fla queries the GPU driver at import). Same conventions as ``gated_delta_torch``: q/k
-L2-normalised inside the kernel, q scaled by head_k_dim ** -0.5, states [N, Hv, Dk, Dv] in float32.
+L2-normalised first (here, not by fla), q scaled by head_k_dim ** -0.5, states [N, Hv, Dk, Dv] in float32.
 """
 from __future__ import annotations
 
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+
+def _l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the head dimension, in float32, back in x's dtype (fla's own l2norm, which
+    autotunes 25 configurations for every new bucket of 65,536 rows: about 10 s each time a step's token count
+    first reaches one, in the middle of a run)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _value_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,9 +28,9 @@ def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    initial: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q/k [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv] of the chunks ``cu_seqlens`` cuts; initial [N, Hv, Dk, Dv]
     -> (out [T, Hv, Dv], final states [N, Hv, Dk, Dv])."""
-    q, k = _value_heads(q, k, v.shape[-2])
+    q, k = _value_heads(_l2_normalized(q), _l2_normalized(k), v.shape[-2])
     out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None].float(), beta=beta[None].to(q.dtype),
                                         initial_state=initial.float(), output_final_state=True,
-                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+                                        use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens.long())
     return out[0], final
 

@@ -132,7 +132,7 @@ def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the step's token count: one binary for all of them
 def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, seq_ptr, out_ptr, T, C,
                         stride_x, stride_out, stride_s0, stride_s1, K: tl.constexpr, HAS_STATE: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr):
@@ -196,6 +196,8 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
     seq = torch.searchsorted(cu_seqlens, torch.arange(tokens, device=x.device, dtype=cu_seqlens.dtype),
                              right=True) - 1
     init = has_initial_state.to(torch.int8)
+    if rows.data_ptr() % 16:  # a mixed step's rows after its decode rows: Triton would compile a second binary
+        rows = rows.clone()
     state = conv_state if conv_state is not None else out
     strides = (conv_state.stride(0), conv_state.stride(1)) if conv_state is not None else (0, 0)
     _conv_varlen_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
