@@ -122,6 +122,32 @@ def test_triton_decode_step_streams_the_states_at_batch_256():
     assert moved / seconds > 1.5e12
 
 
+@pytest.mark.parametrize("tile", [(16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4),
+                                  (128, 8)], ids=lambda t: f"v{t[0]}w{t[1]}")
+def test_delta_step_tiles(tile, monkeypatch):
+    """Each (value columns, warps) tile of the delta rule gives the default tile's outputs and states (up to the
+    reduction order), and its state traffic at batch 256 is printed (-s): how far from the copy ceiling the
+    default is, and which tile to make the default."""
+    from llmcli.kernels import triton_gated_delta as tg
+
+    proj, weight, conv, ssm, heads, rows, dims = _decode_case(256, 256)
+    want_ssm = ssm.clone()
+    want = _decode_step(proj, weight, conv.clone(), want_ssm, heads, rows, dims)
+    monkeypatch.setattr(tg, "DELTA_TILE", tile)
+    got = _decode_step(proj, weight, conv.clone(), ssm, heads, rows, dims)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ssm, want_ssm, rtol=1e-5, atol=1e-5)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        _decode_step(proj, weight, conv, ssm, heads, rows, dims)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 20
+    moved = 2 * 256 * (ssm[0].numel() * 4 + conv[0].numel() * 2)
+    print(f"delta step tile {tile}: {seconds * 1e6:.0f} us, {moved / seconds / 1e12:.2f} TB/s")
+
+
 def test_engine_on_cuda_with_fla_matches_transformers(tmp_path):
     """fp32 on the GPU, eager and with decode graphs (the state rows in the graph's inputs): the tiny Qwen3.5's
     greedy tokens equal transformers' (on the CPU), prompts past a 64-token chunk, chunked prefill."""

@@ -189,7 +189,7 @@ bf16 = {n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "q_ptr", "k_ptr", "v_p
                              "dt_bias_ptr")}
 ints = {"rows_ptr": "*i64", "init_ptr": "*i8", "cu_ptr": "*i32", "seq_ptr": "*i64", "scale": "fp32"}
 build(tg._conv_step_kernel, dict(K=4, KPAD=4, BC=tg.BLOCK_C), {**bf16, **ints, "state_ptr": "*bf16"})
-build(tg._delta_step_kernel, dict(HV=32, GROUP=2, DK=128, DV=128, BK=128, BV=tg.BLOCK_V),
+build(tg._delta_step_kernel, dict(HV=32, GROUP=2, DK=128, DV=128, BK=128, BV=tg.DELTA_TILE[0]),
       {**bf16, **ints, "state_ptr": "*fp32"})
 build(tg._conv_varlen_kernel, dict(K=4, HAS_STATE=True, BT=tg.BLOCK_T, BC=tg.BLOCK_C), {**bf16, **ints, "state_ptr": "*bf16"})
 build(tg._conv_state_varlen_kernel, dict(K=4, KPAD=4, BC=tg.BLOCK_C), {**bf16, **ints, "state_ptr": "*bf16"})

@@ -11,7 +11,7 @@ layer does) computed in the kernel from the projection's raw ``a`` and ``b``; gr
 key head's q and k without repeating them.
 
 Launch configurations are fixed (no autotuning): the decode kernels are captured in CUDA graphs. The delta
-rule tiles the value dim (``BLOCK_V``) so a batch of one still fills the GPU with (Hv x Dv / BLOCK_V) programs.
+rule tiles the value dim (``DELTA_TILE``) so a batch of one still fills the GPU with (Hv x Dv / its width) programs.
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_V = 32  # value columns of the state per program: a [Dk, 32] float32 tile (16 KiB at Dk=128)
+# the delta rule's tile: value columns of the state per program (a [Dk, 32] float32 tile is 16 KiB at Dk=128),
+# and warps per program; tests/test_gpu_gated_delta.py sweeps other pairs on the GPU
+DELTA_TILE = (32, 4)
 BLOCK_C = 256  # conv channels per program
 BLOCK_T = 16  # prefill tokens per program of the varlen conv
 NUM_WARPS = 4
@@ -125,10 +127,11 @@ def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
     assert a.stride(1) == 1 and b.stride(1) == 1 and ssm_state.stride(3) == 1
     out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device)
     if batch:
-        _delta_step_kernel[(batch, hv, triton.cdiv(dv, BLOCK_V))](
+        block_v, warps = DELTA_TILE
+        _delta_step_kernel[(batch, hv, triton.cdiv(dv, block_v))](
             q, k, v, a, b, a_log, dt_bias, ssm_state, rows, out, q.stride(0), k.stride(0), v.stride(0),
             a.stride(0), b.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), dk ** -0.5,
-            HV=hv, GROUP=hv // hk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V, num_warps=NUM_WARPS)
+            HV=hv, GROUP=hv // hk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=warps)
     return out
 
 
