@@ -14,8 +14,7 @@
 #           args in STARTUP_ARGS
 #   logprobs  benchmarks/speed_gpu.py --preset logprobs: the default workload on 0.6B with and without
 #           logprobs=5 (cost <= 10%), args in LOGPROBS_ARGS
-#   lmeval  benchmarks/lm_eval_gpu.py: a 2,000-question multiple-choice task through lm-eval's llmcli model vs
-#           LLM.generate on the same prompts, Qwen3-8B dummy (overhead <= 10%; wheels in .whl/lmeval/)
+#   lmeval  benchmarks/lm_eval_gpu.py: lm-eval's llmcli model vs LLM.generate, Qwen3-8B dummy (wheels in .whl/lmeval/)
 #   structured  benchmarks/structured_bench.py: unconstrained / one JSON schema / 64 schemas, args in STRUCTURED_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), args in TP_ARGS
 #   dp      benchmarks/dp_gpu.py (one GPU: -dp 1 through the pool; two or more: issue #17's matrix), args in DP_ARGS

@@ -136,3 +136,48 @@ def test_choices_of_a_question_share_its_context_through_the_prefix_cache(tiny_m
             assert stats.prefix_cache_hit_tokens >= least > 0
     assert [g for _, g in got[True]] == [g for _, g in got[False]]
     assert [ll for ll, _ in got[True]] == pytest.approx([ll for ll, _ in got[False]], abs=1e-5)
+
+
+# Pairs lm-eval's _encode_pair and empty-context rule treat specially: trailing whitespace moved to the
+# continuation (spaces, a tab, newlines, a context of whitespace only), an empty context (with and without the
+# prefix token opening the continuation), a context that opens with the prefix token's text, empty and repeated
+# continuations, non-ASCII text.
+TRICKY = [("The sky is", " blue"), ("The sky is ", "blue"), ("ends with spaces   ", "x  "), ("tab\t", "\tnext"),
+          ("Question: why?\n\n", "Answer: because"), ("   ", "only spaces before"), ("", "no context at all"),
+          ("", "{prefix}opens with the prefix token"), ("{prefix}Question: 2+2=", " 4"), ("a", ""),
+          ("same context", " one"), ("same context", " one"), ("same context", " two"), ("café ", "crème brûlée")]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # no BOS (prefix: EOS) / a BOS its post-processor adds
+@pytest.mark.parametrize("add_bos_token", [None, True, False])
+def test_batched_loglikelihood_encoding_equals_lm_evals_encode_pair(family, add_bos_token):
+    """``LLMCLIModel.loglikelihood`` encodes every distinct string in one batch; the (context, continuation)
+    tokens it hands ``_loglikelihood_tokens`` equal those of lm-eval's own ``TemplateLM.loglikelihood``, which
+    calls ``tok_encode`` (the tokenizer's per-string ``encode``) twice per request through ``_encode_pair``."""
+    import llmcli.lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
+    from tiny_qwen3 import build_family_tokenizer
+
+    model = llmcli.lm_eval.LLMCLIModel.__new__(llmcli.lm_eval.LLMCLIModel)
+    TemplateLM.__init__(model)
+    model.tokenizer = build_family_tokenizer(family)
+    model.add_bos_token, model.custom_prefix_token_id = add_bos_token, None
+    model._loglikelihood_tokens = lambda reqs, **kwargs: reqs  # what each would score
+    prefix = model.tokenizer.decode(model.prefix_token_id)
+    assert prefix and (model.tokenizer.bos_token_id is not None) == (family == "llama")
+    pairs = [(c.format(prefix=prefix), x.format(prefix=prefix)) for c, x in TRICKY]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    ours = model.loglikelihood(requests, disable_tqdm=True)
+    theirs = TemplateLM.loglikelihood(model, requests, disable_tqdm=True)
+    assert [key for key, _, _ in ours] == pairs
+    assert ours == theirs
+    # the cases are live: the BOS is added (or not) as asked, and trailing spaces really move
+    (_, ctx, cont), = [r for r in ours if r[0] == ("The sky is ", "blue")]
+    assert cont == model.tokenizer.encode(" blue", add_special_tokens=False)
+    bos = model.tokenizer.bos_token_id
+    assert (ctx[0] == bos) == (family == "llama" and add_bos_token is not False)
+    if family == "llama":  # a context that opens with the BOS's text gets no second one unless asked
+        (_, ctx, _), = [r for r in ours if r[0][1] == " 4"]
+        assert ctx.count(bos) == (2 if add_bos_token else 1)
+    assert model.tok_encode_many([p[0] for p in pairs]) == [model.tok_encode(p[0]) for p in pairs]

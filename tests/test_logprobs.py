@@ -140,3 +140,24 @@ def test_chunked_prompt_rows_match_one_pass():
     assert torch.equal(got.top_ids, ref.topk(4).indices)
     assert torch.allclose(got.top_logprobs, ref.topk(4).values, atol=1e-5)
     assert torch.equal(got.ranks, (ref > ref.gather(1, targets[:, None])).sum(-1) + 1)
+
+
+def test_lazy_logprobs_chosen_equals_each_positions_own_entry():
+    """``LazyLogprobs.chosen`` (what lm-eval's scorer sums) reads the raw entries, or the built dicts, and gives
+    each position's own token's (logprob, rank): the same as indexing the positions."""
+    from llmcli.engine.logprob_outputs import LazyLogprobs, TokenText
+
+    tokens = [7, 8, 5, 9]  # positions 2..5; 8 and 5 are not their position's likeliest
+    entries = [(-0.5, 1, [7], [-0.5]), (-2.0, 3, [4], [-0.1]), (-1.5, 2, [9], [-0.2]), (-0.25, 1, [9], [-0.25])]
+
+    def fresh():
+        return LazyLogprobs(tokens, entries, TokenText(None), leading_nones=2)
+
+    want = [(fresh()[j][tokens[j - 2]].logprob, fresh()[j][tokens[j - 2]].rank) for j in range(3, 6)]
+    assert want == [(-2.0, 3), (-1.5, 2), (-0.25, 1)]
+    assert fresh().chosen(3) == want
+    built = fresh()
+    assert built[3] is not None and built.chosen(3) == want  # after the dicts were built
+    assert fresh().chosen(6) == []
+    with pytest.raises(IndexError):
+        fresh().chosen(1)

@@ -10,6 +10,7 @@ finishes. ``LazyLogprobs`` defers that to the first read, and pickles as a plain
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from itertools import islice
 from typing import Any
 
 from llmcli.engine.outputs import Logprob
@@ -74,6 +75,16 @@ class LazyLogprobs(SequenceABC):
 
     def __getitem__(self, index):  # type: ignore[override]
         return self._build()[index]
+
+    def chosen(self, start: int) -> list[tuple[float, int]]:
+        """(logprob, rank) of each position's own token (the prompt's, or the generated one) from ``start`` on,
+        ``start`` at least ``leading_nones``: what a sum of log-likelihoods reads, without a dict per position."""
+        if self._items is not None:  # built: each position's own token comes first in its dict
+            return [(lp.logprob, lp.rank) for lp in (next(iter(d.values())) for d in self._items[start:])]
+        _, entries, _, leading_nones = self._raw
+        if start < leading_nones:
+            raise IndexError(f"position {start} has no logprobs (the first {leading_nones} have none)")
+        return [(entry[0], entry[1]) for entry in islice(entries, start - leading_nones, None)]
 
     def __len__(self) -> int:
         return self._len
