@@ -59,7 +59,8 @@ def test_decode_steps_with_fewer_slots_than_requests() -> None:
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3-0.6B", "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-7B",
                                   "Qwen2.5-0.5B", "Mistral-7B-v0.3", "Qwen3-30B-A3B", "Qwen3-235B-A22B",
-                                  "Qwen3.5-9B", "Qwen3.6-35B-A3B", "gemma-3-12b-it"])
+                                  "Qwen3.5-9B", "Qwen3.6-35B-A3B", "gemma-3-12b-it", "gemma-4-31B", "gemma-4-26B-A4B",
+                                  "gpt-oss-20b"])
 def test_model_facts_count_what_transformers_builds(name) -> None:
     """The bound's parameter count and shapes for every family's published config (head_dim derived or given,
     biases, tied embeddings) against the transformers model built on the meta device."""
@@ -74,19 +75,23 @@ def test_model_facts_count_what_transformers_builds(name) -> None:
     config = getattr(config, "text_config", config)  # a multimodal wrapper: its language model
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert facts["params"] == sum(p.numel() for p in model.parameters())  # tied weights counted once
+    # tied weights counted once; not counted: gpt-oss's expert biases and sinks, Gemma 4's per-expert scales and
+    # extra MoE norms (under 0.05% of the weights, nothing for the bound)
+    uncounted = 5e-4 if name in ("gpt-oss-20b", "gemma-4-26B-A4B") else 0
+    assert facts["params"] == pytest.approx(sum(p.numel() for p in model.parameters()), rel=uncounted, abs=0)
     kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     assert facts["linear_layers"] == kinds.count("linear_attention")
     assert facts["sliding_layers"] == kinds.count("sliding_attention")
     attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
     assert facts["head_dim"] == attn.head_dim and facts["kv_heads"] * facts["head_dim"] == attn.k_proj.out_features
     if facts.get("experts"):  # a token multiplies by k of the E experts' weights, and by everything else
-        experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         shared = sum(p.numel() for n, p in model.named_parameters() if ".mlp.shared_expert" in n)
         assert shared == facts["sparse_layers"] * facts.get("shared_params", 0)
         outside = facts["params"] - facts["params_non_embedding"]
         k, e = facts["experts_per_tok"], facts["experts"]
-        assert facts["params_active_non_embedding"] == facts["params"] - outside - experts + experts * k // e
+        assert facts["params_active_non_embedding"] == pytest.approx(
+            facts["params"] - outside - experts + experts * k // e, rel=uncounted * 10, abs=0)
 
 
 # the same model with 4 experts of 10 parameters in each of its 2 layers, 2 per token: 80 of its 1,000 parameters

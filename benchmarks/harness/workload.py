@@ -55,13 +55,13 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     spec = model_class(cfg).spec(cfg)
     H, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
     nh, nkv, hd, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
-    per_layer = (H * nh * hd * (2 if spec.attn_output_gate else 1) + 2 * H * nkv * hd + nh * hd * H  # q, k, v, o
-                 + (4 if spec.sandwich_norms else 2) * H  # the norms around attention and the MLP
-                 + (2 * hd if spec.qk_norm else 0)
-                 + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0) + (H if spec.o_bias else 0))
-    kinds = [spec.layer_kind(i) for i in range(L)]
-    lin, linear = spec.linear, kinds.count("linear_attention")
-    layer_params = (L - linear) * per_layer
+    def per_layer(kind: str) -> int:  # an attention layer of its kind's shape (Gemma 4's global ones: K = V)
+        d, kv, k_eq_v = spec.attention_shape(kind)
+        return (H * nh * d * (2 if spec.attn_output_gate else 1) + (1 if k_eq_v else 2) * H * kv * d + nh * d * H
+                + (4 if spec.sandwich_norms else 2) * H + (2 * d if spec.qk_norm else 0)  # norms
+                + ((nh + 2 * kv) * d if spec.qkv_bias else 0) + (H if spec.o_bias else 0))
+    kinds, lin = [spec.layer_kind(i) for i in range(L)], spec.linear
+    layer_params, linear = sum(per_layer(k) for k in kinds if k != "linear_attention"), kinds.count("linear_attention")
     if lin:  # a Gated DeltaNet layer: in_proj (q, k, v, z, b, a), conv, A_log and dt_bias, norm, out_proj
         key, value = lin.num_k_heads * lin.head_k_dim, lin.num_v_heads * lin.head_v_dim
         layer_params += linear * ((2 * key + 2 * value + 2 * lin.num_v_heads) * H + (2 * key + value) * lin.conv_kernel
@@ -69,9 +69,9 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     mlp = 3 * H * inter + (2 * inter + H if spec.mlp_bias else 0)  # gate, up, down
     moe = moe_facts(cfg)
     sparse = moe.get("sparse_layers", 0)
-    embed = V * H
-    head = 0 if spec.tie_word_embeddings else V * H
-    dense = embed + head + layer_params + (L - sparse) * mlp + H  # every weight but the experts and routers
+    embed, head = V * H, 0 if spec.tie_word_embeddings else V * H
+    # every weight but the experts and routers (Gemma 4's experts lie beside each layer's dense MLP)
+    dense = embed + head + layer_params + (L if getattr(cfg, "enable_moe_block", False) else L - sparse) * mlp + H
     routed = sparse * (moe.get("router_params", 0) + moe.get("shared_params", 0))
     total = dense + routed + sparse * moe.get("experts", 0) * moe.get("expert_params", 0)
     active = dense + routed + sparse * moe.get("experts_per_tok", 0) * moe.get("expert_params", 0) if moe else total
@@ -102,7 +102,7 @@ def moe_facts(cfg: Any) -> dict[str, Any]:
     sparse = sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
     shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # Qwen3.5-MoE: read every step, with its gate
     bits = {"expert_bits": BITS_PER_WEIGHT} if is_mxfp4(cfg) else {}  # MXFP4 experts: read as stored on CUDA
-    return {"experts": experts, "experts_per_tok": cfg.num_experts_per_tok, "sparse_layers": sparse,
+    return {"experts": experts, "experts_per_tok": getattr(cfg, "num_experts_per_tok", None) or cfg.top_k_experts, "sparse_layers": sparse,
             "expert_params": 3 * H * inter, "router_params": experts * H,
             "shared_params": 3 * H * shared + H if shared else 0, **bits}
 
