@@ -2,8 +2,9 @@
 experts kept in MXFP4 (layers/moe_mxfp4.py) against the same block holding the dequantized values.
 
 Without CUDA the kernels run under Triton's interpreter in float32 and float16 (its bfloat16 dot is wrong); with
-CUDA in bfloat16 too, at gpt-oss-20b's expert shapes, and captured in a CUDA graph. The sm_90 compile check
-builds the kernels for an H200 with no GPU.
+CUDA in bfloat16 too, at gpt-oss-20b's expert shapes, and captured in a CUDA graph. 16-bit activations run both
+tile products (``tl.dot_scaled`` and the in-register dequantization), float32 the second, its only one. The sm_90
+compile check builds the kernels for an H200 with no GPU. Their speed: ``tests/test_gpu_moe_mxfp4_speed.py``.
 """
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ if not ON_GPU:
 
 from llmcli.kernels.moe_reference import moe_reference, route  # noqa: E402
 from llmcli.kernels.triton_moe import MoeTuning  # noqa: E402
-from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4  # noqa: E402
+from llmcli.kernels.triton_moe_mxfp4 import KERNELS, fused_moe_mxfp4, mxfp4_kernel  # noqa: E402
 from test_engine_vs_hf import greedy, random_prompts, run_factory  # noqa: E402, F401 (a fixture)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 TOL = {torch.float32: 1e-5 if not ON_GPU else 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# (dtype, kernel): every tile product each activation dtype runs
+PATHS = [pytest.param(d, k, id=f"{str(d)[6:]}-{k}") for d in DTYPES for k in KERNELS
+         if mxfp4_kernel(d, k) == k]
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -70,20 +74,21 @@ def reference(x, w13, w2, weights, ids, **kw):
 
 @pytest.mark.parametrize("tokens", [1, 17, 40])
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 4), (4, 4)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mxfp4_moe_matches_dequantize_then_matmul(tokens, experts, top_k, dtype):
-    """Token counts of 1 and off the row tile, top-2 of 8, top-4 of 16, every expert for every token; hidden 96 and
-    intermediate 160 leave partial K tiles (of 128 and 64 values) and partial column tiles."""
+@pytest.mark.parametrize("dtype,kernel", PATHS)
+def test_mxfp4_moe_matches_dequantize_then_matmul(tokens, experts, top_k, dtype, kernel):
+    """Token counts of 1 and off the row tile, top-2 of 8, top-4 of 16, every expert for every token (16- and
+    64-row tiles); hidden 96 and intermediate 160 leave partial K tiles (of 128 and 64 values) and partial column
+    tiles."""
     x, w13, w2, logits = make_case(tokens, experts, top_k, 96, 160, dtype, seed=tokens + experts)
     weights, ids = route(logits, top_k, normalize=True)
-    got = fused_moe_mxfp4(x, *w13, *w2, weights, ids)
+    got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel=kernel)
     assert got.shape == x.shape and got.dtype == dtype
     assert rel_err(got, reference(x, w13, w2, weights, ids)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("tokens", [1, 17])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mxfp4_moe_with_biases_and_the_clamped_swiglu(tokens, dtype):
+@pytest.mark.parametrize("dtype,kernel", PATHS)
+def test_mxfp4_moe_with_biases_and_the_clamped_swiglu(tokens, dtype, kernel):
     """gpt-oss's experts: both biases and the clamped SwiGLU (alpha 1.702, limit 7; large gate/up scales so that
     many values pass the limit); without the switches the result differs."""
     x, w13, w2, logits = make_case(tokens, 8, 2, 64, 96, dtype, seed=200 + tokens, gate_up_scales=(125, 128))
@@ -95,19 +100,35 @@ def test_mxfp4_moe_with_biases_and_the_clamped_swiglu(tokens, dtype):
                     b2=b2.float().cpu())
     h = torch.nn.functional.linear(x.float().cpu(), values_of(*w13)[0].cpu(), b13[0].float().cpu())
     assert (h.abs() > 7).float().mean() > 0.1, "the case should exercise the clamp"
-    got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, b13=b13, b2=b2, clamp=(1.702, 7.0))
+    got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, b13=b13, b2=b2, clamp=(1.702, 7.0), kernel=kernel)
     assert rel_err(got, ref) < TOL[dtype]
-    assert rel_err(fused_moe_mxfp4(x, *w13, *w2, weights, ids), ref) > 10 * TOL[dtype]
+    assert rel_err(fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel=kernel), ref) > 10 * TOL[dtype]
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_mxfp4_experts_without_tokens_and_other_tiles(block_m):
-    """A skewed router leaves experts idle; unnormalised weights; 64-deep K tiles (two scale groups each)."""
-    x, w13, w2, logits = make_case(45, 12, 2, 64, 64, torch.float32, seed=block_m, skew=3.0)
+@pytest.mark.parametrize("dtype,kernel", PATHS)
+def test_mxfp4_experts_without_tokens_and_other_tiles(block_m, dtype, kernel):
+    """A skewed router leaves experts idle; unnormalised weights; 64-deep K tiles (two scale groups each, the
+    scales loaded a tile ahead over a K of one tile)."""
+    x, w13, w2, logits = make_case(45, 12, 2, 64, 64, dtype, seed=block_m, skew=3.0)
     weights, ids = route(logits, 2, normalize=False)
     assert len(ids.unique()) < 12
-    got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(block_m=block_m, block_n=32, block_k=64))
-    assert rel_err(got, reference(x, w13, w2, weights, ids)) < TOL[torch.float32]
+    got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(block_m=block_m, block_n=32, block_k=64),
+                          kernel=kernel)
+    assert rel_err(got, reference(x, w13, w2, weights, ids)) < TOL[dtype]
+
+
+def test_the_tile_product_is_chosen_per_dtype_and_by_the_environment(monkeypatch):
+    """``scaled`` by default, ``LLMCLI_MXFP4_KERNEL`` or the argument for an A/B; float32 always ``dequant``
+    (``tl.dot_scaled`` takes 16-bit and 8/4-bit operands only); anything else refused by name."""
+    monkeypatch.delenv("LLMCLI_MXFP4_KERNEL", raising=False)
+    assert [mxfp4_kernel(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == ["scaled", "scaled", "dequant"]
+    monkeypatch.setenv("LLMCLI_MXFP4_KERNEL", "dequant")
+    assert mxfp4_kernel(torch.bfloat16) == "dequant" and mxfp4_kernel(torch.bfloat16, "scaled") == "scaled"
+    assert mxfp4_kernel(torch.float32, "scaled") == "dequant"
+    monkeypatch.setenv("LLMCLI_MXFP4_KERNEL", "fast")
+    with pytest.raises(ValueError, match="MXFP4 kernel 'fast': one of scaled, dequant"):
+        mxfp4_kernel(torch.bfloat16)
 
 
 def test_mxfp4_moe_refuses_a_k_off_the_groups():
@@ -255,7 +276,8 @@ gpu = pytest.mark.gpu
 @gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 7, 64, 256, 1000, 4096])
-def test_bf16_at_gpt_oss_20b_shapes(tokens):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_at_gpt_oss_20b_shapes(tokens, kernel):
     """32 experts, top-4, hidden 2880, intermediate 2880 (90 groups: partial K and column tiles), biases and the
     clamp, bf16 against a float32 loop over the dequantized weights; twice, the same bits."""
     x, w13, w2, logits = make_case(tokens, 32, 4, 2880, 2880, torch.bfloat16, seed=tokens)
@@ -263,7 +285,7 @@ def test_bf16_at_gpt_oss_20b_shapes(tokens):
     b13 = torch.randn(32, 5760, generator=g).to(DEVICE, torch.bfloat16)
     b2 = torch.randn(32, 2880, generator=g).to(DEVICE, torch.bfloat16)
     weights, ids = route(logits, 4, normalize=True)
-    kw = dict(b13=b13, b2=b2, clamp=(1.702, 7.0))
+    kw = dict(b13=b13, b2=b2, clamp=(1.702, 7.0), kernel=kernel)
     got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, **kw)
     ref = moe_reference(x.float(), values_of(*w13), values_of(*w2), weights, ids,
                         clamp=(1.702, 7.0), b13=b13.float(), b2=b2.float())
@@ -291,42 +313,6 @@ def test_mxfp4_captured_in_a_cuda_graph():
         assert rel_err(out, reference(x, w13, w2, new_w, new_ids)) < TOL[torch.bfloat16]
 
 
-@gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_mxfp4_is_faster_than_bf16_at_gpt_oss_20b_decode_batches():
-    """A quarter of the bytes must show: at decode batches (1 to 256 tokens, 32 experts top-4, 2880 x 2880) the
-    MXFP4 layer takes less time than the bf16 fused kernel over the same values; the printed table (-s) gives
-    both times and the MXFP4 kernel's weight bandwidth (bytes of the experts it touches / time)."""
-    from llmcli.kernels.triton_moe import fused_moe
-
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20 / 1e3
-
-    slower = []
-    for tokens in (1, 16, 64, 256):
-        x, w13, w2, logits = make_case(tokens, 32, 4, 2880, 2880, torch.bfloat16, seed=tokens)
-        weights, ids = route(logits, 4, normalize=True)
-        w13_16, w2_16 = values_of(*w13).to(torch.bfloat16), values_of(*w2).to(torch.bfloat16)
-        t4 = timed(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids))
-        t16 = timed(lambda: fused_moe(x, w13_16, w2_16, weights, ids))
-        touched = len(ids.unique())
-        gbs = touched * 3 * 2880 * 2880 * 4.25 / 8 / t4 / 1e9
-        print(f"tokens {tokens:4d}: experts touched {touched:2d}, MXFP4 {t4 * 1e6:8.1f} us ({gbs:6.0f} GB/s of "
-              f"weights), bf16 {t16 * 1e6:8.1f} us, bf16 / MXFP4 {t16 / t4:.2f}x")
-        if t4 >= t16:
-            slower.append(tokens)
-        del w13_16, w2_16
-    assert not slower, f"MXFP4 not faster than bf16 at {slower} tokens"
-
-
 # -- sm_90 -------------------------------------------------------------------------------------------------------------
 _COMPILE = r"""
 import triton
@@ -343,21 +329,23 @@ def build(kernel, constexprs, ptrs, **options):
 PTRS = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "b_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8",
         "pairs_ptr": "*i32", "experts_ptr": "*i32", "total_ptr": "*i32", "weights_ptr": "*fp32",
         "alpha": "fp32", "limit": "fp32"}
-for pairs in (64, 1024, 16384):  # gpt-oss-20b's 32 experts top-4: decode, mid and prefill tiles
-    t = m.mxfp4_tuning(pairs, 32)
-    tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, PRECISION="tf32",
-                 BIAS=True)
-    build(m._mxfp4_gate_up_kernel, dict(tiles, TOP_K=4, CLAMPED=True), PTRS, num_warps=t.num_warps,
-          num_stages=t.num_stages)
-    build(m._mxfp4_down_kernel, tiles, PTRS, num_warps=t.num_warps, num_stages=t.num_stages)
+for kernel in m.KERNELS:
+    for pairs in (64, 1024, 16384):  # gpt-oss-20b's 32 experts top-4: decode, mid and prefill tiles
+        t = m.mxfp4_tuning(pairs, 32, kernel)
+        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, PRECISION="tf32",
+                     BIAS=True, SCALED=kernel == "scaled", FORMAT="bf16")
+        build(m._mxfp4_gate_up_kernel, dict(tiles, TOP_K=4, CLAMPED=True), PTRS, num_warps=t.num_warps,
+              num_stages=t.num_stages)
+        build(m._mxfp4_down_kernel, tiles, PTRS, num_warps=t.num_warps, num_stages=t.num_stages)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile and run these kernels for real")
 def test_mxfp4_kernels_compile_for_sm90():
-    """Both kernels at every tile size gpt-oss-20b picks build for an H100/H200 with Triton's own ptxas, no GPU:
-    the interpreter accepts code the compiler rejects (layouts of the in-register unpacking, the join)."""
+    """Both kernels, through both tile products, at every tile size gpt-oss-20b picks build for an H100/H200 with
+    Triton's own ptxas, no GPU: the interpreter accepts code the compiler rejects (layouts of the in-register
+    unpacking, the join, ``dot_scaled``'s operand shapes)."""
     import subprocess
 
     if "nvidia" not in __import__("triton.backends").backends.backends:
@@ -366,7 +354,7 @@ def test_mxfp4_kernels_compile_for_sm90():
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 6, done.stdout
+    assert done.stdout.count("compiled") == 12, done.stdout
 
 
 # -- a whole model -----------------------------------------------------------------------------------------------------

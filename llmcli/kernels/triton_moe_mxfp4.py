@@ -2,10 +2,21 @@
 
 An expert tensor of ``N`` output rows over ``K`` inputs is held as ``q`` uint8 [E, N, K / 2] (two e2m1 codes a
 byte, the low nibble first along K) and ``s`` uint8 [E, N, K / 32] (an e8m0 exponent per 32 values, bias 127):
-4.25 bits a weight. Each program loads its weight tile's bytes and scales, turns them into the activations' dtype
-in registers (code -> float32 bits, times the scale's power of two) and feeds the tensor cores as the 16-bit
-kernels do, accumulating in float32. No 16-bit copy of the experts exists anywhere: decode steps, which read
-every touched expert once, move a quarter of the bytes.
+4.25 bits a weight. No 16-bit copy of the experts exists anywhere: decode steps, which read every touched expert
+once, move a quarter of the bytes. Each program turns its weight tile's codes into values in registers, one of
+two ways (``mxfp4_kernel``; ``LLMCLI_MXFP4_KERNEL=scaled|dequant`` picks for an A/B):
+
+* ``scaled`` (the default for bf16/fp16 activations): ``tl.dot_scaled`` with the codes as its packed-along-K
+  right operand, loaded [K / 2, N] straight from the [N, K / 2] rows (the pointer strides swapped), and the scales
+  as [N, K / 32]. On sm_90 Triton (3.6) copies the codes to shared memory asynchronously, upcasts them with
+  byte-permute lookups in the layout the tensor cores read and multiplies by the scale as a 16-bit power of two
+  (exact): 5 to 8 instructions a weight at the tiles picked, where ``dequant``'s float32 integer-and-select
+  decode takes 13 to 18 (counted in the sm_90 SASS of both).
+* ``dequant`` (float32's only path; the first kernel's decode): integer ops on the codes, in float32, to the
+  activations' dtype, then ``tl.dot``.
+
+Either way the scales of the next K tile are loaded a tile ahead: 1-byte loads, which the pipeliner does not turn
+into asynchronous copies, and whose latency would otherwise stall every iteration.
 
 The routing (``align_by_expert``) and the tile walk (``_tile``) are ``triton_moe.py``'s, the tile sizes its own
 (``mxfp4_tuning``); the epilogues round where that kernel rounds, so the two agree on the same values.
@@ -13,19 +24,41 @@ The routing (``align_by_expert``) and the tile walk (``_tile``) are ``triton_moe
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from llmcli.kernels.triton_moe import MoeTuning, _tile, grouped_launch
 
+KERNELS = ("scaled", "dequant")
 
-def mxfp4_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
-    """Unpacking a weight tile costs a dozen integer operations a value, paid once per row tile, so an expert's
-    rows share as few row tiles as fit: 16-row tiles 128 deep where each expert sees a few rows (64 bytes of codes
-    a weight row a load), one 64-row tile up to 64 rows (decode at large batches: the tensor cores' padding is
-    cheap, a second unpacking is not), 64 x 128 tiles beyond (prefill)."""
+
+def mxfp4_kernel(dtype: torch.dtype, kernel: str | None = None) -> str:
+    """The tile product for activations of ``dtype``: ``kernel``, else ``LLMCLI_MXFP4_KERNEL``, else ``scaled``;
+    always ``dequant`` for float32, which ``tl.dot_scaled`` does not take."""
+    kernel = kernel or os.environ.get("LLMCLI_MXFP4_KERNEL") or "scaled"
+    if kernel not in KERNELS:
+        raise ValueError(f"MXFP4 kernel {kernel!r}: one of {', '.join(KERNELS)}")
+    return "dequant" if dtype == torch.float32 else kernel
+
+
+def mxfp4_tuning(num_pairs: int, num_experts: int, kernel: str = "scaled") -> MoeTuning:
+    """An expert's rows share as few row tiles as fit, as unpacking a weight tile is paid once per row tile:
+    16-row tiles where each expert sees a few rows, 64-row tiles beyond (decode at large batches: the tensor
+    cores' padding is cheap, a second unpacking is not).
+
+    ``scaled``: 16 x 32 tiles 128 deep on 2 warps at decode, mma.sync reading the codes from shared memory in
+    16-byte loads (5.3 sm_90 instructions a gate/up weight; 16 x 64 on 4 warps, the swapped wgmma, takes 6.3 and
+    reads them byte by byte), and twice the programs of 64 columns: gpt-oss-20b's 1-token step runs 4 experts x
+    90 column tiles, 2.7 a multiprocessor. 64 x 128 x 64 on 8 warps beyond (6.9; 174 registers where 64 x 64 x 128
+    on 4 warps needs 254). ``dequant``: the first kernel's tiles."""
     per_expert = num_pairs / num_experts
+    if kernel == "scaled":
+        if per_expert <= 16:
+            return MoeTuning(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4)
+        return MoeTuning(block_m=64, block_n=128, block_k=64, num_warps=8)
     if per_expert <= 16:
         return MoeTuning(block_m=16, block_n=64, block_k=128)
     if per_expert <= 64:
@@ -46,11 +79,52 @@ def _dequant(codes, scales, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K:
     return tl.trans(values.reshape(BLOCK_N, BLOCK_K).to(DTYPE))
 
 
+@triton.jit
+def _codes_at(base, cols, stride_n, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pointers to a weight tile's first BLOCK_K / 2 code bytes of rows ``cols``: [BLOCK_K / 2, BLOCK_N] for
+    ``dot_scaled`` (its right operand packed along K), [BLOCK_N, BLOCK_K / 2] for ``_dequant``."""
+    kb = tl.arange(0, BLOCK_K // 2)
+    if SCALED:  # one return: the two shapes differ
+        ptrs = base + cols[None, :] * stride_n + kb[:, None]
+    else:
+        ptrs = base + cols[:, None] * stride_n + kb[None, :]
+    return ptrs
+
+
+@triton.jit
+def _load_codes(ptrs, left, col_ok, SCALED: tl.constexpr, BLOCK_K: tl.constexpr):
+    k_ok = tl.arange(0, BLOCK_K // 2) < left // 2  # ``left``: values of K from here on
+    if SCALED:
+        codes = tl.load(ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
+    else:
+        codes = tl.load(ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0)
+    return codes
+
+
+@triton.jit
+def _load_scales(ptrs, left, col_ok, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / 32]; masked past K (``left`` <= 0: the tile after the last, no access) to 0."""
+    return tl.load(ptrs, mask=col_ok[:, None] & (tl.arange(0, BLOCK_K // 32) < left // 32)[None, :], other=0)
+
+
+@triton.jit
+def _product(a, codes, scales, acc, SCALED: tl.constexpr, FORMAT: tl.constexpr, PRECISION: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ the weight tile's values [BLOCK_K, BLOCK_N], in float32."""
+    if SCALED:
+        # fast_math: a 0xFF scale (NaN in e8m0) is not special-cased, as _dequant does not; masked codes and
+        # scales are 0, so values past K are 0 whichever scale the upcast makes of byte 0. With fp16 activations
+        # the scale is an fp16 itself: exact for e8m0 exponents 103 to 142 (2^-24 to 2^15), checkpoints' range
+        return tl.dot_scaled(a, None, FORMAT, codes, scales, "e2m1", acc, fast_math=True)
+    return tl.dot(a, _dequant(codes, scales, a.dtype, BLOCK_N, BLOCK_K), acc, input_precision=PRECISION)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, inter, hidden,
                           stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                           TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, PRECISION: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False,
+                          GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+                          FORMAT: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False,
                           CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
@@ -59,31 +133,32 @@ def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, 
     dtype = x_ptr.dtype.element_ty
     tokens = pairs // TOP_K
     ks = tl.arange(0, BLOCK_K)
-    kb = tl.arange(0, BLOCK_K // 2)
     kg = tl.arange(0, BLOCK_K // 32)
     x_tile = x_ptr + tokens[:, None].to(tl.int64) * stride_xm + ks[None, :]
     e = expert.to(tl.int64)
-    gate_q = q_ptr + e * stride_qe + cols[:, None] * stride_qn + kb[None, :]
+    gate_q = _codes_at(q_ptr + e * stride_qe, cols, stride_qn, SCALED, BLOCK_K)
     up_q = gate_q + inter * stride_qn
     gate_s = s_ptr + e * stride_se + cols[:, None] * stride_sn + kg[None, :]
     up_s = gate_s + inter * stride_sn
+    gate_next = _load_scales(gate_s, hidden, col_ok, BLOCK_K)
+    up_next = _load_scales(up_s, hidden, col_ok, BLOCK_K)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         left = hidden - k0
         a = tl.load(x_tile, mask=row_ok[:, None] & (ks < left)[None, :], other=0.0)
-        q_ok = col_ok[:, None] & (kb < left // 2)[None, :]
-        s_ok = col_ok[:, None] & (kg < left // 32)[None, :]
-        g = _dequant(tl.load(gate_q, mask=q_ok, other=0), tl.load(gate_s, mask=s_ok, other=0), dtype, BLOCK_N,
-                     BLOCK_K)
-        u = _dequant(tl.load(up_q, mask=q_ok, other=0), tl.load(up_s, mask=s_ok, other=0), dtype, BLOCK_N, BLOCK_K)
-        gate = tl.dot(a, g, gate, input_precision=PRECISION)
-        up = tl.dot(a, u, up, input_precision=PRECISION)
+        gate_sc, up_sc = gate_next, up_next
+        gate_s += BLOCK_K // 32
+        up_s += BLOCK_K // 32
+        gate_next = _load_scales(gate_s, left - BLOCK_K, col_ok, BLOCK_K)
+        up_next = _load_scales(up_s, left - BLOCK_K, col_ok, BLOCK_K)
+        gate = _product(a, _load_codes(gate_q, left, col_ok, SCALED, BLOCK_K), gate_sc, gate, SCALED, FORMAT,
+                        PRECISION, BLOCK_N, BLOCK_K)
+        up = _product(a, _load_codes(up_q, left, col_ok, SCALED, BLOCK_K), up_sc, up, SCALED, FORMAT, PRECISION,
+                      BLOCK_N, BLOCK_K)
         x_tile += BLOCK_K
         gate_q += BLOCK_K // 2
         up_q += BLOCK_K // 2
-        gate_s += BLOCK_K // 32
-        up_s += BLOCK_K // 32
     if BIAS:
         b_row = b_ptr + e * 2 * inter
         gate += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -104,29 +179,31 @@ def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, 
 def _mxfp4_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs,
                        hidden, inter, stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       PRECISION: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False):
+                       PRECISION: tl.constexpr, SCALED: tl.constexpr, FORMAT: tl.constexpr, b_ptr=None,
+                       BIAS: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
         return
     dtype = a_ptr.dtype.element_ty
     ks = tl.arange(0, BLOCK_K)
-    kb = tl.arange(0, BLOCK_K // 2)
     kg = tl.arange(0, BLOCK_K // 32)
     e = expert.to(tl.int64)
     a_tile = a_ptr + pairs[:, None].to(tl.int64) * stride_am + ks[None, :]
-    w_q = q_ptr + e * stride_qe + cols[:, None] * stride_qn + kb[None, :]
+    w_q = _codes_at(q_ptr + e * stride_qe, cols, stride_qn, SCALED, BLOCK_K)
     w_s = s_ptr + e * stride_se + cols[:, None] * stride_sn + kg[None, :]
+    w_next = _load_scales(w_s, inter, col_ok, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         left = inter - k0
         a = tl.load(a_tile, mask=row_ok[:, None] & (ks < left)[None, :], other=0.0)
-        w = _dequant(tl.load(w_q, mask=col_ok[:, None] & (kb < left // 2)[None, :], other=0),
-                     tl.load(w_s, mask=col_ok[:, None] & (kg < left // 32)[None, :], other=0), dtype, BLOCK_N, BLOCK_K)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        w_sc = w_next
+        w_s += BLOCK_K // 32
+        w_next = _load_scales(w_s, left - BLOCK_K, col_ok, BLOCK_K)
+        acc = _product(a, _load_codes(w_q, left, col_ok, SCALED, BLOCK_K), w_sc, acc, SCALED, FORMAT, PRECISION,
+                       BLOCK_N, BLOCK_K)
         a_tile += BLOCK_K
         w_q += BLOCK_K // 2
-        w_s += BLOCK_K // 32
     if BIAS:
         acc += tl.load(b_ptr + e * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
@@ -145,10 +222,10 @@ def _check_packed(q: torch.Tensor, s: torch.Tensor, name: str) -> None:
 def fused_moe_mxfp4(x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor,
                     w2_s: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     tuning: MoeTuning | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    clamp: tuple[float, float] | None = None) -> torch.Tensor:
+                    clamp: tuple[float, float] | None = None, kernel: str | None = None) -> torch.Tensor:
     """[T, H] -> [T, H], as ``triton_moe.fused_moe`` with MXFP4 experts: ``w13_q`` [E, 2I, H/2] / ``w13_s``
     [E, 2I, H/32] (gate rows then up rows), ``w2_q`` [E, H, I/2] / ``w2_s`` [E, H, I/32]; ``b13`` [E, 2I] and
-    ``b2`` [E, H] the biases, ``clamp`` gpt-oss's ``(alpha, limit)``."""
+    ``b2`` [E, H] the biases, ``clamp`` gpt-oss's ``(alpha, limit)``; ``kernel`` as ``mxfp4_kernel`` takes it."""
     _check_packed(w13_q, w13_s, "gate/up experts")
     _check_packed(w2_q, w2_s, "down experts")
     num_tokens, hidden = x.shape
@@ -156,11 +233,13 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w
     inter = two_inter // 2
     if w13_q.shape[2] * 2 != hidden or w2_q.shape[1:] != (hidden, inter // 2):
         raise ValueError(f"MXFP4 experts {tuple(w13_q.shape)} / {tuple(w2_q.shape)} do not fit hidden size {hidden}")
+    kernel = mxfp4_kernel(x.dtype, kernel)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    tuning = tuning or mxfp4_tuning(num_pairs, num_experts)
+    tuning = tuning or mxfp4_tuning(num_pairs, num_experts, kernel)
     x, w13_q, w13_s, w2_q, w2_s = (t.contiguous() for t in (x, w13_q, w13_s, w2_q, w2_s))
     pairs, experts, total, tiles_m, act, launch = grouped_launch(x, topk_ids, num_experts, inter, tuning)
+    launch.update(SCALED=kernel == "scaled", FORMAT="fp16" if x.dtype == torch.float16 else "bf16")
     _mxfp4_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13_q, w13_s, act, pairs, experts, total, num_pairs, inter, hidden,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_s.stride(0), w13_s.stride(1), act.stride(0), TOP_K=top_k,

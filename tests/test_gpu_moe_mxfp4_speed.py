@@ -1,0 +1,87 @@
+"""On CUDA: the MXFP4 fused MoE's speed at gpt-oss-20b's decode batches (32 experts top-4, hidden and
+intermediate 2880) against the bf16 fused kernel over the same values, through both of its tile products
+(kernels/triton_moe_mxfp4.py), and candidate tile sizes for ``scaled``. ``-s`` prints the tables.
+
+Run on the GPU machine: ``python -m pytest -q -s tests/test_gpu_moe_mxfp4_speed.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmcli.kernels.moe_reference import route
+from llmcli.kernels.triton_moe import MoeTuning
+from llmcli.kernels.triton_moe_mxfp4 import KERNELS, fused_moe_mxfp4, mxfp4_kernel, mxfp4_tuning
+from test_triton_moe_mxfp4 import make_case, rel_err, values_of
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def timed(fn) -> float:
+    """Seconds a call, averaged over 20 after 3 warm-up calls (compiles)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20 / 1e3
+
+
+DECODE_BATCHES = (1, 16, 64, 256)
+
+
+def decode_case(tokens: int):
+    x, w13, w2, logits = make_case(tokens, 32, 4, 2880, 2880, torch.bfloat16, seed=tokens)
+    weights, ids = route(logits, 4, normalize=True)
+    return x, w13, w2, weights, ids
+
+
+def test_mxfp4_is_faster_than_bf16_at_gpt_oss_20b_decode_batches():
+    """A quarter of the bytes must show: at decode batches (1 to 256 tokens, 32 experts top-4, 2880 x 2880) the
+    MXFP4 layer through the default tile product takes less time than the bf16 fused kernel over the same values.
+    The printed table (-s) gives both MXFP4 kernels' times (``dequant``: the first kernel, ``scaled``:
+    ``tl.dot_scaled``), their weight bandwidth (bytes of the experts touched / time) and bf16's time."""
+    from llmcli.kernels.triton_moe import fused_moe
+
+    default = mxfp4_kernel(torch.bfloat16)
+    print(f"\n{'tokens':>6} {'experts':>7} | {'dequant us':>10} {'GB/s':>5} | {'scaled us':>9} {'GB/s':>5} | "
+          f"{'bf16 us':>8} | {'bf16/dequant':>12} {'bf16/scaled':>11}  (default: {default})")
+    slower = []
+    for tokens in DECODE_BATCHES:
+        x, w13, w2, weights, ids = decode_case(tokens)
+        w13_16, w2_16 = values_of(*w13).to(torch.bfloat16), values_of(*w2).to(torch.bfloat16)
+        t = {k: timed(lambda k=k: fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel=k)) for k in KERNELS}
+        t16 = timed(lambda: fused_moe(x, w13_16, w2_16, weights, ids))
+        touched = len(ids.unique())
+        gbs = {k: touched * 3 * 2880 * 2880 * 4.25 / 8 / t[k] / 1e9 for k in KERNELS}
+        print(f"{tokens:6d} {touched:7d} | {t['dequant'] * 1e6:10.1f} {gbs['dequant']:5.0f} | "
+              f"{t['scaled'] * 1e6:9.1f} {gbs['scaled']:5.0f} | {t16 * 1e6:8.1f} | "
+              f"{t16 / t['dequant']:11.2f}x {t16 / t['scaled']:10.2f}x")
+        if t[default] >= t16:
+            slower.append(tokens)
+        del w13_16, w2_16
+    assert not slower, f"MXFP4 ({default}) not faster than bf16 at {slower} tokens"
+
+
+def test_scaled_tile_candidates_agree_and_are_timed():
+    """Tile sizes ``mxfp4_tuning`` did not pick for ``scaled``, each checked against the default's output at the
+    decode batches and timed (-s prints the table): the data to retune from."""
+    small = [MoeTuning(16, 32, 128, num_warps=2, num_stages=4), MoeTuning(16, 32, 64, num_warps=2, num_stages=4),
+             MoeTuning(16, 64, 128, num_warps=4, num_stages=4), MoeTuning(16, 64, 128, num_warps=2),
+             MoeTuning(16, 16, 128, num_warps=1, num_stages=4)]
+    large = [MoeTuning(64, 128, 64, num_warps=8), MoeTuning(64, 64, 64, num_warps=4),
+             MoeTuning(64, 64, 128, num_warps=4), MoeTuning(64, 128, 128, num_warps=8)]
+    print()
+    for tokens in DECODE_BATCHES:
+        x, w13, w2, weights, ids = decode_case(tokens)
+        want = fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled")
+        picked = mxfp4_tuning(tokens * 4, 32, "scaled")
+        for tuning in small if picked.block_m == 16 else large:
+            run = lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, tuning, kernel="scaled")  # noqa: E731
+            assert rel_err(run(), want) < 1e-2, tuning
+            print(f"tokens {tokens:4d}: {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
+                  f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us"
+                  + ("  (picked)" if tuning == picked else ""))
