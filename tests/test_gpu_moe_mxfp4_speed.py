@@ -41,12 +41,13 @@ def decode_case(tokens: int):
 
 def test_mxfp4_is_faster_than_bf16_at_gpt_oss_20b_decode_batches():
     """A quarter of the bytes must show: at decode batches (1 to 256 tokens, 32 experts top-4, 2880 x 2880) the
-    MXFP4 layer through the default tile product takes less time than the bf16 fused kernel over the same values.
+    MXFP4 layer through ``scaled`` (the candidate default) takes less time than the bf16 fused kernel over the
+    same values.
     The printed table (-s) gives both MXFP4 kernels' times (``dequant``: the first kernel, ``scaled``:
     ``tl.dot_scaled``), their weight bandwidth (bytes of the experts touched / time) and bf16's time."""
     from llmcli.kernels.triton_moe import fused_moe
 
-    default = mxfp4_kernel(torch.bfloat16)
+    default = "scaled"  # the candidate for the default (mxfp4_kernel's docstring): it must beat bf16
     print(f"\n{'tokens':>6} {'experts':>7} | {'dequant us':>10} {'GB/s':>5} | {'scaled us':>9} {'GB/s':>5} | "
           f"{'bf16 us':>8} | {'bf16/dequant':>12} {'bf16/scaled':>11}  (default: {default})")
     slower = []

@@ -6,14 +6,15 @@ byte, the low nibble first along K) and ``s`` uint8 [E, N, K / 32] (an e8m0 expo
 once, move a quarter of the bytes. Each program turns its weight tile's codes into values in registers, one of
 two ways (``mxfp4_kernel``; ``LLMCLI_MXFP4_KERNEL=scaled|dequant`` picks for an A/B):
 
-* ``scaled`` (the default for bf16/fp16 activations): ``tl.dot_scaled`` with the codes as its packed-along-K
+* ``scaled`` (to become the default for bf16/fp16 activations once it has run on a GPU: until then its
+  results there are unchecked): ``tl.dot_scaled`` with the codes as its packed-along-K
   right operand, loaded [K / 2, N] straight from the [N, K / 2] rows (the pointer strides swapped), and the scales
   as [N, K / 32]. On sm_90 Triton (3.6) copies the codes to shared memory asynchronously, upcasts them with
   byte-permute lookups in the layout the tensor cores read and multiplies by the scale as a 16-bit power of two
   (exact): 5 to 8 instructions a weight at the tiles picked, where ``dequant``'s float32 integer-and-select
   decode takes 13 to 18 (counted in the sm_90 SASS of both).
-* ``dequant`` (float32's only path; the first kernel's decode): integer ops on the codes, in float32, to the
-  activations' dtype, then ``tl.dot``.
+* ``dequant`` (the default, and float32's only path; the first kernel's decode, checked on an H200): integer
+  ops on the codes, in float32, to the activations' dtype, then ``tl.dot``.
 
 Either way the scales of the next K tile are loaded a tile ahead: 1-byte loads, which the pipeliner does not turn
 into asynchronous copies, and whose latency would otherwise stall every iteration.
@@ -36,9 +37,9 @@ KERNELS = ("scaled", "dequant")
 
 
 def mxfp4_kernel(dtype: torch.dtype, kernel: str | None = None) -> str:
-    """The tile product for activations of ``dtype``: ``kernel``, else ``LLMCLI_MXFP4_KERNEL``, else ``scaled``;
+    """The tile product for activations of ``dtype``: ``kernel``, else ``LLMCLI_MXFP4_KERNEL``, else ``dequant``;
     always ``dequant`` for float32, which ``tl.dot_scaled`` does not take."""
-    kernel = kernel or os.environ.get("LLMCLI_MXFP4_KERNEL") or "scaled"
+    kernel = kernel or os.environ.get("LLMCLI_MXFP4_KERNEL") or "dequant"
     if kernel not in KERNELS:
         raise ValueError(f"MXFP4 kernel {kernel!r}: one of {', '.join(KERNELS)}")
     return "dequant" if dtype == torch.float32 else kernel
