@@ -11,7 +11,7 @@ import torch
 
 from llmcli.kernels.moe_reference import route
 from llmcli.kernels.triton_moe import MoeTuning
-from llmcli.kernels.triton_moe_mxfp4 import KERNELS, fused_moe_mxfp4, mxfp4_kernel, mxfp4_tuning
+from llmcli.kernels.triton_moe_mxfp4 import KERNELS, fused_moe_mxfp4, mxfp4_tuning
 from test_triton_moe_mxfp4 import make_case, rel_err, values_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
