@@ -1,4 +1,5 @@
-"""Hand-written Triton kernels for the model's elementwise work: RMSNorm (with the residual add), SiLU-and-mul,
+"""Hand-written Triton kernels for the model's elementwise work: RMSNorm (with the residual add), the gated
+RMSNorm of Gated DeltaNet layers (``gated_rms_norm``), SiLU-and-mul,
 and the rotary embedding, with Qwen3's per-head q/k RMSNorm before it or not (Llama, Qwen2, Mistral), optionally
 with the KV-cache store too
 (``qk_norm_rotary_store``: the triton attention backend's one kernel per layer for what ``qk_norm_rotary`` and
@@ -334,3 +335,55 @@ def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     ``kv_scales`` and saturated, as ``store_kv``). Returns ``(q_out, k_out)``."""
     return _launch_qk(q, k, positions, q_weight, k_weight, eps, cos, sin, (v, k_cache, v_cache, slot_mapping),
                       kv_scales, rotary_dim, weight_offset)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, M, x_stride, x_head_stride, g_stride, g_head_stride,
+                           eps, HV: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                           ROUND_PRODUCT: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    # ROWS (token, head) rows of M = tokens * HV; x and the gate by their token and head strides (the gate is
+    # a view of the input projection), the output contiguous
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    tok, head = rows // HV, rows % HV
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + (tok * x_stride + head * x_head_stride)[:, None] + cols[None, :], mask=mask, other=0.0)
+    g = tl.load(gate_ptr + (tok * g_stride + head * g_head_stride)[:, None] + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) * (1.0 / N) + eps)  # torch's mean: the sum times 1/N
+    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)  # rounded to x's dtype before the weight
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    prod = normed * w[None, :]
+    if ROUND_PRODUCT:  # weight * normed in the promoted dtype: x's own (else float32, nothing to round)
+        prod = prod.to(x.dtype).to(tl.float32)
+    # F.silu of the float32 gate as torch's CUDA kernel computes it: x / (1 + expf(-x)), an IEEE division
+    e = libdevice.exp(-g) if LIBDEVICE_EXP else tl.exp(-g)
+    act = tl.div_rn(g, 1.0 + e)
+    out = (prod * act).to(out_ptr.dtype.element_ty)  # the float32 product, rounded once to x's dtype
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=mask)
+
+
+def _token_head_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [tokens, heads, D] with unit stride along D (a view when possible)."""
+    t3 = t if t.dim() == 3 else t.reshape(-1, 1, t.shape[-1])
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(weight * rmsnorm(x).to(x.dtype)) * silu(gate.float())`` per head, rounded to x's dtype (the output norm
+    of a Gated DeltaNet layer); x and gate [T, Hv, Dv], the gate possibly a strided view."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and x {tuple(x.shape)} must have one shape")
+    x3, g3 = _token_head_rows(x), _token_head_rows(gate)
+    t, hv, n = x3.shape
+    out = torch.empty((t, hv, n), dtype=x.dtype, device=x.device)
+    m = t * hv
+    if m:
+        block_n = triton.next_power_of_2(n)
+        rows = max(1, min(_NORM_ELEMENTS // block_n, 16))
+        _gated_rms_norm_kernel[(triton.cdiv(m, rows),)](
+            x3, g3, weight, out, m, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), eps, HV=hv, N=n,
+            BLOCK_N=block_n, ROWS=rows, ROUND_PRODUCT=torch.promote_types(x.dtype, weight.dtype) == x.dtype,
+            LIBDEVICE_EXP=_LIBDEVICE_EXP, num_warps=8 if block_n >= 4096 else 4, **_UNFUSED)
+    return out.view(x.shape)

@@ -68,6 +68,7 @@ def rms_norm_no_gain(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+@triton_on_cuda("gated_rms_norm")
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x) * silu(gate)`` per head (the output norm of a Gated DeltaNet layer): the norm in
     float32, rounded to x's dtype before the gain, the gate in float32."""
