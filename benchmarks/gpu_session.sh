@@ -12,8 +12,7 @@
 #           (default: both jobs, each twice; JOB_ARGS="--repeat 1" halves it, "--jobs bench" is ~1 minute)
 #   startup benchmarks/startup_gpu.py: process launch to a ready engine; run it FIRST on a fresh machine;
 #           args in STARTUP_ARGS
-#   logprobs  benchmarks/speed_gpu.py --preset logprobs: the default workload on 0.6B with and without
-#           logprobs=5 (cost <= 10%), args in LOGPROBS_ARGS
+#   logprobs  benchmarks/speed_gpu.py --preset logprobs: the default workload on 0.6B with and without logprobs=5 (cost <= 10%), args in LOGPROBS_ARGS
 #   lmeval  benchmarks/lm_eval_gpu.py: lm-eval's llmcli model vs LLM.generate, Qwen3-8B dummy (wheels in .whl/lmeval/)
 #   structured  benchmarks/structured_bench.py: unconstrained / one JSON schema / 64 schemas, args in STRUCTURED_ARGS
 #   tp      benchmarks/tp_gpu.py (needs 2 GPUs: kind nvidia-h200-x2), args in TP_ARGS
@@ -25,8 +24,8 @@
 #   blocks  speed_gpu.py --preset blocks (0.6B, 8B at 64 vs 256), the shared-system-prompt preset (~5 min)
 #   hybrid-prefix  the shared-system-prompt preset (5,000 records) on Qwen3.5-9B dummy, prefix cache (state
 #           snapshots) on, then off: prompt tokens computed vs unique, wall time (JSON in $OUT) (~6 min)
-#   e2e-all tests/test_gpu_e2e.py whole, at the default block size: Qwen3-0.6B, Llama-3.2-1B and the 4-layer
-#           Qwen3-30B-A3B (#31's noise-aware near-tie rule; xfail until it passes) (~6 min)
+#   e2e-all tests/test_gpu_e2e.py's first three: Qwen3-0.6B, Llama-3.2-1B, the 4-layer Qwen3-30B-A3B (#31: xfail until it passes) (~6 min)
+#   e2e-new its cut-down Qwen3.5-9B, gemma-3-12b-it, gpt-oss-20b, gemma-4-31B (~7 min, estimated); E2E_NEW=mxfp4: gpt-oss's MXFP4 experts (~2 min)
 # Retired stages and scripts: benchmarks/RESULTS.md ("Scripts retired ..." sections) says what each answered.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -67,7 +66,7 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     smoke) timeout 240 python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1 ;;
-    e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "not A3B" 2>&1 | tee "$OUT/e2e.log" ;;
+    e2e) timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "0.6B or Llama" 2>&1 | tee "$OUT/e2e.log" ;;
     kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
       tests/test_triton_elementwise.py tests/test_sampler_filter.py 2>&1 | tee "$OUT/kernels.log" | tail -5 ;;
     bench) timeout 430 python3 benchmarks/bench_vs_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
@@ -91,7 +90,8 @@ for stage in "$@"; do
         --output "$OUT/shared_system_prompt.json" 2>&1 | tee "$OUT/shared_system_prompt.log" ;;
     hybrid-prefix) for c in enable no-enable; do timeout 280 python3 -m llmcli bench --config configs/bench-shared-system-prompt.toml \
       --model configs/Qwen3.5-9B --num-prompts 5000 --$c-prefix-caching --output "$OUT/hybrid_prefix_$c.json" 2>&1 | tee -a "$OUT/hybrid_prefix.log"; done ;;
-    e2e-all) timeout 540 python3 -m pytest -q -s -rxX -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/e2e_all.log" ;;
+    e2e-all) timeout 540 python3 -m pytest -q -s -rxX -p no:cacheprovider tests/test_gpu_e2e.py -k "0.6B or Llama or A3B" 2>&1 | tee "$OUT/e2e_all.log" ;;
+    e2e-new) timeout 500 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "${E2E_NEW:-(Qwen3.5 or gemma or gpt-oss) and not mxfp4}" 2>&1 | tee "$OUT/e2e_new.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
   esac
 done

@@ -6,12 +6,23 @@ for Llama-3.2-1B (llama3 rope scaling, no q/k norm: the fused kernel's rotary-on
 form, tied embeddings): ``-k Llama`` runs that one alone; and for Qwen3-30B-A3B cut to
 4 layers (layer 1 dense), the fused MoE kernel's bf16 agreement: ``-k A3B``.
 
+The newer families, each cut to a few layers of its published config at the real head sizes (``OVERRIDES``
+says what each keeps): Qwen3.5-9B (Gated DeltaNet and gated attention, ``-k Qwen3.5``), gemma-3-12b-it
+(``-k gemma-3``), gpt-oss-20b with 16-bit experts and with MXFP4 ones (``-k gpt-oss``; ``-k mxfp4`` the latter),
+gemma-4-31B (``-k gemma-4``). The multimodal configs are written as their text models. Gemma's prompts run to
+1,400 tokens, past its 1,024-key window. transformers has no sdpa path for gpt-oss: its reference there is
+SDPA with the sink as an extra key (``_sdpa_with_sinks``), its control eager as for the rest.
+Time on an H200 (estimated, not yet measured): the checkpoint ~5-10 s, four transformers loads ~15 s, its greedy
+decoding ~1 ms a layer plus ~5 ms a step, three llmcli engines ~10 s each plus their first Triton compiles
+(fla's autotuning for Qwen3.5); about 100 s a case at 8 prompts, 20 s more at 16. So these take 8 prompts: the
+four fit one 8-minute call (``gpu_session.sh e2e-new``), the MXFP4 case ~1.5 min more.
+
 Random weights make bf16 near-ties common (about a fifth of transformers' own
 greedy steps have two logits within 2% of the largest), and free-running
 greedy decoding turns one flipped tie into a different continuation, so every
 token after it counts as a mismatch. The test therefore measures two ways:
 
-* teacher-forced: at each of the 16 x 64 positions, llmcli's greedy token
+* teacher-forced: at each of the prompts x 64 positions, llmcli's greedy token
   given transformers' own prefix; this must match on >= 95% of positions and
   every mismatch must be a near-tie in transformers' logits;
 * free-running: position-by-position agreement of the two greedy outputs,
@@ -37,9 +48,33 @@ from tiny_qwen3 import write_random_published
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-NUM_PROMPTS, NEW_TOKENS = 16, 64
-# a published config cut down to fit beside its engines (the 30B mixture of experts: 4 of its 48 layers)
-OVERRIDES = {"Qwen3-30B-A3B": {"num_hidden_layers": 4, "mlp_only_layers": [1]}}
+NUM_PROMPTS, NEW_TOKENS, LONGEST = 16, 64, 700
+# a published config cut down to fit beside its engines (the 30B mixture of experts: 4 of its 48 layers); a
+# multimodal wrapper is written as its text model alone, its layer_types cut to the first num_hidden_layers
+OVERRIDES = {"Qwen3-30B-A3B": {"num_hidden_layers": 4, "mlp_only_layers": [1]},
+             # 3 Gated DeltaNet layers (16 key / 32 value heads of 128) and the first gated full-attention one
+             # (head dim 256, a quarter of it rotated)
+             "Qwen3.5-9B": {"num_hidden_layers": 4},
+             # five 1,024-key sliding layers (head dim 256) and the first global one (linear rope x8); untied: tied
+             # random Gemma weights (embeddings x sqrt(hidden) on the way in) greedily repeat the last token
+             "gemma-3-12b-it": {"num_hidden_layers": 6, "tie_word_embeddings": False},
+             # a 128-key sliding layer and a full one (head dim 64, sinks), 32 experts top-4 with the clamped SwiGLU
+             "gpt-oss-20b": {"num_hidden_layers": 2},
+             # five 1,024-key sliding layers (16 KV heads of 256) and the first global one (4 KV heads of 512, K
+             # = V, a quarter rotated): the real head dims, window and pattern. Hidden 5,376 -> 2,048 and the MLP
+             # 21,504 -> 8,192 (8.7 GB -> 3.4 GB of weights; the kernels' head shapes are unchanged); untied as
+             # Gemma 3 above
+             "gemma-4-31B": {"num_hidden_layers": 6, "hidden_size": 2048, "intermediate_size": 8192,
+                             "tie_word_embeddings": False}}
+# other write_random_published arguments: gpt-oss's published MXFP4 experts (random codes and scales; llmcli's
+# MXFP4 kernel against transformers on the same values dequantized to bf16); Gemma 4's final norm at gain 2, so
+# that its logits (std ~1.8) stay in the near-linear part of the 30 * tanh(x / 30) soft cap (at 8 they would
+# reach it, and the cap would squeeze the top logits' gaps into near-ties)
+WRITE = {"gpt-oss-20b-mxfp4": {"mxfp4": True}, "gemma-4-31B": {"norm_gain": 2.0}}
+# (prompts, longest prompt) where not (NUM_PROMPTS, LONGEST): 8 prompts for time (the module docstring);
+# Gemma's to 1,400 tokens, so that some (2 of the 8: 1,320 and 1,375) run past its 1,024-key window
+PROMPTS = {"Qwen3.5-9B": (8, LONGEST), "gpt-oss-20b": (8, LONGEST), "gpt-oss-20b-mxfp4": (8, LONGEST),
+           "gemma-3-12b-it": (8, 1400), "gemma-4-31B": (8, 1400)}
 
 
 # Issue #31 (blocked on device time): the MoE case has mismatches outside the noise band on the GPU (2026-12-03,
@@ -50,26 +85,55 @@ MOE_KNOWN_FAILURE = pytest.mark.xfail(reason="issue #31: fused MoE bf16 mismatch
 
 
 @pytest.fixture(scope="module", params=["Qwen3-0.6B", "Llama-3.2-1B",
-                                        pytest.param("Qwen3-30B-A3B", marks=MOE_KNOWN_FAILURE)])
-def random_published(request, tmp_path_factory) -> tuple[Path, int]:
-    """(checkpoint, vocab size) of a random-weight published config."""
-    config = CONFIGS / request.param / "config.json"
-    out = write_random_published(config, tmp_path_factory.mktemp(f"{request.param}_random"),
-                                 overrides=OVERRIDES.get(request.param))
+                                        pytest.param("Qwen3-30B-A3B", marks=MOE_KNOWN_FAILURE),
+                                        "Qwen3.5-9B", "gemma-3-12b-it", "gpt-oss-20b", "gpt-oss-20b-mxfp4",
+                                        "gemma-4-31B"])
+def random_published(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    """(checkpoint, prompts) of a random-weight published config."""
+    name = request.param
+    config = CONFIGS / name.removesuffix("-mxfp4") / "config.json"
+    out = write_random_published(config, tmp_path_factory.mktemp(f"{name}_random"),
+                                 overrides=OVERRIDES.get(name.removesuffix("-mxfp4")), **WRITE.get(name, {}))
     torch.cuda.empty_cache()
-    return out, json.loads(config.read_text())["vocab_size"]
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    return out, _prompts(vocab, *PROMPTS.get(name, (NUM_PROMPTS, LONGEST)))
 
 
-def _prompts(vocab: int) -> list[list[int]]:
+def _prompts(vocab: int, count: int = NUM_PROMPTS, longest: int = LONGEST) -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(8, 700))] for _ in range(NUM_PROMPTS)]
+    return [[rng.randrange(vocab) for _ in range(rng.randint(8, longest))] for _ in range(count)]
+
+
+def _sdpa_with_sinks(module, query, key, value, attention_mask, scaling, dropout=0.0, s_aux=None, **kwargs):
+    """gpt-oss's attention through torch's SDPA (transformers runs gpt-oss with eager, flex or Hub kernels only):
+    the sink is one more key and value of zeros whose score is the sink logit, put there by the additive mask."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    b, h, q, d = query.shape
+    zeros = key.new_zeros(b, h, 1, d)
+    mask = attention_mask[..., :key.shape[2]].to(query.dtype).expand(b, h, q, -1)  # eager_mask's: never None
+    mask = torch.cat([mask, s_aux.to(query.dtype).view(1, h, 1, 1).expand(b, h, q, 1)], dim=-1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, torch.cat([key, zeros], 2),
+                                                           torch.cat([value, zeros], 2), attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _hf_model(path: Path, attn: str = "sdpa"):
-    from transformers import AutoModelForCausalLM
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, Mxfp4Config
+    from transformers.masking_utils import eager_mask
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16,
-                                                attn_implementation=attn).cuda().eval()
+    config = json.loads((path / "config.json").read_text())
+    if attn == "sdpa" and config["model_type"] == "gpt_oss":
+        AttentionInterface.register("sink_column", _sdpa_with_sinks)
+        AttentionMaskInterface.register("sink_column", eager_mask)
+        attn = "sink_column"  # a name without "sdpa" in it: transformers refuses sdpa for gpt-oss
+    kw = {}
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        # the MXFP4 experts dequantized to bf16 (exactly: an e2m1 value times a power of two), on the GPU, rather
+        # than run by transformers' MXFP4 kernels (fetched from the Hub, which the GPU machine cannot reach)
+        kw = {"quantization_config": Mxfp4Config(dequantize=True), "device_map": "cuda"}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation=attn,
+                                                **kw).cuda().eval()
 
 
 def _hf_greedy(path: Path, prompts: list[list[int]], attn: str = "sdpa") -> list[list[int]]:
@@ -130,8 +194,7 @@ class Llmcli:
 
 
 def test_bf16_greedy_matches_transformers(random_published):
-    path, vocab = random_published
-    prompts = _prompts(vocab)
+    path, prompts = random_published
     hf = _hf_greedy(path, prompts)
     hf_eager = _hf_greedy(path, prompts, attn="eager")
     step_logits = _hf_step_logits(path, prompts, hf)
@@ -180,10 +243,10 @@ def test_bf16_greedy_matches_transformers(random_published):
         free["flash-attn vs transformers"] = agreement(flash, hf)
     else:
         print("\nflash_attn is not installed: the flash-attn backend was not compared")
-    total = NUM_PROMPTS * NEW_TOKENS
+    total = len(prompts) * NEW_TOKENS
     print(f"\ntransformers' greedy steps with a top-2 near-tie (within {TIE_TOL:.0%}): {near_ties}/{total} "
           f"({near_ties / total:.1%})")
-    print(f"GREEDY TOKEN AGREEMENT, teacher-forced (bf16, {NUM_PROMPTS} prompts x {NEW_TOKENS} positions):")
+    print(f"GREEDY TOKEN AGREEMENT, teacher-forced (bf16, {len(prompts)} prompts x {NEW_TOKENS} positions):")
     for name, rate in teacher.items():
         print(f"  {name:52s} {rate:.2%}")
     print(f"  {'control: transformers eager vs sdpa':52s} {control_tf:.2%}")

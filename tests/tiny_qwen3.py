@@ -441,27 +441,63 @@ def write_tiny_qwen3(path, *, head_dim: int = 16, **kwargs) -> Path:
 
 
 def write_random_published(config_json, path, *, norm_gain: float = 8.0, device: str = "cuda",
-                           dtype: torch.dtype = torch.bfloat16, overrides: dict | None = None) -> Path:
+                           dtype: torch.dtype = torch.bfloat16, overrides: dict | None = None,
+                           mxfp4: bool = False) -> Path:
     """A full-size random checkpoint of any family from a published config.json (e.g. configs/Qwen3-0.6B or
     configs/Llama-3.2-1B), for GPU tests; ``overrides`` replace config fields (fewer layers of a large model).
+
+    A multimodal wrapper (Qwen3.5, Gemma 3, Gemma 4: ``text_config`` inside) is written as its text model alone
+    (``Qwen3_5ForCausalLM``, ``Gemma3ForCausalLM``, ``Gemma4ForCausalLM``), the overrides applied to the text
+    config: transformers' ``AutoModelForCausalLM`` maps gemma3/gemma4 to the wrapper, which would want a vision
+    tower (llmcli's reading of wrappers is tested on CPU: tiny_qwen3's ``-vl`` families). ``layer_types`` is cut
+    to ``num_hidden_layers`` (its first ones, so the published pattern starts as it does). The published
+    ``quantization_config`` (gpt-oss: MXFP4) is dropped: the experts are drawn in ``dtype``; with ``mxfp4`` they
+    are instead random MXFP4 codes and scales (gpt-oss's checkpoint layout) and the config says so.
 
     ``norm_gain`` scales the final norm (and so every logit) without touching the residual stream. It does
     not make bf16 near-ties rarer (rounding is relative): with random weights the logits are ~Gaussian over
     151,936 tokens, and on an H200 about a fifth of transformers' own greedy steps had their two best
     logits within 2% of the largest (benchmarks/RESULTS.md, run 4).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     out = Path(path)
-    config = AutoConfig.from_pretrained(str(Path(config_json).parent))
-    for key, value in (overrides or {}).items():
-        setattr(config, key, value)
+    # built from the JSON with the overrides in, not set on a built config: Gemma 4 derives its global layers'
+    # per_layer_config (head dim 512, 4 KV heads) from layer_types and num_hidden_layers as it is constructed
+    raw = json.loads(Path(config_json).read_text())
+    raw = raw.get("text_config") or raw
+    quant = raw.pop("quantization_config", None)
+    raw.update(overrides or {})
+    if len(raw.get("layer_types") or ()) > raw["num_hidden_layers"]:
+        raw["layer_types"] = raw["layer_types"][:raw["num_hidden_layers"]]
+    config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():
         model.model.norm.weight.fill_(norm_gain)
-    model.save_pretrained(out, safe_serialization=True)
+    if not mxfp4:
+        model.save_pretrained(out, safe_serialization=True)
+        return out
+    from safetensors.torch import save_file
+
+    if quant is None or quant.get("quant_method") != "mxfp4":
+        raise ValueError(f"{config_json}: mxfp4=True needs a published MXFP4 quantization_config")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    g = torch.Generator(device=device).manual_seed(1)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = state.pop(key).shape  # stored 16-bit as [E, in, out]; MXFP4 as [E, out, in/32, 16]
+        # every e2m1 code, scales 2^-9..2^-6: about the spread of the 16-bit init (0.02)
+        state[key + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g,
+                                               dtype=torch.uint8, device=device)
+        state[key + "_scales"] = torch.randint(118, 122, (experts, rows, cols // 32), generator=g,
+                                               dtype=torch.uint8, device=device)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.cpu() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = quant
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
     return out
 
 
