@@ -8,13 +8,7 @@ from __future__ import annotations
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-
-def _l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the head dimension, in float32, back in x's dtype (fla's own l2norm, which
-    autotunes 25 configurations for every new bucket of 65,536 rows: about 10 s each time a step's token count
-    first reaches one, in the middle of a run)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+from llmcli.kernels.gated_delta_torch import l2_normalized
 
 
 def _value_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +22,9 @@ def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    initial: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q/k [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv] of the chunks ``cu_seqlens`` cuts; initial [N, Hv, Dk, Dv]
     -> (out [T, Hv, Dv], final states [N, Hv, Dk, Dv])."""
-    q, k = _value_heads(_l2_normalized(q), _l2_normalized(k), v.shape[-2])
+    # normalised here, in the inputs' dtype, not by fla: its l2norm autotunes 25 configurations for every new
+    # bucket of 65,536 rows, about 10 s each time a step's token count first reaches one, mid-run
+    q, k = _value_heads(l2_normalized(q).to(q.dtype), l2_normalized(k).to(k.dtype), v.shape[-2])
     out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None].float(), beta=beta[None].to(q.dtype),
                                         initial_state=initial.float(), output_final_state=True,
                                         use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens.long())

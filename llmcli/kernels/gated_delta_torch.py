@@ -38,13 +38,16 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tenso
     return F.silu(out).to(x.dtype), full[..., 1:]
 
 
+def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the head dimension, in float32 (eps inside the root, as fla)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q/k to float32, L2-normalised (eps inside the root, as fla), grouped heads repeated to the value heads,
-    q scaled."""
+    """q/k to float32, L2-normalised, grouped heads repeated to the value heads, q scaled."""
     group = v.shape[-2] // q.shape[-2]
-    q, k = q.float(), k.float()
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q, k = l2_normalized(q), l2_normalized(k)
     if group > 1:
         q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
     return q * q.shape[-1] ** -0.5, k, v.float()
