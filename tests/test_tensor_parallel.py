@@ -262,6 +262,19 @@ def test_an_ended_process_is_described_by_its_exit_status_even_when_slow_to_reap
     assert describe_ended(_SlowToReap(reap_s=3.0), settle_s=0.1) == "is exiting (no exit status yet)"
 
 
+class _ReapedByAnotherThread(_SlowToReap):
+    """Another thread's poll reaped the child: join returns at once with no status, which appears a moment later."""
+
+    def join(self, timeout: float) -> None:
+        threading.Timer(0.2, setattr, (self, "exitcode", 1)).start()
+
+
+def test_an_exit_reaped_by_another_thread_is_still_described_by_its_status():
+    """A CI run reported a worker that raised as "is exiting (no exit status yet)": rank 0's poll and the
+    watchdog both waited on the child, and the one that lost the waitpid race saw no status."""
+    assert describe_ended(_ReapedByAnotherThread(reap_s=0.0)) == "exited with status 1"
+
+
 def test_rank0_counts_a_fired_sentinel_as_an_exit_before_the_status_comes():
     """After a communication error rank 0 waits FAILURE_SETTLE_S for the dead worker to show up; a worker whose
     status lags its sentinel past that must still be found, and named with its status."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 # A process's sentinel fires when its files close, which comes before the kernel makes it reapable; on a loaded
@@ -23,7 +24,12 @@ def describe_exit(code: int) -> str:
 
 def describe_ended(proc: Any, settle_s: float = EXIT_SETTLE_S) -> str:
     """How a process whose sentinel fired ended, waiting up to ``settle_s`` for its exit status."""
+    deadline = time.monotonic() + settle_s
     proc.join(settle_s)
+    # join returns at once, status unknown, when another thread's poll reaped the child first (waitpid gives
+    # ECHILD to the loser); that thread stores the status on the shared handle a moment later
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.02)
     if proc.exitcode is None:
         return "is exiting (no exit status yet)"
     return describe_exit(proc.exitcode)

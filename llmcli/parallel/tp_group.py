@@ -120,11 +120,12 @@ class Group:
                 p.kill()  # the silent one too (SIGKILL ends a stopped process), so rank 0's collective fails fast
 
     def poll_workers(self) -> None:
-        # a fired sentinel counts as well as an exit status: the status can lag it by seconds on a loaded
-        # machine, longer than rank 0's FAILURE_SETTLE_S wait after a communication error
+        # the sentinel, not the exit status: the status can lag it by seconds on a loaded machine (longer than
+        # rank 0's FAILURE_SETTLE_S wait after a communication error), and reading it here would reap the child
+        # under the watchdog's feet, which is then left with no status to report
         ended = multiprocessing.connection.wait([p.sentinel for p in self.procs.values()], timeout=0)
         for rank, proc in self.procs.items():
-            if proc.exitcode is not None or proc.sentinel in ended:
+            if proc.sentinel in ended:
                 self.worker_exited(rank)
 
     def check(self) -> None:
