@@ -18,10 +18,10 @@ from benchmarks.harness.report import Report, fail
 from benchmarks.harness.workload import NEUTRAL
 
 KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
-    ("attention", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash")),
-    ("kv store", ("_store_kv_kernel",)),  # the triton backend's store is inside _qk_norm_rotary_kernel now
+    ("attention, KV store", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash", "_kv_")),
+    ("linear attention (conv, delta rule)", ("_delta_step_kernel", "_conv_step_kernel", "_conv_varlen", "chunk_")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
-    ("elementwise (Triton kernels)", ("_rms_norm_kernel", "_silu_and_mul_kernel", "_qk_norm_rotary_kernel")),
+    ("elementwise (Triton kernels)", ("rms_norm_kernel", "_silu_and_mul_kernel", "_qk_norm_rotary_kernel")),
     ("fused elementwise (torch.compile)", ("triton_",)),
     ("copies and fills", ("Memcpy", "Memset")),
 )

@@ -12,7 +12,9 @@ from llmcli.cli.io.openai_fields import OPENAI_ONLY_FIELDS, Echo, check_unhonour
 from llmcli.cli.io.fields import OPENAI_BODY_EXTRA, AliasConflict, resolve_aliases, unknown_fields
 from llmcli.cli.io.score_fields import SCORE_FIELDS, Score, take_score
 from llmcli.cli.io.source import RawLine
-from llmcli.engine.chat_messages import NO_IMAGES, ContentPartError, template_message
+from llmcli.cli.io.value_checks import (SAMPLING_CHECKS, check_messages, check_text, check_token_ids, describe,
+                                       is_int, short, take_sampling, type_name)
+from llmcli.engine.chat_messages import NO_IMAGES
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 # vLLM's offline multi-modal inputs and the image fields of datasets: refused, never dropped with a warning
@@ -104,137 +106,17 @@ def output_key(obj: dict[str, Any]) -> str | None:
     return None
 
 
-# -- type checks ----------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_stop(v: Any) -> bool:
-    return v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
-
-
-def _is_int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(t) for t in v)
-
-
-_SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "top_k": (_is_int, "an integer"),
-    "min_p": (_is_number, "a number"),
-    "max_tokens": (lambda v: v is None or _is_int(v), "an integer or null"),
-    "stop": (_is_stop, "a string or a list of strings"),
-    "stop_token_ids": (_is_int_list, "a list of integers"),
-    "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
-    "n": (_is_int, "an integer"),
-    "logprobs": (lambda v: v is None or _is_int(v), "an integer from 0 to 20 or null"),
-    "prompt_logprobs": (lambda v: v is None or _is_int(v), "an integer from 0 to 20 or null"),
-    "repetition_penalty": (_is_number, "a number"),
-    "presence_penalty": (_is_number, "a number"),
-    "frequency_penalty": (_is_number, "a number"),
-    "min_tokens": (_is_int, "an integer"),
-    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "true or false"),
-    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
-    "logit_bias": (lambda v: v is None or (isinstance(v, dict) and all(_is_number(x) for x in v.values())),
-                   "an object of token id: number"),
-    "bad_words": (lambda v: v is None or _is_stop(v), "a string or a list of strings"),
-    "allowed_token_ids": (lambda v: v is None or _is_int_list(v), "a list of integers or null"),
-    "truncate_prompt_tokens": (lambda v: v is None or _is_int(v), "an integer or null"),
-    "skip_reading_prefix_cache": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
-    "thinking_token_budget": (lambda v: v is None or _is_int(v), "an integer or null"),
-}
-SAMPLING_FIELDS = tuple(_SAMPLING_CHECKS)
-
-
-def _type_name(v: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def _take_sampling(src: dict[str, Any], prefix: str) -> dict[str, Any]:
-    found = {}
-    for name, (check, wanted) in _SAMPLING_CHECKS.items():
-        if name in src:
-            value = src[name]
-            if not check(value):
-                raise FieldProblem(prefix + name, f"must be {wanted}, got {_describe(value)}")
-            found[name] = value
-    return found
-
-
-def _describe(value: Any) -> str:
-    # JSON integers past 64 bits are read as floats: say so rather than blame a number the user never wrote.
-    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
-        return f"an integer too large for 64 bits ({_short(value)})"
-    return f"{_type_name(value)} {_short(value)}"
-
-
-def _short(value: Any) -> str:
-    text = orjson.dumps(value).decode()
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-# -- prompts --------------------------------------------------------------------
-def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise FieldProblem(name, "must be a non-empty array of {role, content} objects")
-    checked = []
-    for i, msg in enumerate(messages):
-        where = f"{name}[{i}]"
-        if not isinstance(msg, dict):
-            raise FieldProblem(where, f"must be an object, got {_type_name(msg)}")
-        if not isinstance(msg.get("role"), str):
-            raise FieldProblem(f"{where}.role", "must be a string")
-        calls = msg.get("tool_calls")
-        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
-            raise FieldProblem(f"{where}.tool_calls", "must be an array of tool-call objects")
-        try:  # OpenAI content parts (only text, for a text-only model); null beside tool_calls
-            msg = template_message(msg)
-        except ContentPartError as exc:
-            raise FieldProblem(f"{where}.content[{exc.index}]", str(exc)) from None
-        except ValueError:
-            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(msg.get('content'))}"
-                               + (" (null only in an assistant turn with tool_calls)"
-                                  if msg.get("content") is None else "")) from None
-        if not isinstance(msg["content"], str):
-            raise FieldProblem(f"{where}.content", f"must be a string, got {_type_name(msg['content'])}")
-        checked.append(msg)
-    return checked
-
-
-def _check_token_ids(ids: Any, name: str) -> list[int]:
-    if not isinstance(ids, list) or not ids:
-        raise FieldProblem(name, "must be a non-empty array of token ids")
-    for i, t in enumerate(ids):
-        if not _is_int(t) or t < 0:
-            raise FieldProblem(name, f"item {i} must be a non-negative integer, got {_describe(t)}")
-    return ids
-
-
-def _check_text(text: Any, name: str) -> str:
-    if not isinstance(text, str):
-        raise FieldProblem(name, f"must be a string, got {_type_name(text)}")
-    if not text:
-        raise FieldProblem(name, "is empty")
-    return text
-
-
 # constraint fields, parsed by cli/io/structured_fields.py
 STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")
 
 
 def _known(openai_body: bool) -> set[str]:
-    # Read at call time, so sampling fields added to _SAMPLING_CHECKS are known at once.
+    # Read at call time, so sampling fields added to SAMPLING_CHECKS are known at once.
     if openai_body:
         return {"messages", "prompt", "chat_template_kwargs", "reasoning_effort", "top_logprobs", *STRUCTURED_FIELDS,
-                *OPENAI_BODY_EXTRA, *OPENAI_ONLY_FIELDS, *_SAMPLING_CHECKS}
-    return {"id", "chat_template_kwargs", "reasoning_effort", *PROMPT_FIELDS, *_SAMPLING_CHECKS, *STRUCTURED_FIELDS,
+                *OPENAI_BODY_EXTRA, *OPENAI_ONLY_FIELDS, *SAMPLING_CHECKS}
+    return {"id", "chat_template_kwargs", "reasoning_effort", *PROMPT_FIELDS, *SAMPLING_CHECKS, *STRUCTURED_FIELDS,
             *SCORE_FIELDS}
 
 
@@ -258,7 +140,7 @@ def _aliased(obj: dict[str, Any], prefix: str) -> dict[str, Any]:
 def _template_kwargs(src: dict[str, Any], name: str) -> dict[str, Any] | None:
     value = src.get("chat_template_kwargs")
     if value is not None and not isinstance(value, dict):
-        raise FieldProblem(name, f"must be an object, got {_type_name(value)}")
+        raise FieldProblem(name, f"must be an object, got {type_name(value)}")
     return value
 
 
@@ -281,15 +163,15 @@ def _parse_plain(rec: InputRecord, obj: dict[str, Any]) -> None:
     value = obj[rec.kind]
     if rec.kind == "prompt":
         # A list of ints under "prompt" is the OpenAI convention for token ids.
-        if isinstance(value, list) and value and all(_is_int(t) for t in value):
-            rec.kind, rec.prompt = "prompt_token_ids", _check_token_ids(value, "prompt")
+        if isinstance(value, list) and value and all(is_int(t) for t in value):
+            rec.kind, rec.prompt = "prompt_token_ids", check_token_ids(value, "prompt")
         else:
-            rec.prompt = _check_text(value, "prompt")
+            rec.prompt = check_text(value, "prompt")
     elif rec.kind == "messages":
-        rec.prompt = _check_messages(value, "messages")
+        rec.prompt = check_messages(value, "messages")
     else:
-        rec.prompt = _check_token_ids(value, "prompt_token_ids")
-    rec.sampling = _take_sampling(obj, "")
+        rec.prompt = check_token_ids(value, "prompt_token_ids")
+    rec.sampling = take_sampling(obj, "")
     rec.chat_template_kwargs = take_reasoning_effort(obj, "", _template_kwargs(obj, "chat_template_kwargs"),
                                                      rec.kind == "messages")
     _take_structured(rec, obj, "")
@@ -307,14 +189,14 @@ def _take_structured(rec: InputRecord, src: dict[str, Any], prefix: str) -> None
 def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
     method = obj.get("method", "POST")
     if method != "POST":
-        raise FieldProblem("method", f'must be "POST", got {_short(method)}')
+        raise FieldProblem("method", f'must be "POST", got {short(method)}')
     url = obj.get("url")
     if url not in OPENAI_ENDPOINTS:
-        raise FieldProblem("url", f"must be one of {', '.join(OPENAI_ENDPOINTS)}, got {_short(url)}")
+        raise FieldProblem("url", f"must be one of {', '.join(OPENAI_ENDPOINTS)}, got {short(url)}")
     rec.openai.url = url
     body = obj.get("body")
     if not isinstance(body, dict):
-        raise FieldProblem("body", f"must be an object, got {_type_name(body)}")
+        raise FieldProblem("body", f"must be an object, got {type_name(body)}")
     _refuse_media(body, "body.")
     rec.unknown = (unknown_fields(obj, ("custom_id", "method", "url", "body"))
                    + unknown_fields(body, _known(openai_body=True), prefix="body."))
@@ -324,8 +206,8 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
     if rec.openai.chat:
         if "echo" in body:
             raise FieldProblem("body.echo", "is a /v1/completions field")
-        rec.kind, rec.prompt = "messages", _check_messages(body.get("messages"), "body.messages")
-        sampling = _take_sampling({k: v for k, v in body.items() if k != "logprobs"}, "body.")
+        rec.kind, rec.prompt = "messages", check_messages(body.get("messages"), "body.messages")
+        sampling = take_sampling({k: v for k, v in body.items() if k != "logprobs"}, "body.")
         sampling.update(_chat_logprobs(body))
         rec.chat_template_kwargs = take_tools(body, rec.chat_template_kwargs)
     else:
@@ -333,7 +215,7 @@ def _parse_openai(rec: InputRecord, obj: dict[str, Any]) -> None:
             if name in body:
                 raise FieldProblem(f"body.{name}", "is a /v1/chat/completions field")
         rec.kind, rec.prompt = _openai_prompt(body.get("prompt"))
-        sampling = _take_sampling(body, "body.")
+        sampling = take_sampling(body, "body.")
         rec.openai.echo = take_echo(body, sampling)
     rec.chat_template_kwargs = take_reasoning_effort(body, "body.", rec.chat_template_kwargs, rec.openai.chat)
     rec.sampling = sampling
@@ -344,9 +226,9 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     """Chat completions ask with ``logprobs: true`` and ``top_logprobs: k``; plain records with ``logprobs: k``."""
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
-        raise FieldProblem("body.logprobs", f"must be true or false, got {_type_name(wanted)} {_short(wanted)}")
-    if top is not None and (not _is_int(top) or not 0 <= top <= 20):
-        raise FieldProblem("body.top_logprobs", f"must be an integer from 0 to 20, got {_describe(top)}")
+        raise FieldProblem("body.logprobs", f"must be true or false, got {type_name(wanted)} {short(wanted)}")
+    if top is not None and (not is_int(top) or not 0 <= top <= 20):
+        raise FieldProblem("body.top_logprobs", f"must be an integer from 0 to 20, got {describe(top)}")
     if top is not None and not wanted:
         raise FieldProblem("body.top_logprobs", "needs \"logprobs\": true")
     return {"logprobs": top or 0} if wanted else {}
@@ -354,14 +236,14 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
 
 def _openai_prompt(prompt: Any) -> tuple[str, Any]:
     name = "body.prompt"
-    if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and not all(is_int(t) for t in prompt):
         # OpenAI allows a batch of prompts in one request; one line is one request here.
         if len(prompt) != 1:
             raise FieldProblem(name, "holds several prompts; put one prompt per line")
         prompt = prompt[0]
     if isinstance(prompt, list):
-        return "prompt_token_ids", _check_token_ids(prompt, name)
-    return "prompt", _check_text(prompt, name)
+        return "prompt_token_ids", check_token_ids(prompt, name)
+    return "prompt", check_text(prompt, name)
 
 
 def _json_problem(data: bytes, exc: orjson.JSONDecodeError) -> str:
@@ -397,7 +279,7 @@ def parse_line(raw: RawLine) -> InputRecord:
         rec.fail(None, _json_problem(raw.data, exc))
         return rec
     if not isinstance(obj, dict):
-        rec.fail(None, f"must be a JSON object, got {_type_name(obj)}")
+        rec.fail(None, f"must be a JSON object, got {type_name(obj)}")
         return rec
     try:
         if "custom_id" in obj or "body" in obj:
@@ -410,10 +292,10 @@ def parse_line(raw: RawLine) -> InputRecord:
             rec.out_id, rec.key = named, record_key(named, openai=True)
             if not isinstance(custom_id, str) or not custom_id:
                 raise FieldProblem("custom_id", "an OpenAI batch line needs a non-empty string custom_id, got "
-                                   + ("none" if custom_id is None else _describe(custom_id)))
+                                   + ("none" if custom_id is None else describe(custom_id)))
         elif "id" in obj:
-            if not (isinstance(obj["id"], str) or _is_int(obj["id"])):
-                raise FieldProblem("id", f"must be a string or an integer, got {_type_name(obj['id'])}")
+            if not (isinstance(obj["id"], str) or is_int(obj["id"])):
+                raise FieldProblem("id", f"must be a string or an integer, got {type_name(obj['id'])}")
             rec.out_id, rec.key = obj["id"], record_key(obj["id"], openai=False)
         # Checked once the record's name is known, so its error line carries its own id. Nesting deeper than
         # MAX_DEPTH needs more brackets than that: most lines are not walked at all.
@@ -451,4 +333,4 @@ def describe_duplicate(rec: InputRecord, first_line: int) -> None:
     name = "custom_id" if rec.openai is not None else "id"
     rec.prompt = None
     where = "row" if rec.columns is not None else "line"  # a table's rows are its lines
-    rec.fail(name, f"duplicate {name} {_short(rec.out_id)} (first used on {where} {first_line})")
+    rec.fail(name, f"duplicate {name} {short(rec.out_id)} (first used on {where} {first_line})")

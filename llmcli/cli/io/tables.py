@@ -18,7 +18,8 @@ from typing import Any, Iterator
 
 import orjson
 
-from llmcli.cli.io.records import SAMPLING_FIELDS, STRUCTURED_FIELDS, InputRecord, parse_line
+from llmcli.cli.io.records import STRUCTURED_FIELDS, InputRecord, parse_line
+from llmcli.cli.io.value_checks import SAMPLING_FIELDS
 from llmcli.cli.io.source import InputFile, RawLine
 from llmcli.cli.io.table_formats import TableFile
 from llmcli.cli.usage_error import UsageError
