@@ -173,6 +173,30 @@ def test_partial_rotary_and_zero_centred_norm_match_eager(dtype, rotary_dim, off
     assert torch.equal(q_st, q_out) and torch.equal(k_st, k_out) and torch.equal(pool, ref_pool)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_kernels_read_q_between_its_gates(dtype):
+    """Qwen3.5's gated attention: q_proj gives each head its q then its gate, and the layer passes q as a view
+    whose heads lie 2 x head_dim apart. Both kernels read it in place: the same bits as from a contiguous copy
+    (and the eager function's values), the gate rows untouched, the cache as the kernel-then-store."""
+    m, heads, kv_heads, head_dim, rotary_dim = 9, 4, 2, 128, 32  # a quarter rotary, zero-centred norms
+    rotary = RotaryEmbedding(rotary_dim, 4096, 10_000_000.0).to(DEVICE)
+    qkv, (_, k, v), pool, slots, positions, (qw, kw) = qk_store_case(m, 2 * heads, kv_heads, head_dim, 16, dtype)
+    q = qkv[:, : 2 * heads * head_dim].view(m, heads, 2 * head_dim)[..., :head_dim]
+    assert q.stride(1) == 2 * head_dim
+    before = qkv.clone()
+    args = (positions, 0.1 * qw, 0.1 * kw, EPS, rotary.cos, rotary.sin)
+    q_out, k_out = te.qk_norm_rotary(q, k, *args, rotary_dim=rotary_dim, weight_offset=1.0)
+    q_dense, _ = te.qk_norm_rotary(q.contiguous(), k, *args, rotary_dim=rotary_dim, weight_offset=1.0)
+    assert torch.equal(q_out, q_dense)
+    close(q_out, qk_norm_rotary.__wrapped__(q, k, *args, rotary_dim=rotary_dim, weight_offset=1.0)[0], dtype)
+    ref_pool = pool.clone()
+    store_kv(k_out, v, ref_pool[0, 1], ref_pool[1, 1], slots)
+    q_st, k_st = te.qk_norm_rotary_store(q, k, v, *args, pool[0, 1], pool[1, 1], slots, rotary_dim=rotary_dim,
+                                         weight_offset=1.0)
+    assert torch.equal(q_st, q_out) and torch.equal(k_st, k_out) and torch.equal(pool, ref_pool)
+    assert torch.equal(qkv, before)
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 256])
 def test_eager_partial_rotary_and_zero_centred_norm_match_transformers(rotary_dim):
     """The eager reference against transformers' own Qwen3.5 pieces: ``Qwen3_5RMSNorm`` (weights stored as w - 1)

@@ -164,9 +164,8 @@ class DecoderAttention(nn.Module):
         if self.v_norm:
             v = rms_norm_no_gain(v, self.eps)
         gate = None
-        if self.gated:
+        if self.gated:  # strided views, each head contiguous: the q/k transform and the gate read them in place
             q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
-            q = q.reshape(-1, q_size)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
         q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         # the q/k transform (optional per-head norm, then rotary, partial where rotary_dim < head_dim) goes with the
@@ -176,10 +175,9 @@ class DecoderAttention(nn.Module):
         transform = QKNormRotary(positions, q_w, k_w, self.eps, self.rotary.cos, self.rotary.sin,
                                  rotary_dim=self.rotary_dim)
         out = self.attn(q, k, v, transform)
-        out = out.flatten(1, 2)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(-1, q_size))
-        return self.o_proj(out)
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out.flatten(1, 2))
 
 
 def make_norm(spec: DecoderSpec, size: int, gain: float = 1.0) -> RMSNorm:
