@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-# the delta rule's tile: value columns of the state per program (a [Dk, 32] float32 tile is 16 KiB at Dk=128),
-# and warps per program; tests/test_gpu_gated_delta.py sweeps other pairs on the GPU
-DELTA_TILE = (32, 4)
+# the delta rule's tile: value columns of the state per program (a [Dk, 64] float32 tile is 32 KiB at Dk=128),
+# and warps per program; tests/test_gpu_gated_delta.py sweeps nine pairs on the GPU: at batch 256 on an H200
+# (64, 4) streamed the states at 3.48 TB/s, (32, 4) at 3.04 (benchmarks/RESULTS.md N1)
+DELTA_TILE = (64, 4)
 BLOCK_C = 256  # conv channels per program
 BLOCK_T = 16  # prefill tokens per program of the varlen conv
 NUM_WARPS = 4

@@ -6,14 +6,14 @@ byte, the low nibble first along K) and ``s`` uint8 [E, N, K / 32] (an e8m0 expo
 once, move a quarter of the bytes. Each program turns its weight tile's codes into values in registers, one of
 two ways (``mxfp4_kernel``; ``LLMCLI_MXFP4_KERNEL=scaled|dequant`` picks for an A/B):
 
-* ``scaled`` (to become the default for bf16/fp16 activations once it has run on a GPU: until then its
-  results there are unchecked): ``tl.dot_scaled`` with the codes as its packed-along-K
+* ``scaled`` (the default for bf16/fp16 activations; on an H200 1.1x to 1.7x the bf16 kernel at gpt-oss-20b's
+  decode batches, ``benchmarks/RESULTS.md`` N1): ``tl.dot_scaled`` with the codes as its packed-along-K
   right operand, loaded [K / 2, N] straight from the [N, K / 2] rows (the pointer strides swapped), and the scales
   as [N, K / 32]. On sm_90 Triton (3.6) copies the codes to shared memory asynchronously, upcasts them with
   byte-permute lookups in the layout the tensor cores read and multiplies by the scale as a 16-bit power of two
   (exact): 5 to 8 instructions a weight at the tiles picked, where ``dequant``'s float32 integer-and-select
   decode takes 13 to 18 (counted in the sm_90 SASS of both).
-* ``dequant`` (the default, and float32's only path; the first kernel's decode, checked on an H200): integer
+* ``dequant`` (float32's only path; the first kernel's decode, 0.65x the bf16 kernel on an H200): integer
   ops on the codes, in float32, to the activations' dtype, then ``tl.dot``.
 
 Either way the scales of the next K tile are loaded a tile ahead: 1-byte loads, which the pipeliner does not turn
@@ -37,9 +37,9 @@ KERNELS = ("scaled", "dequant")
 
 
 def mxfp4_kernel(dtype: torch.dtype, kernel: str | None = None) -> str:
-    """The tile product for activations of ``dtype``: ``kernel``, else ``LLMCLI_MXFP4_KERNEL``, else ``dequant``;
+    """The tile product for activations of ``dtype``: ``kernel``, else ``LLMCLI_MXFP4_KERNEL``, else ``scaled``;
     always ``dequant`` for float32, which ``tl.dot_scaled`` does not take."""
-    kernel = kernel or os.environ.get("LLMCLI_MXFP4_KERNEL") or "dequant"
+    kernel = kernel or os.environ.get("LLMCLI_MXFP4_KERNEL") or "scaled"
     if kernel not in KERNELS:
         raise ValueError(f"MXFP4 kernel {kernel!r}: one of {', '.join(KERNELS)}")
     return "dequant" if dtype == torch.float32 else kernel
@@ -53,13 +53,13 @@ def mxfp4_tuning(num_pairs: int, num_experts: int, kernel: str = "scaled") -> Mo
     ``scaled``: 16 x 32 tiles 128 deep on 2 warps at decode, mma.sync reading the codes from shared memory in
     16-byte loads (5.3 sm_90 instructions a gate/up weight; 16 x 64 on 4 warps, the swapped wgmma, takes 6.3 and
     reads them byte by byte), and twice the programs of 64 columns: gpt-oss-20b's 1-token step runs 4 experts x
-    90 column tiles, 2.7 a multiprocessor. 64 x 128 x 64 on 8 warps beyond (6.9; 174 registers where 64 x 64 x 128
-    on 4 warps needs 254). ``dequant``: the first kernel's tiles."""
+    90 column tiles, 2.7 a multiprocessor. 64 x 64 x 64 on 4 warps beyond (the fastest of four candidates at 256
+    tokens on an H200, 391 us where 64 x 128 x 64 on 8 warps took 435). ``dequant``: the first kernel's tiles."""
     per_expert = num_pairs / num_experts
     if kernel == "scaled":
         if per_expert <= 16:
             return MoeTuning(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4)
-        return MoeTuning(block_m=64, block_n=128, block_k=64, num_warps=8)
+        return MoeTuning(block_m=64, block_n=64, block_k=64, num_warps=4)
     if per_expert <= 16:
         return MoeTuning(block_m=16, block_n=64, block_k=128)
     if per_expert <= 64:
