@@ -433,3 +433,48 @@ def test_memory_probe_of_a_hybrid_on_cuda_has_a_row_per_sequence():
     short = types.SimpleNamespace(max_model_len=4096, max_num_seqs=6)
     assert probe_lens(short, 16384, many_rows=True) == [1, 1, 4094, 4096, 4096, 4096]
     assert probe_lens(types.SimpleNamespace(max_model_len=64, max_num_seqs=4), 16, many_rows=True) == [1, 1, 1, 13]
+
+
+def test_a_large_hybrid_lowers_max_num_seqs_so_its_states_leave_room_for_kv():
+    """Qwen3.6-27B's published shape: 48 linear layers of 48 value heads with 128 x 128 float32 states (and a conv
+    state of 10,240 channels x 3 in bf16) take ~147 MiB a sequence, 150 GiB at the default 1,024 sequences: with
+    ~70 GiB left after the weights, the states may take half and max_num_seqs comes down to what fits, said in
+    one line; a model whose states fit keeps its max_num_seqs."""
+    from llmcli.engine.state_pool import STATE_SHARE, fit_max_num_seqs, num_snapshot_slots
+
+    per_slot = 48 * (48 * 128 * 128 * 4 + 10240 * 3 * 2)
+    assert 146 * 2**20 < per_slot < 148 * 2**20
+    hf = types.SimpleNamespace(layer_types=["linear_attention"] * 3 + ["full_attention"])
+    cfg = types.SimpleNamespace(max_num_seqs=1024, enable_prefix_caching=True, num_state_snapshots=None, hf_config=hf)
+    left = 70 * 2**30
+    line = fit_max_num_seqs(cfg, per_slot, left)
+    n = cfg.max_num_seqs
+    assert line.startswith(f"max_num_seqs lowered from 1024 to {n}: ") and "147 MiB" in line
+    held = (n + 2 + num_snapshot_slots(cfg)) * per_slot
+    assert held <= STATE_SHARE * left < held + 2 * per_slot  # as many as fit, not fewer
+    assert 200 < n < 250 and num_snapshot_slots(cfg) == n // 16
+    assert fit_max_num_seqs(cfg, per_slot, left) is None  # already fits: unchanged
+    assert fit_max_num_seqs(cfg, per_slot, left, agree=lambda v: v - 10) is not None and cfg.max_num_seqs == n - 10
+    small = types.SimpleNamespace(max_num_seqs=64, enable_prefix_caching=False, num_state_snapshots=None, hf_config=hf)
+    assert fit_max_num_seqs(small, per_slot, left) is None and small.max_num_seqs == 64
+    fit_max_num_seqs(small, per_slot, per_slot)  # not even one fits: one sequence, and the KV plan says the rest
+    assert small.max_num_seqs == 1
+
+
+def test_an_engine_whose_states_do_not_all_fit_runs_with_fewer_sequences(hybrid, hf_oracle, run_factory,
+                                                                           monkeypatch):
+    """The runner lowers max_num_seqs before the scheduler and the state pool are made from it (the memory left
+    is set here, as a GPU's probe would find it): the scheduler admits that many, the pool has their rows, the
+    memory report says why, and the tokens still equal transformers'."""
+    import llmcli.engine.model_runner as model_runner
+    from llmcli.engine.state_pool import state_bytes_per_slot
+
+    path = hybrid("qwen3.5")
+    per_slot = state_bytes_per_slot(run_factory(path, max_num_seqs=4).llm.engine.model_runner.model, torch.float32)
+    monkeypatch.setattr(model_runner, "memory_left", lambda config, device, peak: 2 * (3 + 2 + 4) * per_slot)
+    run = run_factory(path, max_num_seqs=16)
+    engine = run.llm.engine
+    assert engine.scheduler.max_num_seqs == 3 and engine.config.max_num_seqs == 3
+    assert engine.model_runner.state_pool[0].shape[0] == 3 + 1 + 4 + 1  # rows, snapshots, scratch
+    assert engine.model_runner.memory_report.notes[0].startswith("max_num_seqs lowered from 16 to 3: ")
+    check_against_hf(run, hf_oracle, random_prompts([20, 40, 33, 27, 45, 38], seed=5), max_new=6)

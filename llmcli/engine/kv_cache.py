@@ -86,9 +86,7 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
     per_block = per_token * bs
     notes: list[str] = []
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * config.gpu_memory_utilization)
-        in_use = total - free
+        budget, in_use, total = _cuda_budget(config, device)
         if config.kv_cache_memory_gib is not None:
             available = int(config.kv_cache_memory_gib * GIB)
         else:
@@ -140,6 +138,21 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), state_pool_bytes=state_pool_bytes,
         num_state_snapshots=num_snapshots, state_snapshot_bytes=snapshot_bytes, kv_groups=groups, notes=notes,
     )
+
+
+def _cuda_budget(config: Config, device: torch.device) -> tuple[int, int, int]:
+    """(the budget gpu_memory_utilization gives, the bytes in use now, the device's total)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * config.gpu_memory_utilization), total - free, total
+
+
+def memory_left(config: Config, device: torch.device, activation_peak: int) -> int | None:
+    """Bytes of the budget the weights and the activations' peak leave for caches (KV and states); None on the
+    CPU, whose pools are sized by kv_cache_memory_gib."""
+    if device.type != "cuda":
+        return None
+    budget, in_use, _ = _cuda_budget(config, device)
+    return max(0, budget - in_use - activation_peak)
 
 
 def group_reports(config: Config, layout: KVLayout | None, per_block: int) -> list[dict[str, Any]]:

@@ -12,10 +12,12 @@ from llmcli.config import Config
 from llmcli.parallel import tp_rank, tp_size
 from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
-from llmcli.engine.kv_cache import KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, kv_layout, plan_kv_cache
+from llmcli.engine.kv_cache import (KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, kv_layout, memory_left,
+                                   plan_kv_cache)
 from llmcli.layers.attention import Attention
 from llmcli.engine.row_table import RowTable
-from llmcli.engine.state_pool import allocate_state_pool, linear_layers, num_snapshot_slots, state_bytes_per_slot
+from llmcli.engine.state_pool import (allocate_state_pool, fit_max_num_seqs, linear_layers, num_snapshot_slots,
+                                     state_bytes_per_slot)
 from llmcli.engine.sampling_extras import StepExtras, StepLogprobs, upload_extras
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_plan import StepPlan
@@ -129,12 +131,18 @@ class ModelRunner:
                                                self.model, self.kv_layout)
                 # one state slot per block-table row a sequence may hold, the prefix cache's snapshots, a scratch
                 # slot
-                self.num_snapshots = num_snapshot_slots(config)
                 per_slot = state_bytes_per_slot(self.model, config.torch_dtype)
+                left = memory_left(config, self.device, activation_peak)
+                lowered = fit_max_num_seqs(config, per_slot, left, self._agree_min) if per_slot and left else None
+                if lowered and self.rank == 0:
+                    log.warning(lowered)
+                self.num_snapshots = num_snapshot_slots(config)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
                                                    activation_peak, per_slot * (config.max_num_seqs + 2),
                                                    (self.num_snapshots, per_slot * self.num_snapshots),
                                                    self.kv_layout)
+                if lowered:
+                    self.memory_report.notes.insert(0, lowered)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
             if self.num_blocks == 0:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
@@ -213,15 +221,21 @@ class ModelRunner:
     def block_tables(self) -> "BlockTables":
         return self.rows.block_tables
 
+    def _agree_min(self, value: int) -> int:
+        """Every tensor-parallel rank must use the same figure: the smallest."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""
         if self.world == 1:
             return num_blocks
-        import torch.distributed as dist
-
-        t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        self.memory_report.num_blocks = int(t.item())
+        self.memory_report.num_blocks = self._agree_min(num_blocks)
         self.memory_report.cache_tokens = self.memory_report.num_blocks * self.config.kvcache_block_size
         return self.memory_report.num_blocks
 
