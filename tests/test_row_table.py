@@ -76,6 +76,29 @@ def test_block_table_deltas_reach_the_device_copy():
         raise AssertionError("a table wider than max_model_len's columns must be refused")
 
 
+def test_every_kv_groups_deltas_cross_in_two_uploads():
+    """Gemma 4-31B's eleven KV groups: a decode step where sequences cross a block boundary adds a block to each
+    group's table. All groups' deltas go in one upload of indices and one of block ids (an upload a group wrapped
+    the 16 pinned buffers of the uploader's ring within a step on the GPU, making the host wait for the device:
+    19 ms a step, benchmarks/RESULTS.md N4), and every group's device copy equals its host table."""
+    class Counting(Uploader):
+        calls = 0
+
+        def upload(self, dtype, *parts):
+            Counting.calls += 1
+            return super().upload(dtype, *parts)
+
+    table = RowTable(6, 4, CPU, rows=4, copy=True, groups=11)
+    plan = decode_plan([0, 2], [4, 8], blocks=[(0, 1, [5]), (2, 2, [9])])
+    plan.group_blocks = [(g, row, lo, [100 * g + row]) for g in range(1, 11) for row, lo in ((0, 1), (2, 2))]
+    table.update(plan, Counting(CPU))
+    assert Counting.calls == 2 + 2  # group 0's own pair, then the other ten groups' together
+    for g, tables in enumerate(table.group_tables):
+        assert torch.equal(tables.table, torch.from_numpy(tables.host)), g
+        if g:
+            assert tables.host[0, 1] == 100 * g and tables.host[2, 2] == 100 * g + 2
+
+
 def test_penalty_values_arrive_with_the_row_and_are_gathered_by_row():
     """Repetition, presence and frequency are row-table columns, set once when a row changes hands: a step's
     extras carry only which rows are penalised, not their values."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-SLOTS = 16  # more than the copies of two steps in flight: a slot is almost never still busy when reused
+SLOTS = 64  # more than the copies of two steps in flight (a step makes ~10): a slot is almost never still busy when reused
 
 
 class StagingRing:

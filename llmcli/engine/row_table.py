@@ -81,10 +81,25 @@ class RowTable:
         ``BlockTables.write``)."""
         for row, settings in plan.new_rows:
             self.set(row, settings)
-        if plan.group_blocks:  # the other KV groups' tables: sent on their own (a few rows a step at most)
-            for g, tables in enumerate(self.group_tables[1:], start=1):
-                tables.write([(row, lo, ids) for group, row, lo, ids in plan.group_blocks if group == g], uploader)
+        if plan.group_blocks:  # the other KV groups' tables: a few rows a step each
+            self._write_groups(plan, uploader)
         return self.block_tables.write(plan.blocks, uploader, defer)
+
+    def _write_groups(self, plan: StepPlan, uploader: Uploader) -> None:
+        """The other KV groups' deltas in two uploads for all of them: an upload a group (Gemma 4 has ten
+        more) would wrap the uploader's ring of pinned buffers within one step, and its host would wait for the
+        device's previous step there instead of running ahead of it."""
+        by_group: dict[int, list[tuple[int, int, list[int]]]] = {}
+        for group, row, lo, ids in plan.group_blocks:
+            by_group.setdefault(group, []).append((row, lo, ids))
+        sent = [(self.group_tables[g], d) for g, blocks in sorted(by_group.items())
+                if (d := self.group_tables[g].write(blocks, uploader, defer=True)) is not None]
+        if not sent:
+            return
+        index = uploader.upload(torch.int64, *(d[0] for _, d in sent))
+        values = uploader.upload(torch.int32, *(d[1] for _, d in sent))
+        for (tables, _), i, v in zip(sent, index, values):
+            tables.apply(i, v)
 
     def sampled(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """The rows of the plan's sampling entries, and the step of the token each of them draws."""
