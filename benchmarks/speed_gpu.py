@@ -178,6 +178,7 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
         records = step_records(engine)
         for mixed in (False, True):  # also the warm-up of this engine
             engine.scheduler.mixed_steps = mixed
+            engine.scheduler.reset_prefix_cache()  # both cold: the step packing alone, not prefix hits, differs
             out = llm.generate(case.probe, SamplingParams(temperature=0, max_tokens=32, logprobs=logprobs,
                                                               **NEUTRAL))
             tokens = [list(o.token_ids) for o in out]

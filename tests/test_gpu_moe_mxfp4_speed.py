@@ -73,8 +73,11 @@ def test_scaled_tile_candidates_agree_and_are_timed():
     small = [MoeTuning(16, 32, 128, num_warps=2, num_stages=4), MoeTuning(16, 32, 64, num_warps=2, num_stages=4),
              MoeTuning(16, 64, 128, num_warps=4, num_stages=4), MoeTuning(16, 64, 128, num_warps=2),
              MoeTuning(16, 16, 128, num_warps=1, num_stages=4)]
+    # 32-row tiles: at 256 tokens each expert holds ~32 rows, which a 64-row tile pads by half
     large = [MoeTuning(64, 128, 64, num_warps=8), MoeTuning(64, 64, 64, num_warps=4),
-             MoeTuning(64, 64, 128, num_warps=4), MoeTuning(64, 128, 128, num_warps=8)]
+             MoeTuning(64, 64, 128, num_warps=4), MoeTuning(64, 128, 128, num_warps=8),
+             MoeTuning(32, 64, 64, num_warps=4), MoeTuning(32, 64, 128, num_warps=4),
+             MoeTuning(32, 128, 64, num_warps=4), MoeTuning(32, 32, 128, num_warps=2, num_stages=4)]
     print()
     for tokens in DECODE_BATCHES:
         x, w13, w2, weights, ids = decode_case(tokens)

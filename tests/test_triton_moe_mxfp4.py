@@ -105,7 +105,7 @@ def test_mxfp4_moe_with_biases_and_the_clamped_swiglu(tokens, dtype, kernel):
     assert rel_err(fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel=kernel), ref) > 10 * TOL[dtype]
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("dtype,kernel", PATHS)
 def test_mxfp4_experts_without_tokens_and_other_tiles(block_m, dtype, kernel):
     """A skewed router leaves experts idle; unnormalised weights; 64-deep K tiles (two scale groups each, the
