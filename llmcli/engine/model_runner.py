@@ -133,7 +133,8 @@ class ModelRunner:
                 # slot
                 per_slot = state_bytes_per_slot(self.model, config.torch_dtype)
                 left = memory_left(config, self.device, activation_peak)
-                lowered = fit_max_num_seqs(config, per_slot, left, self._agree_min) if per_slot and left else None
+                lowered = fit_max_num_seqs(config, per_slot, left, self._agree_min) \
+                    if per_slot and left is not None else None  # the same test on every rank: it may all_reduce
                 if lowered and self.rank == 0:
                     log.warning(lowered)
                 self.num_snapshots = num_snapshot_slots(config)
