@@ -98,6 +98,12 @@ def step_records(engine: Any) -> list[tuple[str, int, float, float, dict[str, fl
     return records
 
 
+def kv_pool_bytes(engine: Any) -> int | None:
+    """The KV pool the engine sized (what the physical bound's decode steps may hold at once)."""
+    report = getattr(engine.model_runner, "memory_report", None)
+    return report.num_blocks * report.kv_bytes_per_block if report is not None and report.num_blocks else None
+
+
 def timed_run(llm: Any, prompts: list[list[int]], outs: list[int], workload: Workload, device: str,
               records: list, logprobs: int | None = None) -> dict[str, Any]:
     params = [replace(request_params(workload, i, o), logprobs=logprobs) for i, o in enumerate(outs)]
@@ -203,7 +209,8 @@ def run_engine(case: ModelCase, n_engine: int, args: argparse.Namespace, ceil: d
                 bound = physical_bound(facts, prompts, outs, ceil, 2 if args.device == "cuda" else 4,
                                        max_concurrent=cfg.max_num_seqs,
                                        weight_elem_bytes=None if getattr(cfg.quant_config, "source", "mxfp4") == "mxfp4" else 1,
-                                       kv_elem_bytes=1 if cfg.kv_torch_dtype.itemsize == 1 else None)
+                                       kv_elem_bytes=1 if cfg.kv_torch_dtype.itemsize == 1 else None,
+                                       kv_pool_bytes=kv_pool_bytes(engine))
                 if n_engine == 0 and not mixed:
                     print_bound(f"{facts['name']} {job}", bound)
                 share = bound["floor_s"] / r["wall_s"] if bound.get("floor_s") else None

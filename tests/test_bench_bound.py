@@ -57,6 +57,18 @@ def test_decode_steps_with_fewer_slots_than_requests() -> None:
     assert physical_bound(FACTS, [[7], [7]], [40, 1], CEILINGS, elem_bytes=2, max_concurrent=4)["decode_steps"] == 40
 
 
+def test_decode_steps_no_fewer_than_the_kv_pool_allows() -> None:
+    """No step holds more KV than the pool: the 20 requests' decode steps read 20 x (1 + 2 + 3) = 120 tokens of
+    KV at 256 bytes each; a pool of 4 tokens' KV (1,024 bytes) needs ceil(30,720 / 1,024) = 30 steps, though four
+    sequences a step would take 15; a pool larger than the whole workload changes nothing."""
+    prompts, outs = [[7]] * 20, [3] * 20
+    b = physical_bound(FACTS, prompts, outs, CEILINGS, elem_bytes=2, max_concurrent=4, kv_pool_bytes=4 * 256)
+    assert b["kv_read_bytes"] == 120 * 256 and b["decode_steps"] == 30
+    assert b["weights_read_bytes"] == 30 * 1000 * 2
+    big = physical_bound(FACTS, prompts, outs, CEILINGS, elem_bytes=2, max_concurrent=4, kv_pool_bytes=10 ** 9)
+    assert big["decode_steps"] == 15
+
+
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3-0.6B", "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-7B",
                                   "Qwen2.5-0.5B", "Mistral-7B-v0.3", "Qwen3-30B-A3B", "Qwen3-235B-A22B",
                                   "Qwen3.5-9B", "Qwen3.6-35B-A3B", "gemma-3-12b-it", "gemma-4-31B", "gemma-4-26B-A4B",

@@ -28,6 +28,7 @@ class Shape:
     max_concurrent: int | None = None  # the engine's max_num_seqs; None: every request runs at once
     weight_elem_bytes: int | None = None  # bytes per linear-layer weight (1: FP8); None: elem_bytes
     kv_elem_bytes: int | None = None  # bytes per KV-cache element (1: FP8 cache); None: elem_bytes
+    kv_pool_bytes: int | None = None  # the engine's KV pool; None: as large as the workload needs
 
     @property
     def fp8_weights(self) -> bool:
@@ -35,10 +36,15 @@ class Shape:
 
     @property
     def decode_steps(self) -> int:
-        """The fewest decode steps possible: the longest output, or every output token at max_concurrent a step."""
+        """The fewest decode steps possible: the longest output, or every output token at max_concurrent a step,
+        or, as no step can hold more KV than the pool, the KV every decode step reads over the pool's bytes (where
+        the pool is known: a model whose context of a few hundred sequences outgrows the memory, Gemma 4-31B).
+        Dense models only: a mixture of experts' steps are ``decode_batches``'."""
         steps = max(self.output_lens)
         if self.max_concurrent:
             steps = max(steps, -(-sum(self.output_lens) // self.max_concurrent))
+        if self.kv_pool_bytes:
+            steps = max(steps, -(-int(self.kv_read) // self.kv_pool_bytes))
         return steps
 
     @property
@@ -223,16 +229,19 @@ def _grouped(by: Callable[[Term], Any]) -> dict[Any, list[Term]]:
 
 def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[int], ceilings: dict[str, Any],
                    elem_bytes: int, max_concurrent: int | None = None, weight_elem_bytes: int | None = None,
-                   kv_elem_bytes: int | None = None) -> dict[str, Any]:
+                   kv_elem_bytes: int | None = None, kv_pool_bytes: int | None = None) -> dict[str, Any]:
     """Every term's amount, and with the ceilings its terms need known, their times, the floor and its tok/s.
 
     ``max_concurrent`` (the engine's max_num_seqs) bounds how many requests decode in one step; without it
     every request is taken to run at once (right for the default workload's 256 requests).
     ``weight_elem_bytes`` / ``kv_elem_bytes``: 1 for FP8 weights / an FP8 KV cache (module docstring).
+    ``kv_pool_bytes``: the engine's KV pool, which bounds the KV a step holds (``Shape.decode_steps``).
     """
-    s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes, max_concurrent, weight_elem_bytes, kv_elem_bytes)
+    s = Shape(facts, [len(p) for p in prompts], outs, elem_bytes, max_concurrent, weight_elem_bytes, kv_elem_bytes,
+              kv_pool_bytes)
     out: dict[str, Any] = {
-        "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent, "weight_bytes": s.weight_bytes,
+        "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent,
+        "kv_pool_bytes": kv_pool_bytes, "weight_bytes": s.weight_bytes,
         "kv_bytes_per_token": s.kv_bytes_per_token, "kv_tokens_read": s.kv_tokens_read,
         **({"dense_weight_bytes": s.dense_weight_bytes, "expert_bytes": s.expert_bytes,
             "experts_touched": s.experts_touched} if facts.get("experts") else {}),
@@ -255,7 +264,10 @@ def print_bound(name: str, b: dict[str, Any]) -> None:
     say(f"\nphysical bound, {name}:")
     for i, (ceiling, terms) in enumerate(_grouped(lambda t: t.ceiling).items()):
         say(f"  {'floor =' if i == 0 else '      +'} ({' + '.join(t.formula for t in terms)}) / {ceiling.symbol}")
-    if b.get("max_concurrent"):
+    if b.get("kv_pool_bytes"):
+        say(f"  decode steps = max(max(O), ceil(sum(O) / max_num_seqs = {b['max_concurrent']}), ceil(KV read / KV pool "
+            f"= {b['kv_pool_bytes'] / 1e9:.1f} GB)) = {b['decode_steps']}")
+    elif b.get("max_concurrent"):
         say(f"  decode steps = max(max(O), ceil(sum(O) / max_num_seqs = {b['max_concurrent']})) = {b['decode_steps']}")
     else:
         say(f"  decode steps = max(O) = {b['decode_steps']} (assumption: all requests run concurrently)")
