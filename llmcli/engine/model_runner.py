@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from llmcli.config import Config
-from llmcli.parallel import tp_rank, tp_size
+from llmcli.parallel import agree_min, tp_rank, tp_size
 from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
 from llmcli.engine.kv_cache import (KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, kv_layout, memory_left,
@@ -133,7 +133,7 @@ class ModelRunner:
                 # slot
                 per_slot = state_bytes_per_slot(self.model, config.torch_dtype)
                 left = memory_left(config, self.device, activation_peak)
-                lowered = fit_max_num_seqs(config, per_slot, left, self._agree_min) \
+                lowered = fit_max_num_seqs(config, per_slot, left, lambda n: agree_min(n, self.device)) \
                     if per_slot and left is not None else None  # the same test on every rank: it may all_reduce
                 if lowered and self.rank == 0:
                     log.warning(lowered)
@@ -222,21 +222,11 @@ class ModelRunner:
     def block_tables(self) -> "BlockTables":
         return self.rows.block_tables
 
-    def _agree_min(self, value: int) -> int:
-        """Every tensor-parallel rank must use the same figure: the smallest."""
-        if self.world == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""
         if self.world == 1:
             return num_blocks
-        self.memory_report.num_blocks = self._agree_min(num_blocks)
+        self.memory_report.num_blocks = agree_min(num_blocks, self.device)
         self.memory_report.cache_tokens = self.memory_report.num_blocks * self.config.kvcache_block_size
         return self.memory_report.num_blocks
 

@@ -1,6 +1,7 @@
 """Tensor parallelism inside one engine: rank helpers the layers use, the process group, workers and their shared-memory control plane."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -16,3 +17,12 @@ def all_reduce(x):
     if tp_size() > 1:
         dist.all_reduce(x)
     return x
+
+
+def agree_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's ``value`` (what all ranks must use alike: the KV pool's size, max_num_seqs)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
