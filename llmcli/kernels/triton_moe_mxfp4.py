@@ -53,13 +53,16 @@ def mxfp4_tuning(num_pairs: int, num_experts: int, kernel: str = "scaled") -> Mo
     ``scaled``: 16 x 32 tiles 128 deep on 2 warps at decode, mma.sync reading the codes from shared memory in
     16-byte loads (5.3 sm_90 instructions a gate/up weight; 16 x 64 on 4 warps, the swapped wgmma, takes 6.3 and
     reads them byte by byte), and twice the programs of 64 columns: gpt-oss-20b's 1-token step runs 4 experts x
-    90 column tiles, 2.7 a multiprocessor. 64 x 64 x 64 on 4 warps beyond (the fastest of four candidates at 256
-    tokens on an H200, 391 us where 64 x 128 x 64 on 8 warps took 435). ``dequant``: the first kernel's tiles."""
+    90 column tiles, 2.7 a multiprocessor. 64 x 64 x 64 on 4 warps up to 64 rows an expert (the fastest of four
+    candidates at 256 tokens on an H200, 391 us where 64 x 128 x 64 on 8 warps took 435), which stays beyond
+    (prefill: 174 registers where 64 x 64 x 128 on 4 warps needs 254). ``dequant``: the first kernel's tiles."""
     per_expert = num_pairs / num_experts
     if kernel == "scaled":
         if per_expert <= 16:
             return MoeTuning(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4)
-        return MoeTuning(block_m=64, block_n=64, block_k=64, num_warps=4)
+        if per_expert <= 64:
+            return MoeTuning(block_m=64, block_n=64, block_k=64, num_warps=4)
+        return MoeTuning(block_m=64, block_n=128, block_k=64, num_warps=8)
     if per_expert <= 16:
         return MoeTuning(block_m=16, block_n=64, block_k=128)
     if per_expert <= 64:
