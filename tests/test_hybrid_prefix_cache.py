@@ -131,10 +131,16 @@ def test_memory_report_counts_the_snapshot_slots(hybrid, run_factory):
     assert "state snapshots" in out.getvalue() and "5 (" in out.getvalue()
 
 
-def _torch_varlen(q, k, v, g, beta, initial, cu_seqlens):
-    """fla's ``chunked_varlen`` contract in torch, one sequence at a time."""
-    from llmcli.kernels.gated_delta_torch import gated_delta_rule_chunked
+def _torch_varlen(q, k, v, g, beta, initial, cu_seqlens, chunk_indices=None):
+    """fla's ``chunked_varlen`` contract in torch, one sequence at a time; the chunk indices given must be those
+    fla would derive itself (``prepare_chunk_indices``, at its chunk length)."""
+    from fla.ops.utils.index import prepare_chunk_indices
 
+    from llmcli.kernels.gated_delta_torch import gated_delta_rule_chunked
+    from llmcli.layers.state_segments import FLA_CHUNK
+
+    assert chunk_indices is not None, "the runner's chunks carry fla's chunk indices"
+    assert chunk_indices.tolist() == prepare_chunk_indices(cu_seqlens, FLA_CHUNK).tolist()
     cu = cu_seqlens.tolist()
     out, finals = v.new_empty(v.shape), []
     for i in range(len(cu) - 1):
@@ -193,11 +199,18 @@ def test_varlen_passes_of_the_cuda_path(hybrid, hf_oracle, run_factory, monkeypa
     prompts = first + shared_prefix_prompts(5, seed=550, prefix=40, lengths=(1, 30))
     run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_batched_tokens=256,
                       max_model_len=256)
+    # after the start-up warm-up (metadata made by hand), every step's layers find the chunks' host values in
+    # the metadata: deriving them would read the device back in every layer (tolist), stalling the launch
+    derived = []
+    real_chunks_of = gdn.chunks_of
+    monkeypatch.setattr(gdn, "chunks_of", lambda meta, pooled: derived.append(meta.chunks is None)
+                        or real_chunks_of(meta, pooled))
     # the second wave starts in one step: its first request snapshots the branching point, which the others
     # may only read from the next step on (this path reads every chunk's initial state before any write)
     check_against_hf(run, hf_oracle, prompts[:1], max_new=5)
     check_against_hf(run, hf_oracle, prompts[1:], max_new=5)
     assert run.llm.engine.stats.state_snapshot_hits >= 4 and max(calls) > 1, calls
+    assert derived and not any(derived)
 
 
 @pytest.mark.parametrize("path", ["cpu", "cuda-on-cpu"])
@@ -364,11 +377,12 @@ def test_first_pass_covers_every_chunk_without_a_gather():
     """A cut in one chunk of a mixed step: the first pass is every chunk's first segment and names no entries
     (the layer runs it on the step's whole state, which a thousand decode rows make gigabytes per layer on a
     9B hybrid, not on a gathered copy); the second pass is the cut chunk's rest alone."""
+    from llmcli.engine.uploader import Uploader
     from llmcli.layers.state_segments import state_segments
 
     # three decode rows, then a 10-token chunk cut after 4 tokens, then a 5-token chunk
     cu = [0, 1, 2, 3, 13, 18]
-    seg = state_segments([0, 1, 2, 3, 4], cu, [(3, 9)], [(3, 4, 8)], torch.device("cpu"))
+    seg = state_segments([0, 1, 2, 3, 4], cu, [(3, 9)], [(3, 4, 8)], Uploader(torch.device("cpu")))
     first, second = seg.passes
     assert first.entries is None
     assert first.tokens.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 14, 15, 16, 17]

@@ -317,8 +317,9 @@ class ModelRunner:
     def _linear_step(self, plan: StepPlan, meta: AttentionMetadata) -> LinearStep:
         """Snapshot ``i`` is pool slot ``max_num_seqs + 1 + i`` (engine/state_pool.py)."""
         base = self.config.max_num_seqs + 1
-        return linear_step(meta, plan.rows, plan.scheduled, [(e, base + s) for e, s in plan.state_reads],
-                           [(e, o, base + s) for e, o, s in plan.state_writes], self.device)
+        return linear_step(meta, plan.rows, plan.computed, plan.scheduled,
+                           [(e, base + s) for e, s in plan.state_reads],
+                           [(e, o, base + s) for e, o, s in plan.state_writes], self.uploader)
 
     def _upload_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask.to(self.device, non_blocking=True) if self.device.type == "cuda" else mask

@@ -73,6 +73,9 @@ class AttentionMetadata:
     # prefill of a hybrid model: the decode rows its linear-attention layers split off, and the rest
     # (layers/state_segments.py's LinearStep; None: every chunk as a chunk)
     linear_step: Any = None
+    # prefill of a hybrid model: its chunks on the host and fla's chunk indices, uploaded once for every layer
+    # (layers/state_segments.py's Chunks; None: the layers derive them, reading the device)
+    chunks: Any = None
     # a model with several KV groups (full and sliding-window layers, each kind its own block table per
     # sequence): ``slot_mapping`` and ``block_tables`` above are group 0's, these the other groups'
     group_slots: tuple[torch.Tensor, ...] = ()

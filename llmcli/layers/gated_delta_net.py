@@ -32,6 +32,7 @@ from llmcli.kernels.gated_delta_torch import (causal_conv1d, causal_conv1d_step,
                                               gated_delta_rule_step)
 from llmcli.layers.linear import RowParallelLinear
 from llmcli.layers.norm import gated_rms_norm
+from llmcli.layers.state_segments import chunks_of
 from llmcli.layers.weight_shape import expect_shape
 from llmcli.parallel import tp_rank, tp_size
 
@@ -173,42 +174,35 @@ class GatedDeltaNet(nn.Module):
         """Each chunk of a varlen step (prompt chunks and, in a mixed step, decode rows): the conv per chunk, then
         the delta rule per chunk (torch) or over the whole varlen batch at once (fla on CUDA). With prefix
         caching on a hybrid model, ``meta.state_segments`` says which slot each chunk starts from (a snapshot's,
-        for a prefix hit) and where to cut chunks to store snapshots (layers/state_segments.py)."""
-        cu = meta.cu_seqlens_q.tolist()
-        lens = meta.context_lens.tolist()
-        rows = meta.rows.tolist()
+        for a prefix hit) and where to cut chunks to store snapshots (layers/state_segments.py). On CUDA nothing
+        here reads a device value back: ``meta.chunks`` holds the chunks' host values."""
         pool = self.conv_state is not None  # none yet in the start-up warm-up: nothing read or kept
+        chunks = chunks_of(meta, pool)
+        cu, rows, fresh = chunks.cu, chunks.rows, chunks.fresh
         segments = meta.state_segments if pool else None
         sources = segments.sources if segments is not None else rows
         cuts = segments.cuts if segments is not None else {}
-        # a chunk with no computed prefix starts from zeros (its slot may hold a finished sequence's state)
-        if not pool:
-            fresh = [True] * len(rows)
-        elif meta.has_initial_state is not None:
-            fresh = [not cached for cached in meta.has_initial_state.tolist()]
-        else:  # metadata built by hand (the warm-up, tests): the computed prefix is what the keys add
-            fresh = [lens[i] == cu[i + 1] - cu[i] for i in range(len(rows))]
         width = weight.shape[1] - 1
-        starts = [None if fresh[i] else self.conv_state[sources[i]] for i in range(len(rows))]
+
+        def start(i: int) -> torch.Tensor | None:  # the conv state chunk i continues (None: zeros)
+            return None if fresh[i] else self.conv_state[sources[i]]
+
         for i, offsets in cuts.items():  # the conv state after a cut: the K-1 inputs before it
-            before = starts[i] if starts[i] is not None else self.conv_state.new_zeros(self.conv_dim, width)
+            before = start(i) if not fresh[i] else self.conv_state.new_zeros(self.conv_dim, width)
             window = torch.cat([before, mixed[cu[i]:cu[i + 1]].t().to(before.dtype)], dim=1)
             for offset, slot in offsets:
                 self.conv_state[slot].copy_(window[:, offset:offset + width])
         if use_cuda_kernels(mixed):  # every chunk's conv in one launch, the conv states updated in place
             from llmcli.kernels.triton_gated_delta import conv_varlen_
 
-            # a chunk starting from a snapshot: its conv state into its own row first (one copy for every hit)
-            moved = [i for i, row in enumerate(rows) if starts[i] is not None and sources[i] != row] if pool else []
-            if moved:
-                into = torch.tensor([rows[i] for i in moved], device=mixed.device)
-                self.conv_state.index_copy_(0, into, self.conv_state[[sources[i] for i in moved]])
-            carried = torch.tensor([not f for f in fresh], device=mixed.device)
-            x = conv_varlen_(mixed, weight, self.conv_state, meta.rows, carried, meta.cu_seqlens_q)
+            if pool and chunks.moved is not None:  # chunks starting from a snapshot: its conv state into their rows
+                into, source = chunks.moved
+                self.conv_state.index_copy_(0, into, self.conv_state.index_select(0, source))
+            x = conv_varlen_(mixed, weight, self.conv_state, meta.rows, chunks.carried, meta.cu_seqlens_q)
         else:
             x = torch.empty_like(mixed)
             for i, row in enumerate(rows):
-                x[cu[i]:cu[i + 1]], new_conv = causal_conv1d(mixed[cu[i]:cu[i + 1]], weight, starts[i])
+                x[cu[i]:cu[i + 1]], new_conv = causal_conv1d(mixed[cu[i]:cu[i + 1]], weight, start(i))
                 if pool:
                     self.conv_state[row].copy_(new_conv)
         q, k, v = self._split_heads(x)
@@ -218,13 +212,13 @@ class GatedDeltaNet(nn.Module):
             if pool:
                 index = torch.remainder(meta.rows, self.ssm_state.shape[0])
                 initial = self.ssm_state[segments.source if segments is not None else index].float()
-                initial[torch.tensor(fresh, device=initial.device)] = 0.0
+                initial.masked_fill_(~chunks.carried.view(-1, 1, 1, 1), 0.0)
             else:
                 initial = q.new_zeros(len(rows), self.hv, self.dk, self.dv, dtype=torch.float32)
             if segments is None:
-                out, final = chunked_varlen(q, k, v, g, beta, initial, meta.cu_seqlens_q)
+                out, final = chunked_varlen(q, k, v, g, beta, initial, chunks.cu_seqlens, chunks.chunk_indices)
             else:
-                out, final = self._chunk_passes(q, k, v, g, beta, initial, meta.cu_seqlens_q, segments)
+                out, final = self._chunk_passes(q, k, v, g, beta, initial, chunks, segments)
             if pool:
                 self.ssm_state.index_copy_(0, index, final.to(self.ssm_state.dtype))
             return out
@@ -242,19 +236,19 @@ class GatedDeltaNet(nn.Module):
                 self.ssm_state[row].copy_(state)
         return out
 
-    def _chunk_passes(self, q, k, v, g, beta, state, cu_seqlens, segments):
+    def _chunk_passes(self, q, k, v, g, beta, state, chunks, segments):
         """fla's varlen delta rule in the passes ``segments`` cuts the chunks into, storing the snapshots."""
         from llmcli.kernels.gated_delta_fla import chunked_varlen
 
         out = None
         for p in segments.passes:
             if p.tokens is None:
-                out, state = chunked_varlen(q, k, v, g, beta, state, cu_seqlens)
+                out, state = chunked_varlen(q, k, v, g, beta, state, chunks.cu_seqlens, chunks.chunk_indices)
                 final = state
             else:
                 start = state if p.entries is None else state.index_select(0, p.entries)
                 part, final = chunked_varlen(q[p.tokens], k[p.tokens], v[p.tokens], g[p.tokens], beta[p.tokens],
-                                             start, p.cu_seqlens)
+                                             start, p.cu_seqlens, p.chunk_indices)
                 if out is None:
                     out = part.new_empty(v.shape)
                 out[p.tokens] = part
