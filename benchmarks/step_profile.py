@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             sync()  # each step's wall time whole (this serialises the host and the device)
             walls.append(1e3 * (time.perf_counter() - t))
     del runner.launch
-    print("| step | kind | entries | tokens | snapshot writes | reads | wall ms (synchronised) |\n|---|---|---:|---:|---:|---:|---:|")
+    print("| step | kind | entries | tokens | snapshot writes | reads | wall ms (synchronised) |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
     for i, (plan, ms) in enumerate(zip(plans[first:], walls)):
         kind = "decode" if not plan.is_prefill else ("mixed" if (plan.scheduled == 1).any() else "prefill")
         print(f"| {args.skip + i} | {kind} | {plan.num_entries} | {plan.num_tokens} | {len(plan.state_writes)} | "

@@ -1,6 +1,6 @@
 """On CUDA: the MXFP4 fused MoE's speed at gpt-oss-20b's decode batches (32 experts top-4, hidden and
 intermediate 2880) against the bf16 fused kernel over the same values, through both of its tile products
-(kernels/triton_moe_mxfp4.py), and candidate tile sizes for ``scaled``. ``-s`` prints the tables.
+(kernels/triton_moe_mxfp4.py), and candidate tile sizes for ``scaled`` and ``swapped``. ``-s`` prints the tables.
 
 Run on the GPU machine: ``python -m pytest -q -s tests/test_gpu_moe_mxfp4_speed.py``.
 """
@@ -48,8 +48,8 @@ def test_mxfp4_is_faster_than_bf16_at_gpt_oss_20b_decode_batches():
     from llmcli.kernels.triton_moe import fused_moe
 
     default = "scaled"  # the candidate for the default (mxfp4_kernel's docstring): it must beat bf16
-    print(f"\n{'tokens':>6} {'experts':>7} | {'dequant us':>10} {'GB/s':>5} | {'scaled us':>9} {'GB/s':>5} | "
-          f"{'bf16 us':>8} | {'bf16/dequant':>12} {'bf16/scaled':>11}  (default: {default})")
+    print(f"\n{'tokens':>6} {'experts':>7} | " + " | ".join(f"{k + ' us':>11} {'GB/s':>5}" for k in KERNELS)
+          + f" | {'bf16 us':>8} | " + " ".join(f"{'bf16/' + k:>12}" for k in KERNELS) + f"  (default: {default})")
     slower = []
     for tokens in DECODE_BATCHES:
         x, w13, w2, weights, ids = decode_case(tokens)
@@ -58,9 +58,8 @@ def test_mxfp4_is_faster_than_bf16_at_gpt_oss_20b_decode_batches():
         t16 = timed(lambda: fused_moe(x, w13_16, w2_16, weights, ids))
         touched = len(ids.unique())
         gbs = {k: touched * 3 * 2880 * 2880 * 4.25 / 8 / t[k] / 1e9 for k in KERNELS}
-        print(f"{tokens:6d} {touched:7d} | {t['dequant'] * 1e6:10.1f} {gbs['dequant']:5.0f} | "
-              f"{t['scaled'] * 1e6:9.1f} {gbs['scaled']:5.0f} | {t16 * 1e6:8.1f} | "
-              f"{t16 / t['dequant']:11.2f}x {t16 / t['scaled']:10.2f}x")
+        print(f"{tokens:6d} {touched:7d} | " + " | ".join(f"{t[k] * 1e6:11.1f} {gbs[k]:5.0f}" for k in KERNELS)
+              + f" | {t16 * 1e6:8.1f} | " + " ".join(f"{t16 / t[k]:11.2f}x" for k in KERNELS))
         if t[default] >= t16:
             slower.append(tokens)
         del w13_16, w2_16
@@ -87,5 +86,27 @@ def test_scaled_tile_candidates_agree_and_are_timed():
             run = lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, tuning, kernel="scaled")  # noqa: E731
             assert rel_err(run(), want) < 1e-2, tuning
             print(f"tokens {tokens:4d}: {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
+                  f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us"
+                  + ("  (picked)" if tuning == picked else ""))
+
+
+def test_swapped_tile_candidates_agree_and_are_timed():
+    """``swapped`` (the weights as ``dot_scaled``'s left operand, tokens as its narrow right one) at tile sizes
+    around its first picks, checked against ``scaled``'s output and timed beside it (-s prints the table)."""
+    candidates = [MoeTuning(16, 64, 128, num_warps=4), MoeTuning(16, 128, 128, num_warps=4),
+                  MoeTuning(16, 64, 64, num_warps=4), MoeTuning(32, 128, 64, num_warps=4),
+                  MoeTuning(32, 64, 128, num_warps=4), MoeTuning(32, 128, 128, num_warps=4),
+                  MoeTuning(64, 128, 64, num_warps=4), MoeTuning(64, 128, 64, num_warps=8)]
+    print()
+    for tokens in DECODE_BATCHES:
+        x, w13, w2, weights, ids = decode_case(tokens)
+        want = fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled")
+        scaled = timed(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled"))  # noqa: B023
+        print(f"tokens {tokens:4d}: scaled at its picked tiles: {scaled * 1e6:7.1f} us")
+        picked = mxfp4_tuning(tokens * 4, 32, "swapped")
+        for tuning in candidates:
+            run = lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, tuning, kernel="swapped")  # noqa: E731
+            assert rel_err(run(), want) < 1e-2, tuning
+            print(f"tokens {tokens:4d}: swapped {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
                   f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us"
                   + ("  (picked)" if tuning == picked else ""))
