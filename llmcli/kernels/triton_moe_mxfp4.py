@@ -65,11 +65,14 @@ def mxfp4_tuning(num_pairs: int, num_experts: int, kernel: str = "scaled") -> Mo
     (prefill: 174 registers where 64 x 64 x 128 on 4 warps needs 254). ``dequant``: the first kernel's tiles."""
     per_expert = num_pairs / num_experts
     if kernel == "swapped":  # block_m: the tokens (the tensor cores' narrow side); block_n: the weight rows
+        # first picks by the sm_90 K loop's instructions a weight (offline SASS, no spills; untimed): 6.8 at
+        # 16 x 64 x 128 (twice the programs of 128 rows, for 1-token steps), 6.3 at 32 x 128 x 128, 6.7 at
+        # 64 x 256 x 64 on 8 warps (64 x 128 x 64 on 4: 7.4)
         if per_expert <= 16:
             return MoeTuning(block_m=16, block_n=64, block_k=128, num_warps=4)
         if per_expert <= 32:
-            return MoeTuning(block_m=32, block_n=128, block_k=64, num_warps=4)
-        return MoeTuning(block_m=64, block_n=128, block_k=64, num_warps=4)
+            return MoeTuning(block_m=32, block_n=128, block_k=128, num_warps=4)
+        return MoeTuning(block_m=64, block_n=256, block_k=64, num_warps=8)
     if kernel == "scaled":
         if per_expert <= 16:
             return MoeTuning(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4)
