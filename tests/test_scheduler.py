@@ -188,3 +188,77 @@ def test_a_preempted_sequence_queues_behind_a_prompt_cut_mid_prefill():
     batch = sched.schedule()  # a needs a block: it preempts itself, and queues behind b, which goes on
     assert sched.stats.num_preemptions == 1 and batch is not None and batch.seqs == [b]
     assert batch.plan.computed.tolist() == [7] and list(sched.waiting) == [a]
+
+
+def _fill(sched: Scheduler, n: int, waiting: int) -> list[Sequence]:
+    """``n`` requests running (decoding) and ``waiting`` more queued behind them; returns the running ones."""
+    seqs = [request(sched, 2, start=10 + 4 * i) for i in range(n + waiting)]
+    while len(sched.running) < n:
+        _, batch = step(sched)
+        read_back(batch)
+    _, batch = step(sched)  # one decode step, every slot taken
+    assert not batch.plan.is_prefill and len(sched.waiting) == waiting
+    read_back(batch)
+    return seqs[:n]
+
+
+def test_prompts_start_in_groups_while_a_large_batch_decodes():
+    """A prefill step while others decode costs a fixed overhead: a prompt waits until a sixteenth of the
+    running batch can start with it (or every waiting one can), not one step per finished request."""
+    from llmcli.engine.scheduler import GROUP_FRACTION
+
+    sched = scheduler(num_blocks=512, budget=256, max_num_seqs=40)
+    running = _fill(sched, 40, waiting=10)
+    group = -(-(40 - 2) // GROUP_FRACTION)  # 3 when two have finished
+    sched.finish(running[0])
+    _, batch = step(sched)
+    assert not batch.plan.is_prefill and len(sched.waiting) == 10  # one slot: held
+    read_back(batch)
+    sched.finish(running[1])
+    _, batch = step(sched)
+    assert not batch.plan.is_prefill  # two of three
+    read_back(batch)
+    sched.finish(running[2])
+    _, batch = step(sched)
+    assert batch.plan.is_prefill and batch.num_decode == 37 and len(batch.seqs) - 37 == group
+    assert len(sched.waiting) == 10 - group
+
+
+def test_a_held_prompt_starts_after_hold_steps_and_the_last_ones_at_once():
+    from llmcli.engine.scheduler import HOLD_STEPS
+
+    sched = scheduler(num_blocks=512, budget=256, max_num_seqs=40)
+    running = _fill(sched, 40, waiting=3)
+    sched.finish(running[0])
+    for _ in range(HOLD_STEPS):
+        _, batch = step(sched)
+        assert not batch.plan.is_prefill
+        read_back(batch)
+    _, batch = step(sched)
+    assert batch.plan.is_prefill and len(batch.seqs) == 40 and len(sched.waiting) == 2
+    read_back(batch)
+    # the two still waiting are every waiting prompt: they start as soon as both fit
+    sched.finish(running[1])
+    _, batch = step(sched)
+    assert not batch.plan.is_prefill
+    read_back(batch)
+    sched.finish(running[2])
+    _, batch = step(sched)
+    assert batch.plan.is_prefill and len(batch.seqs) == 40 and not sched.waiting
+
+
+def test_a_group_counts_kv_blocks_not_only_slots():
+    """Short of KV blocks (slots to spare), a prompt waits for blocks enough for its group too."""
+    sched = scheduler(num_blocks=20 + 3, budget=256, max_num_seqs=20)
+    running = [request(sched, 1, start=10 + i) for i in range(20)]  # a block each
+    _, batch = step(sched)
+    read_back(batch)
+    sched.max_num_seqs = 64
+    for i in range(5):
+        request(sched, 8, start=100 + 8 * i)  # two blocks each: the 3 free blocks hold one, not a group of 2
+    _, batch = step(sched)
+    assert not batch.plan.is_prefill and len(sched.waiting) == 5
+    read_back(batch)
+    sched.finish(running[0])  # a fourth block: the group of 2 (19 / 16, rounded up) fits
+    _, batch = step(sched)
+    assert batch.plan.is_prefill and len(batch.seqs) - batch.num_decode == 2 and len(sched.waiting) == 3

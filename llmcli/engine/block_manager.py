@@ -4,6 +4,7 @@ from __future__ import annotations
 from array import array
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import xxhash
 
@@ -93,9 +94,22 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
         """Whether ``allocate(seq, budget)`` finds its blocks, counting no prefix hit: a full group's for the
         whole prompt, a window group's for its window and one block (its first chunk may be cut short)."""
+        return self.num_free_blocks >= self._admission_blocks(seq)
+
+    def admissible(self, seqs: Iterable[Sequence], limit: int) -> int:
+        """How many of the first ``limit`` of ``seqs``, in order, ``can_allocate`` would let start together."""
+        left, count = self.num_free_blocks, 0
+        for seq in itertools.islice(seqs, limit):
+            left -= self._admission_blocks(seq)
+            if left < 0:
+                break
+            count += 1
+        return count
+
+    def _admission_blocks(self, seq: Sequence) -> int:
         if not self.has_windows:
-            return self.num_free_blocks >= seq.num_blocks * self.num_groups
-        return self.num_free_blocks >= blocks_needed(seq.num_tokens, self.windows, self.block_size, self.block_size)
+            return seq.num_blocks * self.num_groups
+        return blocks_needed(seq.num_tokens, self.windows, self.block_size, self.block_size)
 
     def cached_blocks(self, seq: Sequence) -> int:
         """How many leading blocks of ``seq`` the prefix cache holds (in every KV group that needs them) and

@@ -13,6 +13,16 @@ from llmcli.engine.state_pool import has_linear_layers, num_snapshot_slots
 from llmcli.engine.state_snapshots import WAIT, SnapshotRegistry
 from llmcli.engine.step_plan import StepPlan
 
+# Admission in groups. A step that admits prompts while others decode is a prefill step, run eagerly: it costs a
+# fixed host overhead over a decode step (CUDA graphs replay decode only), ~250 ms against a 43 ms decode step
+# on Qwen3.6-27B, whose Gated DeltaNet layers launch ~20 kernels each through fla (2026-12-04 calls R1/R1b in
+# benchmarks/RESULTS.md). Admitting each prompt as one sequence finishes pays it per prompt; a slot left idle a
+# few steps costs 1/running of a step each. So while others decode, a prompt that could start waits until a
+# sixteenth of the running batch can start with it (slots and KV blocks), or every waiting prompt can, or it has
+# waited HOLD_STEPS.
+GROUP_FRACTION = 16
+HOLD_STEPS = 32
+
 
 @dataclass
 class ScheduledBatch:
@@ -54,6 +64,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = stats
+        self.steps = 0  # steps scheduled
+        self.held_since: int | None = None  # the step since which an admissible prompt waits for company
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,6 +76,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step, with its plan (None when nothing can run)."""
         batch = self._schedule()
+        self.steps += 1
         if len(self.running) > self.stats.peak_running:
             self.stats.peak_running = len(self.running)
         if batch is not None:
@@ -94,12 +107,15 @@ class Scheduler:
         batch: list[Sequence] = []
         start = budget
         manager = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_num_seqs:
+        # an admitted prompt is in ``running`` already (counting ``batch`` too halved the free slots a step fills)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still in flight: recompute once it is known
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq, budget):
+                    break
+                if not batch and self._hold():
                     break
                 cached = self._snapshot_depth(seq) if self.snapshots is not None else None
                 if cached == WAIT:
@@ -128,6 +144,22 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return batch, start - budget, batch
+
+    def _hold(self) -> bool:
+        """Whether a prompt that could be admitted now waits for others to start with it: while others run, a
+        group is a sixteenth of them, or every waiting prompt, whichever is fewer (``GROUP_FRACTION``)."""
+        running = len(self.running)
+        group = min(len(self.waiting), -(-running // GROUP_FRACTION))
+        room = min(self.max_num_seqs - running, self.block_manager.admissible(self.waiting, group))
+        if not running or room >= group:
+            self.held_since = None
+            return False
+        if self.held_since is None:
+            self.held_since = self.steps
+        if self.steps - self.held_since >= HOLD_STEPS:
+            self.held_since = None
+            return False
+        return True
 
     def _snapshot_depth(self, seq: Sequence) -> int | None:
         """A hybrid model's prefix hit: the blocks ``seq`` may take from the cache (its deepest state
