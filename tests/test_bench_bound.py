@@ -29,6 +29,22 @@ def test_terms_and_floor_by_hand() -> None:
     assert b["floor_tok_s"] == pytest.approx(5 / 105.632)
 
 
+def test_an_untied_input_table_is_gathered_not_read() -> None:
+    """Of the 400 parameters outside the layers, an untied model's input table (vocab 50 x hidden 4 = 200) is
+    not read by a decode step: each output token gathers its row of 4 values. A tied one is the LM head: read."""
+    untied = {**FACTS, "tied_embeddings": False, "vocab": 50, "hidden": 4}
+    b = physical_bound(untied, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    assert b["weight_bytes"] == (1000 - 200) * 2 and b["rows_gathered_bytes"] == 5 * 4 * 2
+    assert b["weights_read_bytes"] == 4 * 1600 + 40
+    assert b["t_weights_s"] == pytest.approx(6.44)
+    tied = physical_bound({**untied, "tied_embeddings": True}, PROMPTS, OUTS, CEILINGS, elem_bytes=2)
+    assert tied["weights_read_bytes"] == 4 * 1000 * 2 and tied["rows_gathered_bytes"] == 0
+    moe = physical_bound({**MOE_FACTS, "tied_embeddings": False, "vocab": 50, "hidden": 4}, PROMPTS, OUTS,
+                         CEILINGS, elem_bytes=2)
+    assert moe["dense_weight_bytes"] == (1000 - 200 - 80) * 2
+    assert moe["weights_read_bytes"] == pytest.approx(4 * 1440 + 18 * 20 + 40)
+
+
 def test_no_times_without_ceilings() -> None:
     b = physical_bound(FACTS, PROMPTS, OUTS, {"copy_bytes_per_s": 1000.0}, elem_bytes=2)
     assert "floor_s" not in b and "t_weights_s" not in b

@@ -8,6 +8,10 @@ the floor, the JSON, the printed derivation and the bound table all follow ``TER
 FP8: with FP8 weights (``weight_elem_bytes=1``) the linear layers' weights are read at one byte each (the
 embedding and lm_head stay 16-bit) and the prefill linear FLOPs run at the measured FP8 matmul rate
 (``fp8_matmul_flops_per_s``); an FP8 KV cache (``kv_elem_bytes=1``) reads one byte per cached element.
+
+Weights a decode step reads: all of them but an untied input embedding table, of which it gathers its tokens'
+rows only (a tied table is read whole as the LM head). Shares recorded before 2026-12-04's thirteenth session
+counted that table as read every step (benchmarks/RESULTS.md says by how much).
 """
 from __future__ import annotations
 
@@ -48,9 +52,23 @@ class Shape:
         return steps
 
     @property
+    def input_table(self) -> int:
+        """Parameters of an untied input embedding table, which a decode step does not read: it gathers its
+        tokens' rows (``rows_gathered``). A tied table is read whole, as the LM head."""
+        f = self.facts
+        return 0 if f.get("tied_embeddings", True) else f["vocab"] * f["hidden"]
+
+    @property
+    def rows_gathered(self) -> int:
+        """Bytes of an untied input table's rows the decode steps gather: one per output token."""
+        return sum(self.output_lens) * self.facts["hidden"] * self.elem_bytes if self.input_table else 0
+
+    @property
     def weight_bytes(self) -> int:
+        """What a decode step reads of the weights: all but an untied input table."""
         linear = self.facts["params_non_embedding"]
-        return linear * (self.weight_elem_bytes or self.elem_bytes) + (self.facts["params"] - linear) * self.elem_bytes
+        return linear * (self.weight_elem_bytes or self.elem_bytes) \
+            + (self.facts["params"] - linear - self.input_table) * self.elem_bytes
 
     @property
     def decode_batches(self) -> list[int]:
@@ -74,8 +92,8 @@ class Shape:
     def dense_weight_bytes(self) -> int:
         """What every decode step reads whatever the routing: all weights but the experts."""
         f = self.facts
-        return (f["params"] - f.get("sparse_layers", 0) * f.get("experts", 0) * f.get("expert_params", 0)) \
-            * self.elem_bytes
+        return (f["params"] - self.input_table - f.get("sparse_layers", 0) * f.get("experts", 0)
+                * f.get("expert_params", 0)) * self.elem_bytes
 
     @property
     def experts_touched(self) -> float:
@@ -90,8 +108,9 @@ class Shape:
         experts the step's batch touches (expected under uniform routing, ``expected_experts_touched``), over
         the steps of ``decode_batches``."""
         if not self.facts.get("experts"):
-            return self.decode_steps * self.weight_bytes
-        return len(self.decode_batches) * self.dense_weight_bytes + self.experts_touched * self.expert_bytes
+            return self.decode_steps * self.weight_bytes + self.rows_gathered
+        return len(self.decode_batches) * self.dense_weight_bytes + self.experts_touched * self.expert_bytes \
+            + self.rows_gathered
 
     @property
     def kv_layer_bytes(self) -> tuple[int, int]:  # K and V of a token in a (full, sliding) layer (Gemma 4: two shapes)
@@ -179,17 +198,19 @@ class Term:
 
 
 def _weights_detail(b: dict[str, Any]) -> str:
+    rows = f" + {b['rows_gathered_bytes'] / 1e9:.3f} GB of input-table rows" if b["rows_gathered_bytes"] else ""
     if not b.get("experts_touched"):
-        return (f"weights: {b['decode_steps']} x {b['weight_bytes'] / 1e9:.3f} GB = "
+        return (f"weights: {b['decode_steps']} x {b['weight_bytes'] / 1e9:.3f} GB{rows} = "
                 f"{b['weights_read_bytes'] / 1e12:.3f} TB")
     return (f"weights: {b['decode_steps']} x {b['dense_weight_bytes'] / 1e9:.3f} GB dense + "
             f"{b['experts_touched']:,.0f} experts touched (uniform routing, E(1-(1-k/E)^B) per layer and step) x "
-            f"{b['expert_bytes'] / 1e6:.2f} MB = {b['weights_read_bytes'] / 1e12:.3f} TB")
+            f"{b['expert_bytes'] / 1e6:.2f} MB{rows} = {b['weights_read_bytes'] / 1e12:.3f} TB")
 
 
 TERMS: tuple[Term, ...] = (
     Term("weights", "weights_read_bytes", COPY,
-         "decode_steps x weight_bytes (MoE: steps x dense_weight_bytes + experts touched x expert_bytes)", "weights read",
+         "decode_steps x weight_bytes (MoE: steps x dense_weight_bytes + experts touched x expert_bytes) + rows "
+         "gathered of an untied input table", "weights read",
          lambda s: s.weights_read, _weights_detail),
     Term("kv", "kv_read_bytes", COPY, "KV tokens read (sliding layers: the window) x kv_bytes_per_token",
          "KV + state read", lambda s: s.kv_read,
@@ -241,7 +262,7 @@ def physical_bound(facts: dict[str, Any], prompts: list[list[int]], outs: list[i
               kv_pool_bytes)
     out: dict[str, Any] = {
         "elem_bytes": elem_bytes, "decode_steps": s.decode_steps, "max_concurrent": max_concurrent,
-        "kv_pool_bytes": kv_pool_bytes, "weight_bytes": s.weight_bytes,
+        "kv_pool_bytes": kv_pool_bytes, "weight_bytes": s.weight_bytes, "rows_gathered_bytes": s.rows_gathered,
         "kv_bytes_per_token": s.kv_bytes_per_token, "kv_tokens_read": s.kv_tokens_read,
         **({"dense_weight_bytes": s.dense_weight_bytes, "expert_bytes": s.expert_bytes,
             "experts_touched": s.experts_touched} if facts.get("experts") else {}),
