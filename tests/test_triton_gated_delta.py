@@ -51,13 +51,22 @@ def check_untouched(after: torch.Tensor, before: torch.Tensor, rows: torch.Tenso
     assert torch.equal(after[others], before[others]), "a pool row outside the batch (or the scratch) was written"
 
 
-def check_conv_step(batch: int, pads: int, channels: int = 40, dtype=torch.float32, device="cpu") -> None:
+def conv_pool(slots: int, channels: int, width: int, gen: torch.Generator, tap_major: bool) -> torch.Tensor:
+    """A conv-state pool [slots, C, K-1]: as the engine keeps it (``tap_major``: over [slots, K-1, C] storage,
+    engine/state_pool.py) or channel-major."""
+    if tap_major:
+        return torch.randn(slots, width - 1, channels, generator=gen).transpose(1, 2)
+    return torch.randn(slots, channels, width - 1, generator=gen)
+
+
+def check_conv_step(batch: int, pads: int, channels: int = 40, dtype=torch.float32, device="cpu",
+                    tap_major: bool = True) -> None:
     gen = torch.Generator().manual_seed(batch)
     width = 4
     # the projection's rows are wider than the conv's channels: x is a strided view, as in the layer
     x = torch.randn(batch, channels + 24, generator=gen).to(device, dtype)[:, :channels]
     weight = torch.randn(channels, width, generator=gen).to(device, dtype)
-    pool = torch.randn(slots_for(batch) + 1, channels, width - 1, generator=gen).to(device, dtype)
+    pool = conv_pool(slots_for(batch) + 1, channels, width, gen, tap_major).to(device, dtype)
     rows = rows_for(batch, pads, gen).to(device)
     before = pool.clone()
     out = tg.conv_step_(x, weight, pool, rows)
@@ -91,7 +100,7 @@ def check_delta_step(batch: int, pads: int, hk: int, hv: int, dk: int, dv: int, 
 
 
 def check_conv_varlen(with_pool: bool, lens=(1, 2, 37, 5), channels: int = 300, dtype=torch.float32,
-                      device="cpu") -> None:
+                      device="cpu", tap_major: bool = True) -> None:
     """Chunks shorter and longer than the K-1 carried inputs, continued or fresh, in pool rows out of order;
     without a pool (the start-up warm-up) every chunk starts from zeros and nothing is kept."""
     gen = torch.Generator().manual_seed(5)
@@ -101,7 +110,7 @@ def check_conv_varlen(with_pool: bool, lens=(1, 2, 37, 5), channels: int = 300, 
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     x = torch.randn(int(cu[-1]), channels + 10, generator=gen).to(device, dtype)[:, :channels]
     weight = torch.randn(channels, width, generator=gen).to(device, dtype)
-    pool = torch.randn(SLOTS + 1, channels, width - 1, generator=gen).to(device, dtype)
+    pool = conv_pool(SLOTS + 1, channels, width, gen, tap_major).to(device, dtype)
     before = pool.clone()
     out = tg.conv_varlen_(x, weight, pool if with_pool else None, rows, carried.to(device), cu)
     for i, row in enumerate(rows.tolist()):
@@ -113,10 +122,10 @@ def check_conv_varlen(with_pool: bool, lens=(1, 2, 37, 5), channels: int = 300, 
     check_untouched(pool, before, rows if with_pool else torch.tensor([-1], device=device))
 
 
-@pytest.mark.parametrize("batch,pads", [(1, 0), (4, 1), (7, 3)])
+@pytest.mark.parametrize("batch,pads,tap_major", [(1, 0, True), (4, 1, True), (7, 3, True), (4, 1, False)])
 @cpu_only
-def test_conv_step_updates_the_pool_in_place(batch, pads):
-    check_conv_step(batch, pads)
+def test_conv_step_updates_the_pool_in_place(batch, pads, tap_major):
+    check_conv_step(batch, pads, tap_major=tap_major)
 
 
 @pytest.mark.parametrize("batch,pads,hk,hv,dv", [(1, 0, 2, 2, 32), (3, 1, 2, 4, 48), (6, 2, 1, 4, 64)])
@@ -125,10 +134,10 @@ def test_delta_step_updates_the_pool_in_place(batch, pads, hk, hv, dv):
     check_delta_step(batch, pads, hk, hv, 32, dv)
 
 
-@pytest.mark.parametrize("with_pool", [True, False])
+@pytest.mark.parametrize("with_pool,tap_major", [(True, True), (False, True), (True, False)])
 @cpu_only
-def test_conv_varlen_matches_the_per_chunk_conv(with_pool):
-    check_conv_varlen(with_pool)
+def test_conv_varlen_matches_the_per_chunk_conv(with_pool, tap_major):
+    check_conv_varlen(with_pool, tap_major=tap_major)
 
 
 @cpu_only

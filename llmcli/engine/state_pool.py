@@ -88,7 +88,9 @@ def allocate_state_pool(model: nn.Module, slots: int, dtype: torch.dtype, device
     rows = slots + snapshots + 1
     for layer in linear_layers(model):
         conv, ssm = layer.state_shapes()
-        layer.conv_state = torch.zeros(rows, *conv, dtype=dtype, device=device)
+        # [rows, C, K-1] viewed over [rows, K-1, C] storage: a conv kernel's block of channels then reads and
+        # writes each tap as one contiguous run, where channel-major storage gives it runs of K-1 values
+        layer.conv_state = torch.zeros(rows, *conv[::-1], dtype=dtype, device=device).transpose(1, 2)
         layer.ssm_state = torch.zeros(rows, *ssm, dtype=layer.spec.state_dtype or torch.float32, device=device)
         held += [layer.conv_state, layer.ssm_state]
     return held

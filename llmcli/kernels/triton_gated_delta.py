@@ -1,8 +1,8 @@
 """Triton kernels of the Gated DeltaNet on CUDA that work on the state pool in place: the decode step of the
 causal conv1d and of the gated delta rule, and the varlen causal conv1d of a prefill step.
 
-Each batch entry's state is a row of the pool (``conv_state`` [slots, C, K-1], ``ssm_state`` [slots, Hv, Dk, Dv]),
-found through ``rows``: read, updated and written back where it lives, so a decode step moves each state once
+Each batch entry's state is a row of the pool (``conv_state`` [slots, C, K-1], any strides: the pool keeps each
+tap's channels contiguous, ``engine/state_pool.py``; ``ssm_state`` [slots, Hv, Dk, Dv]), found through ``rows``: read, updated and written back where it lives, so a decode step moves each state once
 each way (a gather into a batch and a scatter back would move it three times). Row -1 (a CUDA graph's padding
 rows) reads a zero state and writes nothing. Math follows ``gated_delta_torch`` (the CPU path and these
 kernels' oracle) in float32: q and k L2-normalised (eps inside the root), q scaled by ``Dk ** -0.5``, the decay
@@ -38,22 +38,23 @@ def _shifted(tile, by, KPAD: tl.constexpr):
 
 
 @triton.jit
-def _conv_state_tile(state_ptr, rows_ptr, i, stride_s0, stride_s1, K: tl.constexpr, KPAD: tl.constexpr,
+def _conv_state_tile(state_ptr, rows_ptr, i, stride_s0, stride_s1, stride_s2, K: tl.constexpr, KPAD: tl.constexpr,
                      BC: tl.constexpr):
     """Entry ``i``'s conv state in the pool, this program's channel block of it: (the [BC, KPAD] pointers, the
     channels, the state columns to read and write: K-1, none for row -1). A column count rather than a scalar
     mask: the interpreter masks by blocks only."""
     oc = tl.program_id(1) * BC + tl.arange(0, BC)
     row = tl.load(rows_ptr + i)
-    ptrs = state_ptr + tl.where(row >= 0, row, 0) * stride_s0 + oc[:, None] * stride_s1 + tl.arange(0, KPAD)[None, :]
+    ptrs = state_ptr + tl.where(row >= 0, row, 0) * stride_s0 + oc[:, None] * stride_s1 \
+        + tl.arange(0, KPAD)[None, :] * stride_s2
     return ptrs, oc, tl.where(row >= 0, K - 1, 0)
 
 
 @triton.jit
 def _conv_step_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, out_ptr, C, stride_x, stride_out,
-                      stride_s0, stride_s1, K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr):
+                      stride_s0, stride_s1, stride_s2, K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0)
-    ptrs, oc, kept = _conv_state_tile(state_ptr, rows_ptr, b, stride_s0, stride_s1, K, KPAD, BC)
+    ptrs, oc, kept = _conv_state_tile(state_ptr, rows_ptr, b, stride_s0, stride_s1, stride_s2, K, KPAD, BC)
     oj = tl.arange(0, KPAD)
     mc = oc < C
     mask = mc[:, None] & (oj < kept)[None, :]
@@ -72,12 +73,12 @@ def conv_step_(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
     updated in place at ``rows`` [B] (int64, -1: none) -> silu(conv) [B, C] in x's dtype."""
     batch, channels = x.shape
     width = weight.shape[1]
-    assert x.stride(1) == 1 and weight.is_contiguous() and conv_state.stride(2) == 1
+    assert x.stride(1) == 1 and weight.is_contiguous()
     out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     if batch:
         _conv_step_kernel[(batch, triton.cdiv(channels, BLOCK_C))](
-            x, weight, conv_state, rows, out, channels, x.stride(0), out.stride(0), conv_state.stride(0),
-            conv_state.stride(1), K=width, KPAD=triton.next_power_of_2(width), BC=BLOCK_C, num_warps=NUM_WARPS)
+            x, weight, conv_state, rows, out, channels, x.stride(0), out.stride(0), *conv_state.stride(), K=width,
+            KPAD=triton.next_power_of_2(width), BC=BLOCK_C, num_warps=NUM_WARPS)
     return out
 
 
@@ -138,7 +139,8 @@ def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
 
 @triton.jit(do_not_specialize=["T"])  # the step's token count: one binary for all of them
 def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, seq_ptr, out_ptr, T, C,
-                        stride_x, stride_out, stride_s0, stride_s1, K: tl.constexpr, HAS_STATE: tl.constexpr,
+                        stride_x, stride_out, stride_s0, stride_s1, stride_s2, K: tl.constexpr,
+                        HAS_STATE: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr):
     ot = tl.program_id(0) * BT + tl.arange(0, BT)
     oc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -157,7 +159,7 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, seq
         if HAS_STATE:
             col = (K - 1) + (src - bos)
             ms = (carried & (src < bos))[:, None] & mc[None, :]
-            xv += tl.load(state_ptr + row[:, None] * stride_s0 + oc[None, :] * stride_s1 + col[:, None],
+            xv += tl.load(state_ptr + row[:, None] * stride_s0 + oc[None, :] * stride_s1 + col[:, None] * stride_s2,
                           mask=ms, other=0.0).to(tl.float32)
         acc += xv * tl.load(w_ptr + oc * K + j, mask=mc, other=0.0).to(tl.float32)[None, :]
     y = acc * tl.sigmoid(acc)
@@ -167,9 +169,9 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, seq
 
 @triton.jit
 def _conv_state_varlen_kernel(x_ptr, state_ptr, rows_ptr, init_ptr, cu_ptr, C, stride_x, stride_s0, stride_s1,
-                              K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr):
+                              stride_s2, K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr):
     n = tl.program_id(0)
-    ptrs, oc, kept = _conv_state_tile(state_ptr, rows_ptr, n, stride_s0, stride_s1, K, KPAD, BC)
+    ptrs, oc, kept = _conv_state_tile(state_ptr, rows_ptr, n, stride_s0, stride_s1, stride_s2, K, KPAD, BC)
     oj = tl.arange(0, KPAD)
     mc = oc < C
     bos = tl.load(cu_ptr + n).to(tl.int64)
@@ -203,7 +205,7 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
     if rows.data_ptr() % 16:  # a mixed step's rows after its decode rows: Triton would compile a second binary
         rows = rows.clone()
     state = conv_state if conv_state is not None else out
-    strides = (conv_state.stride(0), conv_state.stride(1)) if conv_state is not None else (0, 0)
+    strides = conv_state.stride() if conv_state is not None else (0, 0, 0)
     _conv_varlen_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
         x, weight, state, rows, init, cu_seqlens, seq, out, tokens, channels, x.stride(0), out.stride(0), *strides,
         K=width, HAS_STATE=conv_state is not None, BT=BLOCK_T, BC=BLOCK_C, num_warps=NUM_WARPS)
