@@ -1,6 +1,6 @@
 """On CUDA: the MXFP4 fused MoE's speed at gpt-oss-20b's decode batches (32 experts top-4, hidden and
 intermediate 2880) against the bf16 fused kernel over the same values, through both of its tile products
-(kernels/triton_moe_mxfp4.py), and candidate tile sizes for ``scaled`` and ``swapped``. ``-s`` prints the tables.
+(kernels/triton_moe_mxfp4.py), and candidate tile sizes for ``scaled``. ``-s`` prints the tables.
 
 Run on the GPU machine: ``python -m pytest -q -s tests/test_gpu_moe_mxfp4_speed.py``.
 """
@@ -86,29 +86,5 @@ def test_scaled_tile_candidates_agree_and_are_timed():
             run = lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, tuning, kernel="scaled")  # noqa: E731
             assert rel_err(run(), want) < 1e-2, tuning
             print(f"tokens {tokens:4d}: {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
-                  f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us"
-                  + ("  (picked)" if tuning == picked else ""))
-
-
-def test_swapped_tile_candidates_agree_and_are_timed():
-    """``swapped`` (the weights as ``dot_scaled``'s left operand, tokens as its narrow right one) at tile sizes
-    around its first picks, checked against ``scaled``'s output and timed beside it (-s prints the table)."""
-    # the tiles with the fewest sm_90 instructions a weight in their K loop (5.8-6.8, offline SASS) and no spills
-    candidates = [MoeTuning(16, 64, 128, num_warps=4), MoeTuning(16, 128, 128, num_warps=4),
-                  MoeTuning(16, 256, 64, num_warps=8), MoeTuning(32, 128, 64, num_warps=4),
-                  MoeTuning(32, 128, 128, num_warps=4), MoeTuning(32, 256, 128, num_warps=8),
-                  MoeTuning(64, 128, 64, num_warps=4), MoeTuning(64, 256, 64, num_warps=8),
-                  MoeTuning(64, 256, 128, num_warps=8)]
-    print()
-    for tokens in DECODE_BATCHES:
-        x, w13, w2, weights, ids = decode_case(tokens)
-        want = fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled")
-        scaled = timed(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled"))  # noqa: B023
-        print(f"tokens {tokens:4d}: scaled at its picked tiles: {scaled * 1e6:7.1f} us")
-        picked = mxfp4_tuning(tokens * 4, 32, "swapped")
-        for tuning in candidates:
-            run = lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, tuning, kernel="swapped")  # noqa: E731
-            assert rel_err(run(), want) < 1e-2, tuning
-            print(f"tokens {tokens:4d}: swapped {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
                   f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us"
                   + ("  (picked)" if tuning == picked else ""))

@@ -15,13 +15,6 @@ two ways (``mxfp4_kernel``; ``LLMCLI_MXFP4_KERNEL=scaled|dequant`` picks for an 
   decode takes 13 to 18 (counted in the sm_90 SASS of both).
 * ``dequant`` (float32's only path; the first kernel's decode, 0.65x the bf16 kernel on an H200): integer
   ops on the codes, in float32, to the activations' dtype, then ``tl.dot``.
-* ``swapped`` (a candidate, not yet timed on a GPU): ``tl.dot_scaled`` with the operands swapped, the weight
-  tile [BLOCK_N, BLOCK_K / 2] its left operand as stored (packed along K, contiguous) and the tokens [BLOCK_K,
-  BLOCK_M] its right one; the [BLOCK_N, BLOCK_M] product is transposed once after the K loop. The weights then
-  fill the tensor cores' 64-row side and the tokens their narrow one (a multiple of 8), so ~32 rows an expert
-  (gpt-oss-20b at 256 tokens) are not padded to 64, and Triton 3.6's sm_90 code reads the codes in wider
-  pieces: 5.7-6.1 instructions a weight in the K loop at 16-32 x 128 tiles where ``scaled``'s 64 x 64 x 64
-  takes 9.1 (counted in cuobjdump's SASS, offline).
 
 Either way the scales of the next K tile are loaded a tile ahead: 1-byte loads, which the pipeliner does not turn
 into asynchronous copies, and whose latency would otherwise stall every iteration.
@@ -40,12 +33,12 @@ import triton.language as tl
 
 from llmcli.kernels.triton_moe import MoeTuning, _tile, grouped_launch
 
-KERNELS = ("scaled", "dequant", "swapped")
+KERNELS = ("scaled", "dequant")
 
 
 def mxfp4_kernel(dtype: torch.dtype, kernel: str | None = None) -> str:
     """The tile product for activations of ``dtype``: ``kernel``, else ``LLMCLI_MXFP4_KERNEL``, else ``scaled``;
-    always ``dequant`` for float32, which ``tl.dot_scaled`` does not take (``swapped`` included)."""
+    always ``dequant`` for float32, which ``tl.dot_scaled`` does not take."""
     kernel = kernel or os.environ.get("LLMCLI_MXFP4_KERNEL") or "scaled"
     if kernel not in KERNELS:
         raise ValueError(f"MXFP4 kernel {kernel!r}: one of {', '.join(KERNELS)}")
@@ -64,15 +57,6 @@ def mxfp4_tuning(num_pairs: int, num_experts: int, kernel: str = "scaled") -> Mo
     candidates at 256 tokens on an H200, 391 us where 64 x 128 x 64 on 8 warps took 435), which stays beyond
     (prefill: 174 registers where 64 x 64 x 128 on 4 warps needs 254). ``dequant``: the first kernel's tiles."""
     per_expert = num_pairs / num_experts
-    if kernel == "swapped":  # block_m: the tokens (the tensor cores' narrow side); block_n: the weight rows
-        # first picks by the sm_90 K loop's instructions a weight (offline SASS, no spills; untimed): 6.8 at
-        # 16 x 64 x 128 (twice the programs of 128 rows, for 1-token steps), 6.3 at 32 x 128 x 128, 6.7 at
-        # 64 x 256 x 64 on 8 warps (64 x 128 x 64 on 4: 7.4)
-        if per_expert <= 16:
-            return MoeTuning(block_m=16, block_n=64, block_k=128, num_warps=4)
-        if per_expert <= 32:
-            return MoeTuning(block_m=32, block_n=128, block_k=128, num_warps=4)
-        return MoeTuning(block_m=64, block_n=256, block_k=64, num_warps=8)
     if kernel == "scaled":
         if per_expert <= 16:
             return MoeTuning(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=4)
@@ -139,78 +123,46 @@ def _product(a, codes, scales, acc, SCALED: tl.constexpr, FORMAT: tl.constexpr, 
     return tl.dot(a, _dequant(codes, scales, a.dtype, BLOCK_N, BLOCK_K), acc, input_precision=PRECISION)
 
 
-@triton.jit
-def _swapped_loop(rows, q_base, s_base, cols, row_ok, col_ok, K, stride_qn, stride_sn, FORMAT: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``swapped``'s K loop: [BLOCK_N, BLOCK_M] = the weight rows ``cols`` (codes at ``q_base``, scales at
-    ``s_base``) times the activation rows starting at ``rows`` [BLOCK_M] pointers, over K, in float32."""
-    ks = tl.arange(0, BLOCK_K)
-    a_tile = rows[None, :] + ks[:, None]  # [BLOCK_K, BLOCK_M]
-    w_q = q_base + cols[:, None] * stride_qn + tl.arange(0, BLOCK_K // 2)[None, :]  # [BLOCK_N, BLOCK_K / 2]
-    w_s = s_base + cols[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        left = K - k0
-        a = tl.load(a_tile, mask=(ks < left)[:, None] & row_ok[None, :], other=0.0)
-        codes = tl.load(w_q, mask=col_ok[:, None] & (tl.arange(0, BLOCK_K // 2) < left // 2)[None, :], other=0)
-        scales = _load_scales(w_s, left, col_ok, BLOCK_K)
-        # fast_math as in _product: masked codes and scales are 0, so values past K are 0
-        acc = tl.dot_scaled(codes, scales, "e2m1", a, None, FORMAT, acc, fast_math=True)
-        a_tile += BLOCK_K
-        w_q += BLOCK_K // 2
-        w_s += BLOCK_K // 32
-    return acc
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
 def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, inter, hidden,
                           stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                           TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
                           FORMAT: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False,
-                          CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0, SWAPPED: tl.constexpr = False):
+                          CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
         return
     dtype = x_ptr.dtype.element_ty
     tokens = pairs // TOP_K
+    ks = tl.arange(0, BLOCK_K)
+    kg = tl.arange(0, BLOCK_K // 32)
+    x_tile = x_ptr + tokens[:, None].to(tl.int64) * stride_xm + ks[None, :]
     e = expert.to(tl.int64)
-    if SWAPPED:
-        gate = tl.trans(_swapped_loop(x_ptr + tokens.to(tl.int64) * stride_xm, q_ptr + e * stride_qe,
-                                      s_ptr + e * stride_se, cols, row_ok, col_ok, hidden, stride_qn, stride_sn,
-                                      FORMAT, BLOCK_M, BLOCK_N, BLOCK_K))
-        up = tl.trans(_swapped_loop(x_ptr + tokens.to(tl.int64) * stride_xm,
-                                    q_ptr + e * stride_qe + inter * stride_qn,
-                                    s_ptr + e * stride_se + inter * stride_sn, cols, row_ok, col_ok, hidden,
-                                    stride_qn, stride_sn, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K))
-    else:
-        ks = tl.arange(0, BLOCK_K)
-        kg = tl.arange(0, BLOCK_K // 32)
-        x_tile = x_ptr + tokens[:, None].to(tl.int64) * stride_xm + ks[None, :]
-        gate_q = _codes_at(q_ptr + e * stride_qe, cols, stride_qn, SCALED, BLOCK_K)
-        up_q = gate_q + inter * stride_qn
-        gate_s = s_ptr + e * stride_se + cols[:, None] * stride_sn + kg[None, :]
-        up_s = gate_s + inter * stride_sn
-        gate_next = _load_scales(gate_s, hidden, col_ok, BLOCK_K)
-        up_next = _load_scales(up_s, hidden, col_ok, BLOCK_K)
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            left = hidden - k0
-            a = tl.load(x_tile, mask=row_ok[:, None] & (ks < left)[None, :], other=0.0)
-            gate_sc, up_sc = gate_next, up_next
-            gate_s += BLOCK_K // 32
-            up_s += BLOCK_K // 32
-            gate_next = _load_scales(gate_s, left - BLOCK_K, col_ok, BLOCK_K)
-            up_next = _load_scales(up_s, left - BLOCK_K, col_ok, BLOCK_K)
-            gate = _product(a, _load_codes(gate_q, left, col_ok, SCALED, BLOCK_K), gate_sc, gate, SCALED, FORMAT,
-                            PRECISION, BLOCK_N, BLOCK_K)
-            up = _product(a, _load_codes(up_q, left, col_ok, SCALED, BLOCK_K), up_sc, up, SCALED, FORMAT,
-                          PRECISION, BLOCK_N, BLOCK_K)
-            x_tile += BLOCK_K
-            gate_q += BLOCK_K // 2
-            up_q += BLOCK_K // 2
+    gate_q = _codes_at(q_ptr + e * stride_qe, cols, stride_qn, SCALED, BLOCK_K)
+    up_q = gate_q + inter * stride_qn
+    gate_s = s_ptr + e * stride_se + cols[:, None] * stride_sn + kg[None, :]
+    up_s = gate_s + inter * stride_sn
+    gate_next = _load_scales(gate_s, hidden, col_ok, BLOCK_K)
+    up_next = _load_scales(up_s, hidden, col_ok, BLOCK_K)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        left = hidden - k0
+        a = tl.load(x_tile, mask=row_ok[:, None] & (ks < left)[None, :], other=0.0)
+        gate_sc, up_sc = gate_next, up_next
+        gate_s += BLOCK_K // 32
+        up_s += BLOCK_K // 32
+        gate_next = _load_scales(gate_s, left - BLOCK_K, col_ok, BLOCK_K)
+        up_next = _load_scales(up_s, left - BLOCK_K, col_ok, BLOCK_K)
+        gate = _product(a, _load_codes(gate_q, left, col_ok, SCALED, BLOCK_K), gate_sc, gate, SCALED, FORMAT,
+                        PRECISION, BLOCK_N, BLOCK_K)
+        up = _product(a, _load_codes(up_q, left, col_ok, SCALED, BLOCK_K), up_sc, up, SCALED, FORMAT, PRECISION,
+                      BLOCK_N, BLOCK_K)
+        x_tile += BLOCK_K
+        gate_q += BLOCK_K // 2
+        up_q += BLOCK_K // 2
     if BIAS:
         b_row = b_ptr + e * 2 * inter
         gate += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -232,35 +184,30 @@ def _mxfp4_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, exp
                        hidden, inter, stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        PRECISION: tl.constexpr, SCALED: tl.constexpr, FORMAT: tl.constexpr, b_ptr=None,
-                       BIAS: tl.constexpr = False, SWAPPED: tl.constexpr = False):
+                       BIAS: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
         return
     dtype = a_ptr.dtype.element_ty
+    ks = tl.arange(0, BLOCK_K)
+    kg = tl.arange(0, BLOCK_K // 32)
     e = expert.to(tl.int64)
-    if SWAPPED:
-        acc = tl.trans(_swapped_loop(a_ptr + pairs.to(tl.int64) * stride_am, q_ptr + e * stride_qe,
-                                     s_ptr + e * stride_se, cols, row_ok, col_ok, inter, stride_qn, stride_sn,
-                                     FORMAT, BLOCK_M, BLOCK_N, BLOCK_K))
-    else:
-        ks = tl.arange(0, BLOCK_K)
-        kg = tl.arange(0, BLOCK_K // 32)
-        a_tile = a_ptr + pairs[:, None].to(tl.int64) * stride_am + ks[None, :]
-        w_q = _codes_at(q_ptr + e * stride_qe, cols, stride_qn, SCALED, BLOCK_K)
-        w_s = s_ptr + e * stride_se + cols[:, None] * stride_sn + kg[None, :]
-        w_next = _load_scales(w_s, inter, col_ok, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            left = inter - k0
-            a = tl.load(a_tile, mask=row_ok[:, None] & (ks < left)[None, :], other=0.0)
-            w_sc = w_next
-            w_s += BLOCK_K // 32
-            w_next = _load_scales(w_s, left - BLOCK_K, col_ok, BLOCK_K)
-            acc = _product(a, _load_codes(w_q, left, col_ok, SCALED, BLOCK_K), w_sc, acc, SCALED, FORMAT,
-                           PRECISION, BLOCK_N, BLOCK_K)
-            a_tile += BLOCK_K
-            w_q += BLOCK_K // 2
+    a_tile = a_ptr + pairs[:, None].to(tl.int64) * stride_am + ks[None, :]
+    w_q = _codes_at(q_ptr + e * stride_qe, cols, stride_qn, SCALED, BLOCK_K)
+    w_s = s_ptr + e * stride_se + cols[:, None] * stride_sn + kg[None, :]
+    w_next = _load_scales(w_s, inter, col_ok, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        left = inter - k0
+        a = tl.load(a_tile, mask=row_ok[:, None] & (ks < left)[None, :], other=0.0)
+        w_sc = w_next
+        w_s += BLOCK_K // 32
+        w_next = _load_scales(w_s, left - BLOCK_K, col_ok, BLOCK_K)
+        acc = _product(a, _load_codes(w_q, left, col_ok, SCALED, BLOCK_K), w_sc, acc, SCALED, FORMAT, PRECISION,
+                       BLOCK_N, BLOCK_K)
+        a_tile += BLOCK_K
+        w_q += BLOCK_K // 2
     if BIAS:
         acc += tl.load(b_ptr + e * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
@@ -296,8 +243,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w
     tuning = tuning or mxfp4_tuning(num_pairs, num_experts, kernel)
     x, w13_q, w13_s, w2_q, w2_s = (t.contiguous() for t in (x, w13_q, w13_s, w2_q, w2_s))
     pairs, experts, total, tiles_m, act, launch = grouped_launch(x, topk_ids, num_experts, inter, tuning)
-    launch.update(SCALED=kernel == "scaled", SWAPPED=kernel == "swapped",
-                  FORMAT="fp16" if x.dtype == torch.float16 else "bf16")
+    launch.update(SCALED=kernel == "scaled", FORMAT="fp16" if x.dtype == torch.float16 else "bf16")
     _mxfp4_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13_q, w13_s, act, pairs, experts, total, num_pairs, inter, hidden,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_s.stride(0), w13_s.stride(1), act.stride(0), TOP_K=top_k,
