@@ -262,3 +262,15 @@ def test_a_group_counts_kv_blocks_not_only_slots():
     sched.finish(running[0])  # a fourth block: the group of 2 (19 / 16, rounded up) fits
     _, batch = step(sched)
     assert batch.plan.is_prefill and len(batch.seqs) - batch.num_decode == 2 and len(sched.waiting) == 3
+
+
+def test_a_group_is_no_larger_than_the_step_budget_holds():
+    """Prompts longer than half the step's budget: a group of one, so each starts as soon as a slot frees (a
+    group of three would wait for slots the step could not fill anyway)."""
+    sched = scheduler(num_blocks=512, budget=64, max_num_seqs=40)
+    running = _fill(sched, 40, waiting=0)
+    for i in range(5):
+        request(sched, 30, start=200 + 30 * i)  # the 25 tokens the budget leaves beside 39 decode rows: part of one
+    sched.finish(running[0])
+    _, batch = step(sched)
+    assert batch.plan.is_prefill and len(batch.seqs) - batch.num_decode == 1

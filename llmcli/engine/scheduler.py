@@ -1,6 +1,7 @@
 """Scheduler: which sequences run this step, and how many tokens each."""
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ class Scheduler:
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq, budget):
                     break
-                if not batch and self._hold():
+                if not batch and self._hold(budget):
                     break
                 cached = self._snapshot_depth(seq) if self.snapshots is not None else None
                 if cached == WAIT:
@@ -145,11 +146,19 @@ class Scheduler:
             self.running.append(seq)
         return batch, start - budget, batch
 
-    def _hold(self) -> bool:
+    def _hold(self, budget: int) -> bool:
         """Whether a prompt that could be admitted now waits for others to start with it: while others run, a
-        group is a sixteenth of them, or every waiting prompt, whichever is fewer (``GROUP_FRACTION``)."""
+        group is a sixteenth of them, or every waiting prompt, or what the step's token ``budget`` holds of the
+        queue (at least one prompt), whichever is fewest (``GROUP_FRACTION``)."""
         running = len(self.running)
         group = min(len(self.waiting), -(-running // GROUP_FRACTION))
+        fits = 0
+        for seq in itertools.islice(self.waiting, group):
+            budget -= seq.num_tokens - seq.num_computed_tokens
+            if budget < 0:
+                break
+            fits += 1
+        group = max(1, min(group, fits))
         room = min(self.max_num_seqs - running, self.block_manager.admissible(self.waiting, group))
         if not running or room >= group:
             self.held_since = None
