@@ -26,6 +26,7 @@ SMOKES = [
     (["structured_bench.py", "--smoke", "--device", "cpu"], "every request produced its full length: True"),
     (["dp_gpu.py", "--smoke"], "0 failed run(s)"),
     (["lm_eval_gpu.py", "--smoke"], "| tiny-qwen3 | 16 | 64 |"),
+    (["schedule_sim.py", "--smoke"], "| in groups |"),
 ]
 
 
