@@ -2,13 +2,13 @@
 causal conv1d and of the gated delta rule, and the varlen causal conv1d of a prefill step.
 
 Each batch entry's state is a row of the pool (``conv_state`` [slots, C, K-1], any strides: the pool keeps each
-tap's channels contiguous, ``engine/state_pool.py``; ``ssm_state`` [slots, Hv, Dk, Dv]), found through ``rows``: read, updated and written back where it lives, so a decode step moves each state once
-each way (a gather into a batch and a scatter back would move it three times). Row -1 (a CUDA graph's padding
-rows) reads a zero state and writes nothing. Math follows ``gated_delta_torch`` (the CPU path and these
-kernels' oracle) in float32: q and k L2-normalised (eps inside the root), q scaled by ``Dk ** -0.5``, the decay
-``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` (rounded to b's dtype, as the eager
-layer does) computed in the kernel from the projection's raw ``a`` and ``b``; grouped value heads read their
-key head's q and k without repeating them.
+tap's channels contiguous, ``engine/state_pool.py``; ``ssm_state`` [slots, Hv, Dk, Dv]), found through ``rows``:
+read, updated and written back where it lives, so a decode step moves each state once each way (a gather into a
+batch and a scatter back would move it three times). Row -1 (a CUDA graph's padding rows) reads a zero state and
+writes nothing. Math follows ``gated_delta_torch`` (the CPU path and these kernels' oracle) in float32: q and k
+L2-normalised (eps inside the root), q scaled by ``Dk ** -0.5``, the decay ``g = -exp(A_log) * softplus(a +
+dt_bias)`` and ``beta = sigmoid(b)`` (rounded to b's dtype, as the eager layer does) computed in the kernel from
+the projection's raw ``a`` and ``b``; grouped value heads read their key head's q and k without repeating them.
 
 Launch configurations are fixed (no autotuning): the decode kernels are captured in CUDA graphs. The delta
 rule tiles the value dim (``DELTA_TILE``) so a batch of one still fills the GPU with (Hv x Dv / its width) programs.
