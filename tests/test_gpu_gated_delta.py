@@ -60,12 +60,16 @@ def test_triton_varlen_conv_matches_the_torch_reference(dtype):
         check_conv_varlen(with_pool, lens=(1, 2, 3, 700, 64, 5), channels=8192, dtype=dtype, device="cuda")
 
 
-def _decode_case(batch: int, slots: int):
+def _decode_case(batch: int, slots: int, tap_major: bool = True):
+    """Qwen3.5-9B's linear layer at ``batch`` rows of a pool of ``slots``; the conv states as the engine keeps
+    them (``tap_major``) or channel-major."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     hk, hv, d, channels = 16, 32, 128, 8192
     proj = torch.randn(batch, channels + 2 * hv, generator=gen, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(channels, 4, generator=gen, device="cuda", dtype=torch.bfloat16)
-    conv = torch.randn(slots + 1, channels, 3, generator=gen, device="cuda", dtype=torch.bfloat16)
+    shape = (slots + 1, 3, channels) if tap_major else (slots + 1, channels, 3)
+    conv = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    conv = conv.transpose(1, 2) if tap_major else conv
     ssm = torch.randn(slots + 1, hv, d, d, generator=gen, device="cuda") * 0.3
     heads = torch.randn(2, hv, generator=gen, device="cuda")
     rows = torch.randperm(slots, generator=gen, device="cuda")[:batch]
@@ -110,6 +114,32 @@ def test_triton_decode_step_streams_the_states_at_batch_256():
     seconds, rate = _state_traffic(*_decode_case(256, 256))
     print(f"decode step of one linear layer at batch 256: {seconds * 1e6:.0f} us, {rate / 1e12:.2f} TB/s")
     assert rate > 1.5e12
+
+
+def test_conv_step_layouts_timed():
+    """The conv step alone at batch 256 on both conv-state layouts (the engine keeps them tap-major: each tap's
+    channels contiguous); tap-major must not be the slower (2026-12-04 R1b: channel-major took 30.9 us a call at
+    Qwen3.6-27B's 10,240 channels and batch 209, ~8 us of bytes)."""
+    from llmcli.kernels.triton_gated_delta import conv_step_
+
+    times = {}
+    for tap_major in (False, True):
+        proj, weight, conv, _, _, rows, (_, _, _, channels) = _decode_case(256, 256, tap_major)
+        x = proj[:, :channels]
+        for _ in range(3):
+            conv_step_(x, weight, conv, rows)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            conv_step_(x, weight, conv, rows)
+        end.record()
+        torch.cuda.synchronize()
+        times[tap_major] = start.elapsed_time(end) / 50 * 1e3
+    moved = 256 * channels * 2 * (2 * 3 + 2)  # the states read and written, x read, out written (bf16)
+    for tap_major, us in times.items():
+        print(f"conv step at batch 256, {'tap' if tap_major else 'channel'}-major states: {us:.1f} us, "
+              f"{moved / us / 1e6:.2f} TB/s")
+    assert times[True] <= times[False] * 1.1
 
 
 def _state_traffic(proj, weight, conv, ssm, heads, rows, dims) -> tuple[float, float]:
