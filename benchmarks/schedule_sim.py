@@ -8,6 +8,11 @@ defaults are that model's (R1/R2: a decode step 25 ms + 18 ms per 209 rows, a mi
 more, prefill at ~0.1 ms a token); give your own for another model.
 
     python benchmarks/schedule_sim.py --max-num-seqs 209
+    python benchmarks/schedule_sim.py --max-num-seqs 1024 --num-blocks 15600 --row-pages 37
+
+The second is a hybrid model's pool (engine/state_pages.py): ``--num-blocks`` pages of which each sequence's
+states take ``--row-pages`` while it runs (the 27B's: 147 MiB in 4 MiB blocks of 64 tokens), max_num_seqs
+lowered as the runner lowers it to what fits beside one sequence of ``--max-model-len``.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from benchmarks.harness.workload import add_workload_args, make_workload  # noqa
 from llmcli.engine import scheduler as scheduling  # noqa: E402
 from llmcli.engine.outputs import EngineStats  # noqa: E402
 from llmcli.engine.sequence import Sequence  # noqa: E402
+from llmcli.engine.state_pool import plan_state_pages  # noqa: E402
 from llmcli.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -47,12 +53,17 @@ def simulate(prompt_lens: list[int], outputs: list[int], args: argparse.Namespac
              groups: bool) -> dict[str, float]:
     """Every request through ``Scheduler`` (each token read back at once; a request finishes at its length)."""
     config = SimpleNamespace(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=1 << 30, mixed_steps=True, kvcache_block_size=args.block_size,
+                             max_model_len=args.max_model_len, mixed_steps=True, kvcache_block_size=args.block_size,
                              enable_prefix_caching=False, hf_config=None, num_state_snapshots=None)
+    pages = None
+    if args.row_pages:
+        kv_min = -(-args.max_model_len // args.block_size)
+        pages, _ = plan_state_pages(config, args.row_pages, args.num_blocks, kv_min, shared=True)
     fraction = scheduling.GROUP_FRACTION
     scheduling.GROUP_FRACTION = fraction if groups else 1 << 62  # groups of one: each prompt starts when it can
     try:
-        sched = scheduling.Scheduler(config, args.num_blocks, EngineStats())
+        stats = EngineStats()
+        sched = scheduling.Scheduler(config, args.num_blocks, stats, state_pages=pages)
         for i, (n, out) in enumerate(zip(prompt_lens, outputs)):
             sched.add(Sequence([1 + (7 * i + j) % 1000 for j in range(n)],
                                SamplingParams(max_tokens=out, ignore_eos=True), args.block_size))
@@ -76,7 +87,9 @@ def simulate(prompt_lens: list[int], outputs: list[int], args: argparse.Namespac
     finally:
         scheduling.GROUP_FRACTION = fraction
     steps = sum(kinds.values())
-    return {**kinds, "steps": steps, "mean decode rows": rows / steps, "seconds": seconds}
+    return {**kinds, "steps": steps, "mean decode rows": rows / steps, "seconds": seconds,
+            "max_num_seqs": config.max_num_seqs, "peak running": stats.peak_running,
+            "preemptions": stats.num_preemptions}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--num-blocks", type=int, default=1 << 20, help="KV blocks (default: more than any need)")
+    p.add_argument("--row-pages", type=int, default=0, help="blocks a sequence's states take (a hybrid's pool)")
+    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--decode-ms", type=float, default=25.0, help="a decode step's time whatever its rows")
     p.add_argument("--row-ms", type=float, default=18.0 / 209, help="a decode step's time per row")
     p.add_argument("--eager-ms", type=float, default=250.0, help="what a step computing prompt tokens costs more")
@@ -100,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for groups in (False, True):
         r = simulate([len(x) for x in prompts], outputs, args, cost, groups)
-        rows.append(["in groups" if groups else "each as a slot frees", r["steps"], r["decode"], r["mixed"],
-                     r["prefill"], f"{r['mean decode rows']:.1f}", f"{r['seconds']:.2f}"])
-    print(f"{len(prompts)} requests, max_num_seqs {args.max_num_seqs}, budget {args.max_num_batched_tokens} "
-          f"tokens a step")
-    print(md_table(["admission", "steps", "decode", "mixed", "prefill", "mean decode rows", "estimated s"], rows))
+        rows.append(["in groups" if groups else "each as a slot frees", r["max_num_seqs"], r["peak running"],
+                     r["preemptions"], r["steps"], r["decode"], r["mixed"], r["prefill"],
+                     f"{r['mean decode rows']:.1f}", f"{r['seconds']:.2f}"])
+    print(f"{len(prompts)} requests, budget {args.max_num_batched_tokens} tokens a step")
+    print(md_table(["admission", "max_num_seqs", "peak running", "preemptions", "steps", "decode", "mixed",
+                    "prefill", "mean decode rows", "estimated s"], rows))
     return 0
 
 

@@ -111,20 +111,21 @@ def test_snapshots_off_computes_every_prompt_token(hybrid, hf_oracle, run_factor
 
 
 def test_memory_report_counts_the_snapshot_slots(hybrid, run_factory):
-    """The probe counts the snapshot slots beside the sequences' state slots, and probe-memory shows them."""
+    """The probe counts the snapshot rows beside the sequences' state rows, and probe-memory shows them."""
     import io
 
     from rich.console import Console
 
     from llmcli.cli.probe import render
-    from llmcli.engine.state_pool import state_bytes_per_slot
 
     run = run_factory(hybrid("qwen3.5"), kvcache_block_size=16, max_num_seqs=6, num_state_snapshots=5)
     runner = run.llm.engine.model_runner
     report = runner.memory_report
-    per_slot = state_bytes_per_slot(runner.model, torch.float32)
-    assert report.num_state_snapshots == 5 and report.state_snapshot_bytes == 5 * per_slot
-    assert report.state_pool_bytes == (6 + 2 + 5) * per_slot
+    pages = report.state_pages
+    row = pages.row_pages * report.kv_bytes_per_block
+    assert report.num_state_snapshots == 5 and report.state_snapshot_bytes == 5 * row
+    assert report.state_pool_bytes == (6 + 1 + 5 + 1) * row  # num_kvcache_blocks set: every row reserved
+    assert report.num_blocks == 1024 + (6 + 1 + 5 + 1) * pages.row_pages
     assert runner.state_pool[0].shape[0] == 6 + 1 + 5 + 1  # rows, snapshots, scratch
     out = io.StringIO()
     render(report, None, Console(file=out, width=200))
@@ -244,15 +245,17 @@ def test_mixed_steps_decode_rows_apart_but_not_a_one_token_hit(path, hybrid, hf_
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU needs 2 cores")
 def test_tp2_hits_from_snapshots(hybrid, hf_oracle):
-    """Each rank holds its heads' snapshots; the plan's snapshot fields reach every rank."""
+    """Each rank holds its heads' snapshots; the plan's snapshot fields reach every rank. The pool is sized from
+    memory (shared rows of pages: the ranks agree on a row's pages and the pool's)."""
     from llmcli import LLM
 
     model = hybrid("qwen3.5")
     prompts = shared_prefix_prompts(5, seed=560, prefix=48, lengths=(5, 30))
     llm = LLM(str(model), device="cpu", dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
-              num_kvcache_blocks=64, max_num_batched_tokens=40, max_num_seqs=8, max_model_len=256,
-              enforce_eager=True)
+              num_kvcache_blocks=None, kv_cache_memory_gib=0.001, max_num_batched_tokens=40, max_num_seqs=8,
+              max_model_len=256, enforce_eager=True)
     try:
+        assert llm.engine.model_runner.state_pages.shared
         outs = llm.generate(prompts, greedy(8))
         hits = llm.engine.stats.state_snapshot_hits
     finally:
@@ -449,45 +452,58 @@ def test_memory_probe_of_a_hybrid_on_cuda_has_a_row_per_sequence():
     assert probe_lens(types.SimpleNamespace(max_model_len=64, max_num_seqs=4), 16, many_rows=True) == [1, 1, 1, 13]
 
 
-def test_a_large_hybrid_lowers_max_num_seqs_so_its_states_leave_room_for_kv():
+def test_a_large_hybrid_keeps_max_num_seqs_where_its_states_fit_beside_kv():
     """Qwen3.6-27B's published shape: 48 linear layers of 48 value heads with 128 x 128 float32 states (and a conv
-    state of 10,240 channels x 3 in bf16) take ~147 MiB a sequence, 150 GiB at the default 1,024 sequences: with
-    ~70 GiB left after the weights, the states may take half and max_num_seqs comes down to what fits, said in
-    one line; a model whose states fit keeps its max_num_seqs."""
-    from llmcli.engine.state_pool import STATE_SHARE, fit_max_num_seqs, num_snapshot_slots
+    state of 10,240 channels x 3 in bf16) take ~147 MiB a sequence, 37 KV blocks of 4 MiB (16 full-attention
+    layers, 4 KV heads of 256, block 64). With ~70 GiB left after the weights the shared pool keeps the default
+    256 sequences (a fixed half for states held 209); at 1,024 it comes down to as many as fit beside one
+    sequence of max_model_len, said in one line; a pool too small for one sequence gives 0."""
+    from llmcli.engine.state_pool import plan_state_pages
 
-    per_slot = 48 * (48 * 128 * 128 * 4 + 10240 * 3 * 2)
-    assert 146 * 2**20 < per_slot < 148 * 2**20
+    row = 48 * (48 * 128 * 128 * 4 + 10240 * 3 * 2)
+    page = 64 * 2 * 16 * 4 * 256 * 2
+    assert 146 * 2**20 < row < 148 * 2**20 and page == 4 * 2**20
+    row_pages = -(-row // page)
+    assert row_pages == 37
     hf = types.SimpleNamespace(layer_types=["linear_attention"] * 3 + ["full_attention"])
-    cfg = types.SimpleNamespace(max_num_seqs=1024, enable_prefix_caching=True, num_state_snapshots=None, hf_config=hf)
-    left = 70 * 2**30
-    line = fit_max_num_seqs(cfg, per_slot, left)
+
+    def config(n):
+        return types.SimpleNamespace(max_num_seqs=n, enable_prefix_caching=True, num_state_snapshots=None,
+                                     hf_config=hf, max_model_len=4096)
+
+    pool, kv_min = 70 * 2**30 // page, 4096 // 64
+    cfg = config(256)
+    pages, line = plan_state_pages(cfg, row_pages, pool, kv_min, shared=True)
+    assert line is None and cfg.max_num_seqs == 256
+    assert (pages.seq_rows, pages.fixed_rows, pages.row_pages, pages.shared) == (257, 16 + 1, 37, True)
+    assert pages.reserved == 17 * 37 and pages.kv_room(pool) == pool - 18 * 37
+    cfg = config(1024)
+    pages, line = plan_state_pages(cfg, row_pages, pool, kv_min, shared=True)
     n = cfg.max_num_seqs
-    assert line.startswith(f"max_num_seqs lowered from 1024 to {n}: ") and "147 MiB" in line
-    held = (n + 2 + num_snapshot_slots(cfg)) * per_slot
-    assert held <= STATE_SHARE * left < held + 2 * per_slot  # as many as fit, not fewer
-    assert 200 < n < 250 and num_snapshot_slots(cfg) == n // 16
-    assert fit_max_num_seqs(cfg, per_slot, left) is None  # already fits: unchanged
-    assert fit_max_num_seqs(cfg, per_slot, left, agree=lambda v: v - 10) is not None and cfg.max_num_seqs == n - 10
-    small = types.SimpleNamespace(max_num_seqs=64, enable_prefix_caching=False, num_state_snapshots=None, hf_config=hf)
-    assert fit_max_num_seqs(small, per_slot, left) is None and small.max_num_seqs == 64
-    fit_max_num_seqs(small, per_slot, per_slot)  # not even one fits: one sequence, and the KV plan says the rest
-    assert small.max_num_seqs == 1
+    assert line.startswith(f"max_num_seqs lowered from 1024 to {n}: ") and "37 KV blocks" in line
+    used = (n + 1 + min(32, n // 16) + 1) * 37
+    assert used + kv_min <= pool < used + kv_min + 2 * 37  # as many as fit, not fewer
+    assert 400 < n < 500 and pages.seq_rows == n + 1
+    cfg = config(1024)
+    _, line = plan_state_pages(cfg, row_pages, pool, kv_min, shared=False)  # static: every row beside the KV
+    assert line is None and cfg.max_num_seqs == 1024
+    cfg = config(64)
+    plan_state_pages(cfg, row_pages, 5 * 37, kv_min, shared=True)
+    assert cfg.max_num_seqs == 0
 
 
-def test_an_engine_whose_states_do_not_all_fit_runs_with_fewer_sequences(hybrid, hf_oracle, run_factory,
-                                                                           monkeypatch):
-    """The runner lowers max_num_seqs before the scheduler and the state pool are made from it (the memory left
-    is set here, as a GPU's probe would find it): the scheduler admits that many, the pool has their rows, the
-    memory report says why, and the tokens still equal transformers'."""
-    import llmcli.engine.model_runner as model_runner
-    from llmcli.engine.state_pool import state_bytes_per_slot
-
+def test_an_engine_whose_states_do_not_all_fit_runs_with_fewer_sequences(hybrid, hf_oracle, run_factory):
+    """The runner lowers max_num_seqs before the scheduler is made from it (a pool of ~70 blocks, sized from
+    kv_cache_memory_gib as a GPU's probe sizes it from the memory left): the scheduler admits that many, the
+    buffer has their rows, the memory report says why, and the tokens still equal transformers'."""
     path = hybrid("qwen3.5")
-    per_slot = state_bytes_per_slot(run_factory(path, max_num_seqs=4).llm.engine.model_runner.model, torch.float32)
-    monkeypatch.setattr(model_runner, "memory_left", lambda config, device, peak: 2 * (3 + 2 + 4) * per_slot)
-    run = run_factory(path, max_num_seqs=16)
+    first = run_factory(path, max_num_seqs=4).llm.engine.model_runner.memory_report
+    row_pages, page = first.state_pages.row_pages, first.kv_bytes_per_block
+    kv_min = 512 // 16  # max_model_len 512, block 16
+    pages = (3 + 1 + 4 + 1) * row_pages + kv_min + row_pages - 1  # three sequences' rows, not four
+    run = run_factory(path, max_num_seqs=16, num_kvcache_blocks=None, kv_cache_memory_gib=pages * page / 2**30)
     engine = run.llm.engine
+    assert engine.model_runner.memory_report.num_blocks == pages
     assert engine.scheduler.max_num_seqs == 3 and engine.config.max_num_seqs == 3
     assert engine.model_runner.state_pool[0].shape[0] == 3 + 1 + 4 + 1  # rows, snapshots, scratch
     assert engine.model_runner.memory_report.notes[0].startswith("max_num_seqs lowered from 16 to 3: ")

@@ -357,10 +357,11 @@ def test_tp2_matches_transformers(family, tiny_checkpoint, hf_oracle):
 
 
 def test_hybrid_memory_report_counts_the_state_pool_and_attention_layers_only(tiny_checkpoint, run_factory):
-    """The probe's numbers from config.json's sizes: KV per token over the full-attention layers alone, and
-    (max_num_seqs + 2) state slots (one per block-table row a running sequence may hold, one spare, one scratch
-    for graph padding rows) plus the prefix cache's state snapshots (4 by default at 6 sequences) of conv state
-    in the model dtype and a float32 recurrent state per linear layer."""
+    """The probe's numbers from config.json's sizes: KV per token over the full-attention layers alone, and a
+    sequence's states (conv state in the model dtype, a float32 recurrent state per linear layer, each started on
+    256 bytes) in whole KV blocks; with num_kvcache_blocks set, the pool is that many KV blocks beside
+    (max_num_seqs + 1) sequence rows, the prefix cache's snapshot rows (4 by default at 6 sequences) and a scratch
+    row for graph padding rows."""
     import json
 
     cfg = json.loads((tiny_checkpoint("qwen3.5") / "config.json").read_text())
@@ -375,8 +376,14 @@ def test_hybrid_memory_report_counts_the_state_pool_and_attention_layers_only(ti
         cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     conv = (2 * key + value) * (cfg["linear_conv_kernel_dim"] - 1) * itemsize
     ssm = cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4
-    assert report.state_pool_bytes == (6 + 2 + 4) * linear * (conv + ssm)
-    assert report.num_state_snapshots == 4 and report.state_snapshot_bytes == 4 * linear * (conv + ssm)
+    aligned = lambda n: -(-n // 256) * 256  # noqa: E731
+    assert report.state_row_bytes == linear * (aligned(conv) + aligned(ssm))
+    row_pages = -(-report.state_row_bytes // (16 * report.kv_bytes_per_token))
+    assert report.state_pages.row_pages == row_pages
+    assert report.num_blocks == 1024 + (6 + 1 + 4 + 1) * row_pages
+    assert report.state_pool_bytes == (6 + 1 + 4 + 1) * row_pages * report.kv_bytes_per_block
+    assert report.num_state_snapshots == 4
+    assert report.state_snapshot_bytes == 4 * row_pages * report.kv_bytes_per_block
 
 
 @pytest.mark.parametrize("tensor,damage", [

@@ -79,6 +79,20 @@ def _group_rows(r: MemoryReport) -> list[tuple[str, str]]:
             for i, g in enumerate(groups)]
 
 
+def _state_rows(r: MemoryReport) -> list[tuple[str, str]]:
+    """A hybrid model's linear-attention states: per sequence, and what is reserved for them whatever runs."""
+    pages = r.state_pages
+    if pages is None:
+        return []
+    where = "from the pool while it runs" if pages.shared else "reserved"
+    rows = [("  linear-attention states per sequence",
+             f"{pages.row_pages:,} blocks ({_gib(r.state_row_bytes)}), {where}")]
+    if r.num_state_snapshots:
+        rows.append(("  prefix-cache state snapshots", f"{r.num_state_snapshots:,} ({_gib(r.state_snapshot_bytes)})"))
+    rows.append(("  reserved for states", _gib(r.state_pool_bytes)))
+    return rows
+
+
 def render(r: MemoryReport, hint: str | None, console: Console) -> None:
     cpu = r.device == "cpu"
     rows = [
@@ -91,12 +105,11 @@ def render(r: MemoryReport, hint: str | None, console: Console) -> None:
          _gib(r.activation_peak_bytes)),
         ("CUDA-graph pool", "n/a" if cpu else _gib(r.cuda_graph_bytes)),
         ("other (context, allocator)", "n/a" if cpu and r.other_bytes == 0 else _gib(r.other_bytes)),
-        *([("linear-attention state pool", _gib(r.state_pool_bytes))] if r.state_pool_bytes else []),
-        *([("  of which prefix-cache state snapshots", f"{r.num_state_snapshots:,} ({_gib(r.state_snapshot_bytes)})")]
-          if r.num_state_snapshots else []),
         ("KV bytes per token", f"{r.kv_bytes_per_token:,} ({r.kv_cache_dtype or r.dtype})"),
         ("KV bytes per block", f"{r.kv_bytes_per_block:,} ({r.block_size} tokens)"),
-        ("KV blocks", f"{r.num_blocks:,} ({_gib(r.num_blocks * r.kv_bytes_per_block)})"),
+        ("KV blocks" if r.state_pages is None else "KV and state blocks",
+         f"{r.num_blocks:,} ({_gib(r.num_blocks * r.kv_bytes_per_block)})"),
+        *_state_rows(r),
         *_group_rows(r),
         ("tokens the cache holds", f"{r.cache_tokens:,}"),
         (f"sequences of max_model_len={r.max_model_len:,} at once", _sequences(r.max_concurrent_full_seqs)),

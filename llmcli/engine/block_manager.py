@@ -10,6 +10,7 @@ import xxhash
 
 from llmcli.engine.kv_groups import NULL_BLOCK, blocks_needed, window_start_block
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence
+from llmcli.engine.state_pages import FreshPages, StatePages, StateRows
 
 
 def chain_hash(prev: int, tokens: list[int]) -> int:
@@ -37,18 +38,31 @@ class BlockManager:
     match. Freed blocks keep their hash and stay findable until the pool hands
     them out again (least recently freed first). In a sliding-window group a sequence holds only the blocks
     its next queries read: the rest go back to the pool as it advances (``slide``).
+
+    A hybrid model's pool (``state_pages``) is pages of which a sequence's linear-attention states take a row
+    (engine/state_pages.py): its blocks never cached are handed out highest page first, before cached ones.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int | None, ...] = (None,)) -> None:
-        self.num_blocks = num_blocks
+                 windows: tuple[int | None, ...] = (None,), state_pages: StatePages | None = None) -> None:
+        self.num_blocks = num_blocks if state_pages is None else num_blocks - state_pages.reserved
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
         self.has_windows = any(w is not None for w in self.windows)
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.rows = StateRows(state_pages) if state_pages is not None else None
+        self.fresh: FreshPages | None = None
+        self.row_cost = 0  # KV pages a new sequence's state row takes out of the pool
+        if state_pages is None:
+            self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        else:  # free_ids: the cached free blocks alone
+            self.free_ids = OrderedDict()
+            lo, hi = (state_pages.seq_rows * state_pages.row_pages if state_pages.shared else 0,
+                      state_pages.rows * state_pages.row_pages)
+            self.fresh = FreshPages(num_blocks, (p for p in range(num_blocks) if not lo <= p < hi))
+            self.row_cost = state_pages.row_pages if state_pages.shared else 0
         self.hash_maps: list[dict[int, int]] = [{} for _ in self.windows]
         self.hash_to_block = self.hash_maps[0]
         self.free_rows: list[int] = []  # rows of the runner's block tables (engine/block_tables.py) now unused
@@ -58,32 +72,76 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_ids) + (len(self.fresh) if self.fresh is not None else 0)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def _take_free(self, group: int = 0) -> int:
-        block_id, _ = self.free_ids.popitem(last=False)
+        if self.fresh:
+            block_id = self.fresh.pop()
+        else:
+            block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_maps[block.group].get(block.hash) == block_id:
+        self._forget(block)
+        block.ref_count = 1
+        block.group = group
+        if self.rows is not None:
+            self.rows.kv_taken(block_id)
+        return block_id
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self.hash_maps[block.group].get(block.hash) == block.block_id:
             del self.hash_maps[block.group][block.hash]
         block.hash = None
         block.token_ids = None
-        block.ref_count = 1
-        block.group = group
-        return block_id
+
+    def _revive(self, block_id: int) -> None:
+        """A free cached block taken by a prefix hit."""
+        del self.free_ids[block_id]
+        if self.rows is not None:
+            self.rows.kv_taken(block_id)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_ids[block_id] = None
+            if self.fresh is not None and block.hash is None:
+                self.fresh.add(block_id)
+            else:
+                self.free_ids[block_id] = None
+            if self.rows is not None:
+                self.rows.kv_freed(block_id)
+
+    def _take_row(self) -> int:
+        """A block-table row for a sequence starting (a hybrid's: the lowest claimable one, its pages out of the
+        pool, evicting cached blocks there)."""
+        if self.rows is not None:
+            row = self.rows.claimable()[0]
+            for page in self.rows.claim(row):
+                if page in self.fresh:
+                    self.fresh.remove(page)
+                else:
+                    del self.free_ids[page]
+                    self._forget(self.blocks[page])
+            return row
+        if self.free_rows:
+            return self.free_rows.pop()
+        self.num_rows += 1
+        return self.num_rows - 1
+
+    def _give_row(self, row: int) -> None:
+        if self.rows is not None:
+            for page in self.rows.release(row):
+                self.fresh.add(page)
+        else:
+            self.free_rows.append(row)
+        self.freed_rows.append(row)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (benchmarks: each run starts cold). Only while no sequence holds blocks."""
-        if len(self.free_ids) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             raise RuntimeError("reset_prefix_cache: some sequence still holds blocks")
         for hashes in self.hash_maps:
             hashes.clear()
@@ -93,14 +151,19 @@ class BlockManager:
     # -- prefill ---------------------------------------------------------------
     def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
         """Whether ``allocate(seq, budget)`` finds its blocks, counting no prefix hit: a full group's for the
-        whole prompt, a window group's for its window and one block (its first chunk may be cut short)."""
-        return self.num_free_blocks >= self._admission_blocks(seq)
+        whole prompt, a window group's for its window and one block (its first chunk may be cut short); a hybrid
+        model's also a state row."""
+        if self.rows is not None and not self.rows.claimable():
+            return False
+        return self.num_free_blocks - self.row_cost >= self._admission_blocks(seq)
 
     def admissible(self, seqs: Iterable[Sequence], limit: int) -> int:
         """How many of the first ``limit`` of ``seqs``, in order, ``can_allocate`` would let start together."""
+        if self.rows is not None:
+            limit = min(limit, len(self.rows.claimable(limit)))
         left, count = self.num_free_blocks, 0
         for seq in itertools.islice(seqs, limit):
-            left -= self._admission_blocks(seq)
+            left -= self._admission_blocks(seq) + self.row_cost
             if left < 0:
                 break
             count += 1
@@ -130,10 +193,7 @@ class BlockManager:
         of them from the prefix cache (a hybrid model's hit ends at its deepest state snapshot); returns how
         many tokens came from the prefix cache."""
         assert not seq.block_table, "sequence already holds blocks"
-        if self.free_rows:
-            seq.table_row = self.free_rows.pop()
-        else:
-            seq.table_row, self.num_rows = self.num_rows, self.num_rows + 1
+        seq.table_row = self._take_row()
         seq.table_id = next(self._table_ids)
         seq.decode_until = 0
         bs = self.block_size
@@ -156,7 +216,7 @@ class BlockManager:
                 block_id = hits[i][g]
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
-                    del self.free_ids[block_id]
+                    self._revive(block_id)
                 block.ref_count += 1
                 table.append(block_id)
             if window is None:
@@ -283,8 +343,7 @@ class BlockManager:
         seq.held_from = [0] * self.num_groups
         seq.decode_until = 0
         if seq.table_row >= 0:
-            self.free_rows.append(seq.table_row)
-            self.freed_rows.append(seq.table_row)
+            self._give_row(seq.table_row)
             seq.table_row = -1
         seq.num_hashed_blocks = seq.last_block_hash = 0
         seq.num_computed_tokens = 0

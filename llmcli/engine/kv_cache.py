@@ -1,6 +1,8 @@
 """Sizing and allocating the KV block pool from what the warm-up left free, laid out in KV groups
 (engine/kv_groups.py: one block id is one block of each of ``layout.slots`` layer tensors, or where the layers'
-KV shapes differ one slab that each group's layers share)."""
+KV shapes differ one slab that each group's layers share). A hybrid model's pool is one buffer of pages (a
+page: a block's slab) whose rows of pages also hold the sequences' linear-attention states
+(engine/state_pages.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +15,8 @@ from torch import nn
 from llmcli.config import Config
 from llmcli.engine.kv_groups import KVLayout, blocks_held, plan_kv_groups, plan_mixed_kv_groups
 from llmcli.engine.outputs import MemoryReport
+from llmcli.engine.state_pages import StatePages
+from llmcli.engine.state_pool import attach_states, fixed_rows, linear_layers
 from llmcli.layers.attention import Attention
 
 GIB = 1 << 30
@@ -33,10 +37,11 @@ class KVCacheAllocationError(RuntimeError):
 
 def kv_layout(model: nn.Module, max_model_len: int | None = None) -> KVLayout:
     """The model's KV groups, from its attention layers' windows; where the layers differ in KV heads or head size
-    (Gemma 4's global layers), planned by each layer's size (kv_groups.plan_mixed_kv_groups)."""
+    (Gemma 4's global layers) or its pages hold linear-attention states too, planned by each layer's size
+    (kv_groups.plan_mixed_kv_groups: one slab per block id)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     windows = [m.sliding_window for m in layers]
-    if not _uniform(layers):
+    if not _uniform(layers) or linear_layers(model):
         return plan_mixed_kv_groups(windows, _sizes(layers), max_model_len)
     return plan_kv_groups(windows, max_model_len)
 
@@ -75,13 +80,11 @@ def device_name(device: torch.device) -> str:
 
 
 def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_bytes: int,
-                  activation_peak: int, state_pool_bytes: int = 0, snapshots: tuple[int, int] = (0, 0),
-                  layout: KVLayout | None = None) -> MemoryReport:
-    """Decide the number of blocks: the explicit count, else the memory budget that is left (after the
-    linear-attention state pool's ``state_pool_bytes`` and its ``snapshots``: (slots, bytes) of the prefix
-    cache's state snapshots)."""
-    num_snapshots, snapshot_bytes = snapshots
-    state_pool_bytes += snapshot_bytes
+                  activation_peak: int, row_pages: int = 0, layout: KVLayout | None = None) -> MemoryReport:
+    """Decide the number of blocks: the explicit count, else the memory budget that is left. A hybrid model's
+    (``row_pages``: the blocks a sequence's linear-attention states take) are pages its states share
+    (``describe_states`` adds how): with an explicit count, that many KV blocks beside every state row."""
+    all_rows = (config.max_num_seqs + 1 + fixed_rows(config)) * row_pages
     bs = config.kvcache_block_size
     per_block = per_token * bs
     notes: list[str] = []
@@ -90,7 +93,7 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         if config.kv_cache_memory_gib is not None:
             available = int(config.kv_cache_memory_gib * GIB)
         else:
-            available = budget - in_use - activation_peak - state_pool_bytes
+            available = budget - in_use - activation_peak
         other = max(0, in_use - weights_bytes)
     else:
         total = _host_memory()
@@ -99,10 +102,9 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
             wanted = config.max_num_seqs * per_block * sum(
                 blocks_held(config.max_model_len, w, bs) for w in layout.windows)
         available = int(config.kv_cache_memory_gib * GIB) if config.kv_cache_memory_gib else min(
-            int(CPU_DEFAULT_KV_GIB * GIB), wanted)
-        available = max(0, available - state_pool_bytes)
+            int(CPU_DEFAULT_KV_GIB * GIB), wanted + all_rows * per_block)
         budget, other = available, 0
-    num_blocks = config.num_kvcache_blocks or max(0, available // per_block)
+    num_blocks = config.num_kvcache_blocks + all_rows if config.num_kvcache_blocks else max(0, available // per_block)
     if config.num_kvcache_blocks:
         notes.append("num_kvcache_blocks was set explicitly; the probe's figure was not used")
     if device.type == "cpu" and total and num_blocks * per_block > total:
@@ -124,35 +126,41 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         concurrent = num_blocks / per_seq if per_seq else 0.0
         notes.append(f"KV groups: {len(groups)}, one pool of blocks for all; a sliding-window group's blocks go back to it "
                      "as sequences move past them, so a long sequence holds only its window's")
-    if state_pool_bytes:
-        cache = f"{num_snapshots} prefix-cache state snapshots ({snapshot_bytes / GIB:.3f} GiB)" if num_snapshots \
-            else "no state snapshots: prefix caching is off for this hybrid model"
-        notes.append(f"linear-attention state pool: {state_pool_bytes / GIB:.3f} GiB ({config.max_num_seqs} "
-                     f"sequences' conv and recurrent states, {cache})")
     return MemoryReport(
         device=str(device), device_name=device_name(device), total_bytes=total, budget_bytes=budget,
         weights_bytes=weights_bytes, activation_peak_bytes=activation_peak, cuda_graph_bytes=0,
         other_bytes=other, kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, block_size=bs,
         num_blocks=num_blocks, cache_tokens=cache_tokens, max_model_len=config.max_model_len,
         max_concurrent_full_seqs=concurrent, dtype=str(config.torch_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), state_pool_bytes=state_pool_bytes,
-        num_state_snapshots=num_snapshots, state_snapshot_bytes=snapshot_bytes, kv_groups=groups, notes=notes,
+        kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."), kv_groups=groups, notes=notes,
     )
+
+
+def describe_states(report: MemoryReport, config: Config, pages: StatePages, row_bytes: int) -> None:
+    """A hybrid model's state rows in ``report`` (the pool's pages, ``report.num_blocks``, being decided)."""
+    per_block, snapshots = report.kv_bytes_per_block, fixed_rows(config) - 1
+    report.state_pages = pages
+    report.state_row_bytes = row_bytes
+    report.state_pool_bytes = pages.reserved * per_block
+    report.num_state_snapshots = snapshots
+    report.state_snapshot_bytes = snapshots * pages.row_pages * per_block
+    usable = report.num_blocks - pages.reserved
+    report.cache_tokens = usable * report.block_size
+    per_seq = sum(g["blocks_per_seq"] for g in report.kv_groups) + (pages.row_pages if pages.shared else 0)
+    report.max_concurrent_full_seqs = usable / per_seq if per_seq else 0.0
+    cache = f"{snapshots} prefix-cache state snapshots" if snapshots \
+        else "no state snapshots: prefix caching is off for this hybrid model"
+    where = ("taken from the KV blocks while it runs (the pool's split between states and KV follows the "
+             "workload)" if pages.shared else "beside the num_kvcache_blocks KV blocks")
+    report.notes.append(f"linear-attention states: {pages.row_pages} blocks ({row_bytes / 2**20:.1f} MiB) a "
+                        f"sequence, {where}; {cache} and a scratch row reserved "
+                        f"({report.state_pool_bytes / GIB:.3f} GiB)")
 
 
 def _cuda_budget(config: Config, device: torch.device) -> tuple[int, int, int]:
     """(the budget gpu_memory_utilization gives, the bytes in use now, the device's total)."""
     free, total = torch.cuda.mem_get_info(device)
     return int(total * config.gpu_memory_utilization), total - free, total
-
-
-def memory_left(config: Config, device: torch.device, activation_peak: int) -> int | None:
-    """Bytes of the budget the weights and the activations' peak leave for caches (KV and states); None on the
-    CPU, whose pools are sized by kv_cache_memory_gib."""
-    if device.type != "cuda":
-        return None
-    budget, in_use, _ = _cuda_budget(config, device)
-    return max(0, budget - in_use - activation_peak)
 
 
 def group_reports(config: Config, layout: KVLayout | None, per_block: int) -> list[dict[str, Any]]:
@@ -169,11 +177,22 @@ def group_reports(config: Config, layout: KVLayout | None, per_block: int) -> li
 
 
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device, layout: KVLayout | None = None) -> torch.Tensor:
+                      dtype: torch.dtype, device: torch.device, layout: KVLayout | None = None,
+                      states: tuple[StatePages, torch.dtype] | None = None) -> torch.Tensor:
     """One tensor [2, layer tensors, blocks, block_size, kv_heads, head_dim]; each attention layer gets the views
     of its tensor (its index in its KV group) and, with several groups, its group. Where layers differ in KV heads
-    or head size (Gemma 4), one [blocks, block_size * slab] tensor instead (``_allocate_slabs``)."""
+    or head size (Gemma 4), one [blocks, block_size * slab] tensor instead (``_allocate_slabs``). A hybrid
+    model's (``states``: its state rows and the conv states' dtype): one [pages, page bytes] byte buffer whose
+    pages are KV blocks (slabs) or parts of state rows (state_pool.attach_states)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if states is not None:
+        assert layout is not None and layout.slab, "a hybrid model's KV layout is a slab (kv_layout)"
+        page = block_size * layout.slab * dtype.itemsize
+        with _allocation_error(num_blocks, num_blocks * page, device):
+            buffer = torch.empty(num_blocks, page, dtype=torch.uint8, device=device)
+        _allocate_slabs(layers, layout, num_blocks, block_size, dtype, device, buffer.view(dtype))
+        attach_states(model, buffer, *states)
+        return buffer
     if not _uniform(layers):
         if layout is None or not layout.slab:
             layout = plan_mixed_kv_groups([None] * len(layers), _sizes(layers))
@@ -190,13 +209,14 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, num_kv
 
 
 def _allocate_slabs(layers: list[Attention], layout: KVLayout, num_blocks: int, block_size: int,
-                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                    dtype: torch.dtype, device: torch.device, cache: torch.Tensor | None = None) -> torch.Tensor:
     """A block id is one row of ``block_size * slab`` elements, whichever group holds it: a layer's K is its
     [block_size, kv_heads, head_dim] at its offset in the row, its V right after; the kernels step from block to
-    block by the row's stride, so every layer keeps its own shape."""
+    block by the row's stride, so every layer keeps its own shape. (``cache``: such rows already allocated.)"""
     bs = block_size
-    with _allocation_error(num_blocks, num_blocks * bs * layout.slab * dtype.itemsize, device):
-        cache = torch.empty(num_blocks, bs * layout.slab, dtype=dtype, device=device)
+    if cache is None:
+        with _allocation_error(num_blocks, num_blocks * bs * layout.slab * dtype.itemsize, device):
+            cache = torch.empty(num_blocks, bs * layout.slab, dtype=dtype, device=device)
     for layer, (group, _), at in zip(layers, layout.group_of(), layout.offsets):
         n, shape = layer.num_kv_heads * layer.head_dim, (num_blocks, bs, layer.num_kv_heads, layer.head_dim)
         layer.k_cache = cache[:, bs * at:bs * (at + n)].view(shape)

@@ -15,6 +15,7 @@ from llmcli.engine.cpu_threads import cpu_threads
 from llmcli.engine.harmony import BUDGET_NEEDS_HARMONY, HarmonyTokens, prompt_state
 from llmcli.engine.memory_check import check_host_memory
 from llmcli.engine.kv_groups import kv_windows_of
+from llmcli.engine.state_pages import kv_room_of, state_pages_of
 from llmcli.engine.admission import bad_word_ids, check_request_fits, encode_prompt, truncate_prompt
 from llmcli.engine.scheduler import ScheduledBatch, Scheduler
 from llmcli.engine.sequence import RequestRejected, Sequence, SequenceStatus
@@ -80,7 +81,9 @@ class LLMEngine:
         self.stats = EngineStats(kv_blocks_total=self.model_runner.num_blocks,
                                  state_snapshot_bytes=getattr(report, "state_snapshot_bytes", 0))
         self.kv_windows = kv_windows_of(report)
-        self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats, self.kv_windows)
+        self.scheduler = Scheduler(config, self.model_runner.num_blocks, self.stats, self.kv_windows,
+                                   state_pages_of(report))
+        self.stats.kv_blocks_total = self.scheduler.block_manager.num_blocks  # a hybrid's: KV and state pages
         self.stopper = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len, self.harmony)
         self._rng = random.Random(config.seed)
         self.step_timer: StepTimer = self.model_runner.timer
@@ -158,7 +161,9 @@ class LLMEngine:
 
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if this request can never run on this engine."""
-        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks, self.kv_windows)
+        check_request_fits(token_ids, params, self.config,
+                           kv_room_of(getattr(self.model_runner, "memory_report", None), self.model_runner.num_blocks),
+                           self.kv_windows)
         bad_word_ids(self.tokenizer, params.bad_words)  # RequestRejected for a word it cannot ban
         if params.structured_outputs is not None:
             from llmcli.engine.structured import check_constraint

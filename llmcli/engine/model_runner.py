@@ -12,12 +12,13 @@ from llmcli.config import Config
 from llmcli.parallel import agree_min, tp_rank, tp_size
 from llmcli.engine.block_tables import BlockTables
 from llmcli.engine.pinned import ReadbackRing
-from llmcli.engine.kv_cache import (KVCacheTooSmall, allocate_kv_cache, kv_bytes_per_token, kv_layout, memory_left,
-                                   plan_kv_cache)
+from llmcli.engine.kv_cache import (KVCacheTooSmall, allocate_kv_cache, describe_states, kv_bytes_per_token,
+                                   kv_layout, plan_kv_cache)
+from llmcli.engine.kv_groups import blocks_needed
 from llmcli.layers.attention import Attention
 from llmcli.engine.row_table import RowTable
-from llmcli.engine.state_pool import (allocate_state_pool, fit_max_num_seqs, linear_layers, num_snapshot_slots,
-                                     state_bytes_per_slot)
+from llmcli.engine.state_pages import StatePages
+from llmcli.engine.state_pool import linear_layers, plan_state_pages, state_row_bytes
 from llmcli.engine.sampling_extras import StepExtras, StepLogprobs, upload_extras
 from llmcli.engine.startup import StartupClock
 from llmcli.engine.step_plan import StepPlan
@@ -129,30 +130,25 @@ class ModelRunner:
                 activation_peak = measure_activation_peak(self)
                 per_token = kv_bytes_per_token(hf, self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
                                                self.model, self.kv_layout)
-                # one state slot per block-table row a sequence may hold, the prefix cache's snapshots, a scratch
-                # slot
-                per_slot = state_bytes_per_slot(self.model, config.torch_dtype)
-                left = memory_left(config, self.device, activation_peak)
-                lowered = fit_max_num_seqs(config, per_slot, left, lambda n: agree_min(n, self.device)) \
-                    if per_slot and left is not None else None  # the same test on every rank: it may all_reduce
-                if lowered and self.rank == 0:
-                    log.warning(lowered)
-                self.num_snapshots = num_snapshot_slots(config)
+                row_bytes = state_row_bytes(self.model, config.torch_dtype)
+                # a hybrid model's states take rows of KV pages (engine/state_pages.py): every rank the most any
+                # rank's take
+                row_pages = -(-row_bytes // (per_token * config.kvcache_block_size))
+                if row_bytes and self.world > 1:
+                    row_pages = -agree_min(-row_pages, self.device)
                 self.memory_report = plan_kv_cache(config, self.device, per_token, self.weights_bytes,
-                                                   activation_peak, per_slot * (config.max_num_seqs + 2),
-                                                   (self.num_snapshots, per_slot * self.num_snapshots),
-                                                   self.kv_layout)
-                if lowered:
-                    self.memory_report.notes.insert(0, lowered)
+                                                   activation_peak, row_pages, self.kv_layout)
                 self.num_blocks = self._agree_on_blocks(self.memory_report.num_blocks)
+                if row_pages:
+                    self.state_pages = self._plan_states(row_pages, row_bytes)
             if self.num_blocks == 0:
                 raise KVCacheTooSmall("; ".join(self.memory_report.notes), self.memory_report)
             with clock.phase("kv_cache"):
+                states = (self.state_pages, config.torch_dtype) if self.state_pages is not None else None
                 self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.kvcache_block_size,
                                                   self.num_kv_heads, self.head_dim, config.kv_torch_dtype,
-                                                  self.device, self.kv_layout)
-                self.state_pool = allocate_state_pool(self.model, config.max_num_seqs + 1, config.torch_dtype,
-                                                      self.device, self.num_snapshots)
+                                                  self.device, self.kv_layout, states)
+                self.state_pool = [t for m in linear_layers(self.model) for t in (m.conv_state, m.ssm_state)]
             if self.device.type == "cuda":
                 with clock.phase("compile"):
                     compile_variants(self)
@@ -217,10 +213,31 @@ class ModelRunner:
         self.timer = StepTimer()
         self.graphs = None
         self.state_pool: list[torch.Tensor] = []  # hybrid models' linear-attention states, once allocated
+        self.state_pages: StatePages | None = None  # and where they live (engine/state_pages.py)
 
     @property
     def block_tables(self) -> "BlockTables":
         return self.rows.block_tables
+
+    def _plan_states(self, row_pages: int, row_bytes: int) -> StatePages:
+        """A hybrid model's state rows in the agreed pool (max_num_seqs lowered where they would not fit beside
+        one sequence of max_model_len): said in the memory report, and in the log when lowered."""
+        config, report = self.config, self.memory_report
+        kv_min = blocks_needed(config.max_model_len, [g["window"] for g in report.kv_groups] or [None],
+                               config.kvcache_block_size, config.kvcache_block_size)
+        pages, lowered = plan_state_pages(config, row_pages, self.num_blocks, kv_min,
+                                          shared=not config.num_kvcache_blocks)
+        if lowered:
+            report.notes.insert(0, lowered)
+            if self.rank == 0:
+                log.warning(lowered)
+        if config.max_num_seqs == 0:
+            report.num_blocks = self.num_blocks = 0
+            report.notes.append(f"not one sequence's linear-attention states ({row_pages} blocks) fit beside the "
+                                "snapshot rows and one sequence of max_model_len: raise gpu_memory_utilization or "
+                                "kv_cache_memory_gib, or lower max_model_len")
+        describe_states(report, config, pages, row_bytes)
+        return pages
 
     def _agree_on_blocks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool: take the smallest."""

@@ -175,9 +175,14 @@ class MemoryReport:
     max_concurrent_full_seqs: float
     dtype: str
     kv_cache_dtype: str = ""  # the KV pool's element type (float8_e4m3fn with kv_cache_dtype='fp8')
-    state_pool_bytes: int = 0  # the linear-attention layers' state pool (hybrid models), beside the KV pool
-    num_state_snapshots: int = 0  # of which: slots of the prefix cache's state snapshots, and their bytes
+    # a hybrid model's linear-attention states (engine/state_pages.py): the pages reserved for them whatever
+    # runs (shared pool: the snapshot and scratch rows; static: every row) in bytes, of which the prefix cache's
+    # snapshot rows (how many, bytes); one sequence's states (bytes); the rows' plan
+    state_pool_bytes: int = 0
+    num_state_snapshots: int = 0
     state_snapshot_bytes: int = 0
+    state_row_bytes: int = 0
+    state_pages: Any = None  # StatePages
     # per KV group (engine/kv_groups.py): window (None: full), layers, the most blocks and bytes one sequence of
     # max_model_len holds at once in it
     kv_groups: list[dict[str, Any]] = field(default_factory=list)

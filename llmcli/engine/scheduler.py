@@ -10,6 +10,7 @@ from llmcli.engine.block_manager import BlockManager
 from llmcli.engine.outputs import EngineStats
 from llmcli.engine.plan_builder import PlanBuilder
 from llmcli.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmcli.engine.state_pages import StatePages
 from llmcli.engine.state_pool import has_linear_layers, num_snapshot_slots
 from llmcli.engine.state_snapshots import WAIT, SnapshotRegistry
 from llmcli.engine.step_plan import StepPlan
@@ -49,8 +50,9 @@ class Scheduler:
     """
 
     def __init__(self, config: Config, num_blocks: int, stats: EngineStats,
-                 kv_windows: tuple[int | None, ...] = (None,)) -> None:
-        """``kv_windows``: the KV groups' windows (engine/kv_groups.py; the runner's ``MemoryReport.kv_groups``)."""
+                 kv_windows: tuple[int | None, ...] = (None,), state_pages: StatePages | None = None) -> None:
+        """``kv_windows``: the KV groups' windows (engine/kv_groups.py; the runner's ``MemoryReport.kv_groups``);
+        ``state_pages``: a hybrid model's state rows in the pool (engine/state_pages.py)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -59,7 +61,7 @@ class Scheduler:
         # without snapshot slots computes every prompt token
         snapshots = num_snapshot_slots(config)
         caching = config.enable_prefix_caching and (snapshots > 0 or not has_linear_layers(config.hf_config))
-        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching, kv_windows)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, caching, kv_windows, state_pages)
         self.snapshots = SnapshotRegistry(snapshots, config.kvcache_block_size) if snapshots else None
         self.plans = PlanBuilder(config.kvcache_block_size, self.block_manager.freed_rows, len(kv_windows))
         self.waiting: deque[Sequence] = deque()

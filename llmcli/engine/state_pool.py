@@ -1,21 +1,28 @@
-"""The linear-attention layers' per-sequence state (conv state and recurrent state) in slots of one pool.
+"""The linear-attention layers' per-sequence state (conv state and recurrent state) in rows of the KV pool's
+buffer.
 
-A sequence's slot is its block-table row (``Sequence.table_row``: given at admission, taken back at finish or
-preemption), so the runner's ``AttentionMetadata.rows`` says where each batch entry's state lives. A chunk
-with no computed prefix starts from a zero state (layers/gated_delta_net.py), which is what makes a preempted
-sequence recompute from scratch. After the sequences' slots come the prefix cache's state snapshots
-(``engine/state_snapshots.py``: snapshot ``i`` is slot ``slots + i``), so one gather index serves "start
-from my row" and "start from a snapshot". The last slot is scratch for the padding rows of a CUDA-graph batch
-(row -1).
+A sequence's state row is its block-table row (``Sequence.table_row``: given at admission, taken back at
+finish or preemption), so the runner's ``AttentionMetadata.rows`` says where each batch entry's state lives.
+Row ``r`` takes ``row_pages`` consecutive pages (KV blocks) of the buffer (engine/state_pages.py: which rows
+and pages are whose); each layer's conv and recurrent state is one strided view over every row, so a CUDA
+graph holds fixed addresses. A chunk with no computed prefix starts from a zero state and reads nothing of its
+row (layers/gated_delta_net.py: what the pages held before is never read), which is what makes a preempted
+sequence recompute from scratch. After the sequences' rows come the prefix cache's state snapshots
+(``engine/state_snapshots.py``: snapshot ``i`` is row ``max_num_seqs + 1 + i``), so one gather index serves
+"start from my row" and "start from a snapshot". The last row is scratch for the padding rows of a CUDA-graph
+batch (row -1).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from llmcli.engine.state_pages import StatePages
 from llmcli.layers.gated_delta_net import GatedDeltaNet
+
+ALIGN = 256  # bytes: each state tensor of a row starts on it (vectorized loads, any dtype's view)
 
 
 def has_linear_layers(hf_config: Any) -> bool:
@@ -34,66 +41,94 @@ def num_snapshot_slots(config: Any, max_num_seqs: int | None = None) -> int:
     return max(4, min(32, (max_num_seqs or config.max_num_seqs) // 16))
 
 
-# The states' share of the memory the weights and activations leave: a large hybrid model's states (Qwen3.6-27B:
-# 147 MiB a sequence) would otherwise take all of it at the default max_num_seqs and leave no KV block.
-STATE_SHARE = 0.5
+def fixed_rows(config: Any, max_num_seqs: int | None = None) -> int:
+    """The snapshot rows and the scratch row (at ``max_num_seqs`` sequences if given)."""
+    return num_snapshot_slots(config, max_num_seqs) + 1
 
 
-def sequences_that_fit(config: Any, per_slot: int, left: int, share: float = STATE_SHARE) -> int:
-    """The most sequences, up to max_num_seqs, whose state slots, with the prefix cache's snapshots and the two
-    spare slots the probe counts, take at most ``share`` of ``left`` bytes (0 when not even one does)."""
+def plan_state_pages(config: Any, row_pages: int, num_pages: int, kv_min: int, shared: bool,
+                     ) -> tuple[StatePages, str | None]:
+    """The state rows in a buffer of ``num_pages`` pages. Shared, ``config.max_num_seqs`` is lowered (before the
+    scheduler is made from it) where every sequence's row, with the fixed rows, would not leave ``kv_min``
+    pages (one sequence of max_model_len): what was done, in a line for the log and the memory report."""
     def fits(n: int) -> bool:
-        return (n + 2 + num_snapshot_slots(config, n)) * per_slot <= left * share
+        return (n + 1 + fixed_rows(config, n)) * row_pages + kv_min <= num_pages
 
-    low, high = 0, config.max_num_seqs  # fits(low) or low == 0; the slots needed grow with n
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
-
-
-def fit_max_num_seqs(config: Any, per_slot: int, left: int, agree: Callable[[int], int] = int) -> str | None:
-    """Lower ``config.max_num_seqs`` (before the scheduler and the pool are made from it) where the sequences'
-    states would take more than ``STATE_SHARE`` of the ``left`` bytes; ``agree`` makes tensor-parallel ranks
-    settle on one figure. What was done, in a line for the log and the memory report, or None."""
-    fit = max(1, agree(sequences_that_fit(config, per_slot, left)))
-    if fit >= config.max_num_seqs:
-        return None
-    line = (f"max_num_seqs lowered from {config.max_num_seqs} to {fit}: a sequence's linear-attention states take "
-            f"{per_slot / 2**20:.0f} MiB and may use {STATE_SHARE:.0%} of the {left / 2**30:.1f} GiB left after "
-            "weights and activations (the rest holds KV blocks); a larger gpu_memory_utilization admits more")
-    config.max_num_seqs = fit
-    return line
+    line = None
+    if shared and not fits(config.max_num_seqs):
+        low, high = 0, config.max_num_seqs  # fits(low) or low == 0; the rows needed grow with n
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        line = (f"max_num_seqs lowered from {config.max_num_seqs} to {low}: a sequence's linear-attention states "
+                f"take {row_pages} KV blocks, and every sequence's at once must leave room for one sequence of "
+                f"max_model_len={config.max_model_len}; a larger gpu_memory_utilization admits more")
+        config.max_num_seqs = low
+    n = config.max_num_seqs
+    return StatePages(row_pages, n + 1, fixed_rows(config, n), shared), line
 
 
 def linear_layers(model: nn.Module) -> list[GatedDeltaNet]:
     return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
 
 
-def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes one sequence's states take over every linear layer (conv state in ``dtype``, recurrent state in the
-    layer's state dtype, float32 unless config.json says otherwise)."""
-    total = 0
+def row_offsets(model: nn.Module, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
+    """Per linear layer the byte offsets of its conv state (in ``dtype``) and recurrent state (the layer's
+    state dtype, float32 unless config.json says otherwise) in a row, and the row's bytes."""
+    offsets, at = [], 0
     for layer in linear_layers(model):
         conv, ssm = layer.state_shapes()
-        total += _numel(conv) * dtype.itemsize + _numel(ssm) * (layer.spec.state_dtype or torch.float32).itemsize
-    return total
+        conv_at = at
+        at = _aligned(at + _numel(conv) * dtype.itemsize)
+        offsets.append((conv_at, at))
+        at = _aligned(at + _numel(ssm) * _state_dtype(layer).itemsize)
+    return offsets, at
 
 
-def allocate_state_pool(model: nn.Module, slots: int, dtype: torch.dtype, device: torch.device,
-                        snapshots: int = 0) -> list[torch.Tensor]:
-    """Zeroed states for ``slots`` rows, ``snapshots`` snapshot slots and the scratch slot, attached to each
-    linear layer; the tensors."""
+def state_row_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes one sequence's states take over every linear layer (0: not a hybrid model)."""
+    return row_offsets(model, dtype)[1]
+
+
+def attach_states(model: nn.Module, buffer: torch.Tensor, pages: StatePages, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each linear layer's conv and recurrent state as views of ``buffer`` ([pages, page bytes], uint8) over
+    ``pages.rows`` rows of ``pages.row_pages`` pages; the views. Rows and snapshots read only what was written
+    into them, so the buffer needs no zeroing."""
+    flat = buffer.view(-1)
+    stride = pages.row_pages * buffer.shape[1]  # bytes from one row to the next
+    if pages.rows * stride > flat.numel():
+        raise ValueError(f"{pages.rows} state rows of {stride} bytes do not fit a buffer of {flat.numel()} bytes")
+    offsets, _ = row_offsets(model, dtype)
     held = []
-    rows = slots + snapshots + 1
-    for layer in linear_layers(model):
-        conv, ssm = layer.state_shapes()
-        # [rows, C, K-1] viewed over [rows, K-1, C] storage: a conv kernel's block of channels then reads and
-        # writes each tap as one contiguous run, where channel-major storage gives it runs of K-1 values
-        layer.conv_state = torch.zeros(rows, *conv[::-1], dtype=dtype, device=device).transpose(1, 2)
-        layer.ssm_state = torch.zeros(rows, *ssm, dtype=layer.spec.state_dtype or torch.float32, device=device)
+    for layer, (conv_at, ssm_at) in zip(linear_layers(model), offsets):
+        (channels, taps), ssm = layer.state_shapes()
+        # [rows, C, K-1] viewed over [rows, K-1, C]: a conv kernel's block of channels then reads and writes
+        # each tap as one contiguous run, where channel-major storage gives it runs of K-1 values
+        conv = _typed(flat, dtype, (pages.rows, taps, channels), stride, conv_at)
+        layer.conv_state = conv.transpose(1, 2)
+        layer.ssm_state = _typed(flat, _state_dtype(layer), (pages.rows, *ssm), stride, ssm_at)
         held += [layer.conv_state, layer.ssm_state]
     return held
+
+
+def _typed(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], row_stride: int, at: int) -> torch.Tensor:
+    """A [rows, ...] view of ``dtype`` at byte ``at`` of the first row, rows ``row_stride`` bytes apart, each
+    row's part contiguous."""
+    size = dtype.itemsize
+    assert row_stride % size == 0 and at % size == 0 and flat.numel() % size == 0
+    strides, inner = [], 1
+    for d in reversed(shape[1:]):
+        strides.insert(0, inner)
+        inner *= d
+    return torch.as_strided(flat.view(dtype), shape, (row_stride // size, *strides), at // size)
+
+
+def _state_dtype(layer: GatedDeltaNet) -> torch.dtype:
+    return layer.spec.state_dtype or torch.float32
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _numel(shape: tuple[int, ...]) -> int:

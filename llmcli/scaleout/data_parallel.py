@@ -42,6 +42,7 @@ from typing import Any, Hashable
 
 from llmcli.config import Config, ConfigError
 from llmcli.engine.admission import check_request_fits, encode_prompt
+from llmcli.engine.state_pages import kv_room_of
 from llmcli.engine.kv_groups import kv_windows_of
 from llmcli.engine.outputs import EngineStats, RequestOutput
 from llmcli.sampling_params import SamplingParams
@@ -207,8 +208,9 @@ class DataParallelEngine:
 
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected unless the request fits every replica (it may have to move after a failure)."""
-        check_request_fits(token_ids, params, self.config, self.model_runner.num_blocks,
-                           kv_windows_of(self.model_runner.memory_report))
+        report = self.model_runner.memory_report
+        check_request_fits(token_ids, params, self.config, kv_room_of(report, self.model_runner.num_blocks),
+                           kv_windows_of(report))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: Any = None) -> None:
         token_ids = self.encode(prompt)
