@@ -457,7 +457,8 @@ def test_a_large_hybrid_keeps_max_num_seqs_where_its_states_fit_beside_kv():
     state of 10,240 channels x 3 in bf16) take ~147 MiB a sequence, 37 KV blocks of 4 MiB (16 full-attention
     layers, 4 KV heads of 256, block 64). With ~70 GiB left after the weights the shared pool keeps the default
     256 sequences (a fixed half for states held 209); at 1,024 it comes down to as many as fit beside one
-    sequence of max_model_len, said in one line; a pool too small for one sequence gives 0."""
+    sequence of max_model_len (static: beside num_kvcache_blocks), said in one line; a pool too small for one
+    sequence gives 0."""
     from llmcli.engine.state_pool import plan_state_pages
 
     row = 48 * (48 * 128 * 128 * 4 + 10240 * 3 * 2)
@@ -484,9 +485,11 @@ def test_a_large_hybrid_keeps_max_num_seqs_where_its_states_fit_beside_kv():
     used = (n + 1 + min(32, n // 16) + 1) * 37
     assert used + kv_min <= pool < used + kv_min + 2 * 37  # as many as fit, not fewer
     assert 400 < n < 500 and pages.seq_rows == n + 1
-    cfg = config(1024)
-    _, line = plan_state_pages(cfg, row_pages, pool, kv_min, shared=False)  # static: every row beside the KV
-    assert line is None and cfg.max_num_seqs == 1024
+    cfg = config(1024)  # static: every row beside the num_kvcache_blocks asked for, as memory holds them
+    pages, line = plan_state_pages(cfg, row_pages, pool, 10000, shared=False)
+    n = cfg.max_num_seqs
+    assert "the 10000 num_kvcache_blocks" in line and 150 < n < 250 and not pages.shared
+    assert pages.rows * 37 + 10000 <= pool < (pages.rows + 2) * 37 + 10000
     cfg = config(64)
     plan_state_pages(cfg, row_pages, 5 * 37, kv_min, shared=True)
     assert cfg.max_num_seqs == 0

@@ -52,7 +52,7 @@ class BlockManager:
         self.num_groups = len(self.windows)
         self.has_windows = any(w is not None for w in self.windows)
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.rows = StateRows(state_pages) if state_pages is not None else None
+        self.state_rows = StateRows(state_pages) if state_pages is not None else None
         self.fresh: FreshPages | None = None
         self.row_cost = 0  # KV pages a new sequence's state row takes out of the pool
         if state_pages is None:
@@ -87,8 +87,8 @@ class BlockManager:
         self._forget(block)
         block.ref_count = 1
         block.group = group
-        if self.rows is not None:
-            self.rows.kv_taken(block_id)
+        if self.state_rows is not None:
+            self.state_rows.kv_taken(block_id)
         return block_id
 
     def _forget(self, block: Block) -> None:
@@ -100,8 +100,8 @@ class BlockManager:
     def _revive(self, block_id: int) -> None:
         """A free cached block taken by a prefix hit."""
         del self.free_ids[block_id]
-        if self.rows is not None:
-            self.rows.kv_taken(block_id)
+        if self.state_rows is not None:
+            self.state_rows.kv_taken(block_id)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -111,15 +111,15 @@ class BlockManager:
                 self.fresh.add(block_id)
             else:
                 self.free_ids[block_id] = None
-            if self.rows is not None:
-                self.rows.kv_freed(block_id)
+            if self.state_rows is not None:
+                self.state_rows.kv_freed(block_id)
 
     def _take_row(self) -> int:
         """A block-table row for a sequence starting (a hybrid's: the lowest claimable one, its pages out of the
         pool, evicting cached blocks there)."""
-        if self.rows is not None:
-            row = self.rows.claimable()[0]
-            for page in self.rows.claim(row):
+        if self.state_rows is not None:
+            row = self.state_rows.claimable()[0]
+            for page in self.state_rows.claim(row):
                 if page in self.fresh:
                     self.fresh.remove(page)
                 else:
@@ -132,8 +132,8 @@ class BlockManager:
         return self.num_rows - 1
 
     def _give_row(self, row: int) -> None:
-        if self.rows is not None:
-            for page in self.rows.release(row):
+        if self.state_rows is not None:
+            for page in self.state_rows.release(row):
                 self.fresh.add(page)
         else:
             self.free_rows.append(row)
@@ -153,14 +153,14 @@ class BlockManager:
         """Whether ``allocate(seq, budget)`` finds its blocks, counting no prefix hit: a full group's for the
         whole prompt, a window group's for its window and one block (its first chunk may be cut short); a hybrid
         model's also a state row."""
-        if self.rows is not None and not self.rows.claimable():
+        if self.state_rows is not None and not self.state_rows.claimable():
             return False
         return self.num_free_blocks - self.row_cost >= self._admission_blocks(seq)
 
     def admissible(self, seqs: Iterable[Sequence], limit: int) -> int:
         """How many of the first ``limit`` of ``seqs``, in order, ``can_allocate`` would let start together."""
-        if self.rows is not None:
-            limit = min(limit, len(self.rows.claimable(limit)))
+        if self.state_rows is not None:
+            limit = min(limit, len(self.state_rows.claimable(limit)))
         left, count = self.num_free_blocks, 0
         for seq in itertools.islice(seqs, limit):
             left -= self._admission_blocks(seq) + self.row_cost

@@ -95,6 +95,8 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
         else:
             available = budget - in_use - activation_peak
         other = max(0, in_use - weights_bytes)
+        if config.num_kvcache_blocks and all_rows:  # the rows that memory holds beside the blocks asked for
+            all_rows = min(all_rows, max(0, available // per_block - config.num_kvcache_blocks))
     else:
         total = _host_memory()
         wanted = config.max_num_seqs * config.max_model_len * per_token

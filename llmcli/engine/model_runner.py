@@ -223,19 +223,23 @@ class ModelRunner:
         """A hybrid model's state rows in the agreed pool (max_num_seqs lowered where they would not fit beside
         one sequence of max_model_len): said in the memory report, and in the log when lowered."""
         config, report = self.config, self.memory_report
+        shared = not config.num_kvcache_blocks
         kv_min = blocks_needed(config.max_model_len, [g["window"] for g in report.kv_groups] or [None],
-                               config.kvcache_block_size, config.kvcache_block_size)
-        pages, lowered = plan_state_pages(config, row_pages, self.num_blocks, kv_min,
-                                          shared=not config.num_kvcache_blocks)
+                               config.kvcache_block_size, config.kvcache_block_size) if shared \
+            else config.num_kvcache_blocks
+        pages, lowered = plan_state_pages(config, row_pages, self.num_blocks, kv_min, shared)
+        if not shared:  # exactly num_kvcache_blocks beside the rows (the memory may have held fewer rows)
+            report.num_blocks = self.num_blocks = min(self.num_blocks, kv_min + pages.rows * row_pages)
         if lowered:
             report.notes.insert(0, lowered)
             if self.rank == 0:
                 log.warning(lowered)
         if config.max_num_seqs == 0:
             report.num_blocks = self.num_blocks = 0
+            beside = "one sequence of max_model_len" if shared else "num_kvcache_blocks"
             report.notes.append(f"not one sequence's linear-attention states ({row_pages} blocks) fit beside the "
-                                "snapshot rows and one sequence of max_model_len: raise gpu_memory_utilization or "
-                                "kv_cache_memory_gib, or lower max_model_len")
+                                f"snapshot rows and {beside}: raise gpu_memory_utilization or kv_cache_memory_gib, "
+                                "or lower max_model_len or num_kvcache_blocks")
         describe_states(report, config, pages, row_bytes)
         return pages
 

@@ -48,21 +48,24 @@ def fixed_rows(config: Any, max_num_seqs: int | None = None) -> int:
 
 def plan_state_pages(config: Any, row_pages: int, num_pages: int, kv_min: int, shared: bool,
                      ) -> tuple[StatePages, str | None]:
-    """The state rows in a buffer of ``num_pages`` pages. Shared, ``config.max_num_seqs`` is lowered (before the
-    scheduler is made from it) where every sequence's row, with the fixed rows, would not leave ``kv_min``
-    pages (one sequence of max_model_len): what was done, in a line for the log and the memory report."""
+    """The state rows in a buffer of ``num_pages`` pages, ``config.max_num_seqs`` lowered (before the scheduler is
+    made from it) where every sequence's row, with the fixed rows, would not leave ``kv_min`` pages for KV (shared:
+    one sequence of max_model_len; static: num_kvcache_blocks): what was done, in a line for the log and the
+    memory report."""
     def fits(n: int) -> bool:
         return (n + 1 + fixed_rows(config, n)) * row_pages + kv_min <= num_pages
 
     line = None
-    if shared and not fits(config.max_num_seqs):
+    if not fits(config.max_num_seqs):
         low, high = 0, config.max_num_seqs  # fits(low) or low == 0; the rows needed grow with n
         while low < high:
             mid = (low + high + 1) // 2
             low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        kv = f"one sequence of max_model_len={config.max_model_len}" if shared else \
+            f"the {kv_min} num_kvcache_blocks"
         line = (f"max_num_seqs lowered from {config.max_num_seqs} to {low}: a sequence's linear-attention states "
-                f"take {row_pages} KV blocks, and every sequence's at once must leave room for one sequence of "
-                f"max_model_len={config.max_model_len}; a larger gpu_memory_utilization admits more")
+                f"take {row_pages} KV blocks, and every sequence's at once must leave room for {kv}; a larger "
+                "gpu_memory_utilization admits more")
         config.max_num_seqs = low
     n = config.max_num_seqs
     return StatePages(row_pages, n + 1, fixed_rows(config, n), shared), line
