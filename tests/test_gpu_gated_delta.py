@@ -45,19 +45,22 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,pads", [(1, 0), (37, 5), (256, 0)])
 def test_triton_decode_kernels_match_the_torch_reference(dtype, batch, pads):
-    """Qwen3.5-9B's linear layer: 8192 conv channels, 16 key heads, 32 value heads of 128."""
+    """Qwen3.5-9B's linear layer: 8192 conv channels, 16 key heads, 32 value heads of 128; the pool's rows
+    adjacent, and apart in a larger buffer as the engine's state rows are (engine/state_pages.py)."""
     from test_triton_gated_delta import check_conv_step, check_delta_step
 
-    check_conv_step(batch, pads, channels=8192, dtype=dtype, device="cuda")
-    check_delta_step(batch, pads, hk=16, hv=32, dk=128, dv=128, dtype=dtype, device="cuda")
+    for apart in (False, True):
+        check_conv_step(batch, pads, channels=8192, dtype=dtype, device="cuda", apart=apart)
+        check_delta_step(batch, pads, hk=16, hv=32, dk=128, dv=128, dtype=dtype, device="cuda", apart=apart)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_varlen_conv_matches_the_torch_reference(dtype):
     from test_triton_gated_delta import check_conv_varlen
 
-    for with_pool in (True, False):
-        check_conv_varlen(with_pool, lens=(1, 2, 3, 700, 64, 5), channels=8192, dtype=dtype, device="cuda")
+    for with_pool, apart in ((True, False), (False, False), (True, True)):
+        check_conv_varlen(with_pool, lens=(1, 2, 3, 700, 64, 5), channels=8192, dtype=dtype, device="cuda",
+                          apart=apart)
 
 
 def _decode_case(batch: int, slots: int, tap_major: bool = True):

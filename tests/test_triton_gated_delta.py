@@ -4,7 +4,9 @@ layer's decode through them against its torch decode.
 
 Without CUDA they run under Triton's interpreter in float32; on a GPU, tests/test_gpu_gated_delta.py runs them
 in bf16 and float32. Cases: several batch sizes, grouped value heads, padding rows (-1), pool rows in any order,
-a value dim the tile does not divide, chunks shorter than the conv's carried state.
+a value dim the tile does not divide, chunks shorter than the conv's carried state, rows apart in a larger
+buffer (the engine's state rows lie in the KV pool's pages: engine/state_pages.py), which nothing may write
+between.
 """
 from __future__ import annotations
 
@@ -51,6 +53,30 @@ def check_untouched(after: torch.Tensor, before: torch.Tensor, rows: torch.Tenso
     assert torch.equal(after[others], before[others]), "a pool row outside the batch (or the scratch) was written"
 
 
+class Spaced:
+    """A pool of ``shape`` whose rows lie ``gap`` elements apart in a larger buffer, as the engine's state rows
+    lie in the KV pool's pages; ``check`` asserts nothing between or around the rows changed."""
+
+    def __init__(self, shape: tuple[int, ...], gen: torch.Generator, device, dtype, scale: float = 1.0,
+                 gap: int = 37) -> None:
+        inner = 1
+        for d in shape[1:]:
+            inner *= d
+        self.buffer = (torch.randn(shape[0] * (inner + gap) + gap, generator=gen) * scale).to(device, dtype)
+        strides, step = [], 1
+        for d in reversed(shape[1:]):
+            strides.insert(0, step)
+            step *= d
+        self.layout = (shape, (inner + gap, *strides), gap)
+        self.view = torch.as_strided(self.buffer, *self.layout)
+        self.before = self.buffer.clone()
+
+    def check(self) -> None:
+        cover = torch.zeros(self.buffer.numel(), dtype=torch.bool, device=self.buffer.device)
+        torch.as_strided(cover, *self.layout).fill_(True)
+        assert torch.equal(self.buffer[~cover], self.before[~cover]), "written between the pool's rows"
+
+
 def conv_pool(slots: int, channels: int, width: int, gen: torch.Generator, tap_major: bool) -> torch.Tensor:
     """A conv-state pool [slots, C, K-1]: as the engine keeps it (``tap_major``: over [slots, K-1, C] storage,
     engine/state_pool.py) or channel-major."""
@@ -60,13 +86,15 @@ def conv_pool(slots: int, channels: int, width: int, gen: torch.Generator, tap_m
 
 
 def check_conv_step(batch: int, pads: int, channels: int = 40, dtype=torch.float32, device="cpu",
-                    tap_major: bool = True) -> None:
+                    tap_major: bool = True, apart: bool = False) -> None:
     gen = torch.Generator().manual_seed(batch)
     width = 4
     # the projection's rows are wider than the conv's channels: x is a strided view, as in the layer
     x = torch.randn(batch, channels + 24, generator=gen).to(device, dtype)[:, :channels]
     weight = torch.randn(channels, width, generator=gen).to(device, dtype)
-    pool = conv_pool(slots_for(batch) + 1, channels, width, gen, tap_major).to(device, dtype)
+    spaced = Spaced((slots_for(batch) + 1, width - 1, channels), gen, device, dtype) if apart else None
+    pool = spaced.view.transpose(1, 2) if apart else \
+        conv_pool(slots_for(batch) + 1, channels, width, gen, tap_major).to(device, dtype)
     rows = rows_for(batch, pads, gen).to(device)
     before = pool.clone()
     out = tg.conv_step_(x, weight, pool, rows)
@@ -76,17 +104,20 @@ def check_conv_step(batch: int, pads: int, channels: int = 40, dtype=torch.float
     real = rows >= 0
     torch.testing.assert_close(pool[rows[real]], want_state[real].to(dtype), rtol=0, atol=0)
     check_untouched(pool, before, rows)
+    if spaced is not None:
+        spaced.check()
 
 
 def check_delta_step(batch: int, pads: int, hk: int, hv: int, dk: int, dv: int, dtype=torch.float32,
-                     device="cpu") -> None:
+                     device="cpu", apart: bool = False) -> None:
     gen = torch.Generator().manual_seed(10 * batch + hv)
     proj = torch.randn(batch, 2 * hk * dk + hv * dv + 2 * hv + 5, generator=gen)  # strided views of one projection
     proj[0, 2 * hk * dk + hv * dv] = 30.0  # a: softplus past its linear threshold
     q, k, v, a, b = proj.to(device, dtype)[:, :-5].split([hk * dk, hk * dk, hv * dv, hv, hv], dim=-1)
     q, k, v = q.reshape(batch, hk, dk), k.reshape(batch, hk, dk), v.reshape(batch, hv, dv)
     a_log, dt_bias = (torch.randn(hv, generator=gen) * 0.5).to(device), torch.randn(hv, generator=gen).to(device)
-    pool = (torch.randn(slots_for(batch) + 1, hv, dk, dv, generator=gen) * 0.3).to(device)
+    spaced = Spaced((slots_for(batch) + 1, hv, dk, dv), gen, device, torch.float32, scale=0.3) if apart else None
+    pool = spaced.view if apart else (torch.randn(slots_for(batch) + 1, hv, dk, dv, generator=gen) * 0.3).to(device)
     rows = rows_for(batch, pads, gen).to(device)
     before = pool.clone()
     out = tg.gated_delta_step_(q, k, v, a, b, a_log, dt_bias, pool, rows)
@@ -97,10 +128,12 @@ def check_delta_step(batch: int, pads: int, hk: int, hv: int, dk: int, dv: int, 
     real = rows >= 0
     torch.testing.assert_close(pool[rows[real]], want_state[real], **TOL[dtype])
     check_untouched(pool, before, rows)
+    if spaced is not None:
+        spaced.check()
 
 
 def check_conv_varlen(with_pool: bool, lens=(1, 2, 37, 5), channels: int = 300, dtype=torch.float32,
-                      device="cpu", tap_major: bool = True) -> None:
+                      device="cpu", tap_major: bool = True, apart: bool = False) -> None:
     """Chunks shorter and longer than the K-1 carried inputs, continued or fresh, in pool rows out of order;
     without a pool (the start-up warm-up) every chunk starts from zeros and nothing is kept."""
     gen = torch.Generator().manual_seed(5)
@@ -110,7 +143,8 @@ def check_conv_varlen(with_pool: bool, lens=(1, 2, 37, 5), channels: int = 300, 
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     x = torch.randn(int(cu[-1]), channels + 10, generator=gen).to(device, dtype)[:, :channels]
     weight = torch.randn(channels, width, generator=gen).to(device, dtype)
-    pool = conv_pool(SLOTS + 1, channels, width, gen, tap_major).to(device, dtype)
+    spaced = Spaced((SLOTS + 1, width - 1, channels), gen, device, dtype) if apart else None
+    pool = spaced.view.transpose(1, 2) if apart else conv_pool(SLOTS + 1, channels, width, gen, tap_major).to(device, dtype)
     before = pool.clone()
     out = tg.conv_varlen_(x, weight, pool if with_pool else None, rows, carried.to(device), cu)
     for i, row in enumerate(rows.tolist()):
@@ -120,24 +154,29 @@ def check_conv_varlen(with_pool: bool, lens=(1, 2, 37, 5), channels: int = 300, 
         torch.testing.assert_close(out[lo:hi].float(), want, **TOL[dtype])
         torch.testing.assert_close(pool[row], want_state.to(dtype) if with_pool else before[row], rtol=0, atol=0)
     check_untouched(pool, before, rows if with_pool else torch.tensor([-1], device=device))
+    if spaced is not None:
+        spaced.check()
 
 
-@pytest.mark.parametrize("batch,pads,tap_major", [(1, 0, True), (4, 1, True), (7, 3, True), (4, 1, False)])
+@pytest.mark.parametrize("batch,pads,tap_major,apart", [(1, 0, True, False), (4, 1, True, False),
+                                                       (7, 3, True, True), (4, 1, False, False)])
 @cpu_only
-def test_conv_step_updates_the_pool_in_place(batch, pads, tap_major):
-    check_conv_step(batch, pads, tap_major=tap_major)
+def test_conv_step_updates_the_pool_in_place(batch, pads, tap_major, apart):
+    check_conv_step(batch, pads, tap_major=tap_major, apart=apart)
 
 
-@pytest.mark.parametrize("batch,pads,hk,hv,dv", [(1, 0, 2, 2, 32), (3, 1, 2, 4, 48), (6, 2, 1, 4, 64)])
+@pytest.mark.parametrize("batch,pads,hk,hv,dv,apart", [(1, 0, 2, 2, 32, False), (3, 1, 2, 4, 48, True),
+                                                       (6, 2, 1, 4, 64, False)])
 @cpu_only
-def test_delta_step_updates_the_pool_in_place(batch, pads, hk, hv, dv):
-    check_delta_step(batch, pads, hk, hv, 32, dv)
+def test_delta_step_updates_the_pool_in_place(batch, pads, hk, hv, dv, apart):
+    check_delta_step(batch, pads, hk, hv, 32, dv, apart=apart)
 
 
-@pytest.mark.parametrize("with_pool,tap_major", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("with_pool,tap_major,apart", [(True, True, False), (False, True, False),
+                                                       (True, False, False), (True, True, True)])
 @cpu_only
-def test_conv_varlen_matches_the_per_chunk_conv(with_pool, tap_major):
-    check_conv_varlen(with_pool, tap_major=tap_major)
+def test_conv_varlen_matches_the_per_chunk_conv(with_pool, tap_major, apart):
+    check_conv_varlen(with_pool, tap_major=tap_major, apart=apart)
 
 
 @cpu_only
