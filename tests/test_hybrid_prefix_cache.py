@@ -11,6 +11,7 @@ import re
 import sys
 import types
 
+import orjson
 import pytest
 import torch
 
@@ -129,7 +130,11 @@ def test_memory_report_counts_the_snapshot_slots(hybrid, run_factory):
     assert runner.state_pool[0].shape[0] == 6 + 1 + 5 + 1  # rows, snapshots, scratch
     out = io.StringIO()
     render(report, None, Console(file=out, width=200))
-    assert "state snapshots" in out.getvalue() and "5 (" in out.getvalue()
+    shown = out.getvalue()
+    assert "state snapshots" in shown and "5 (" in shown
+    assert f"{pages.row_pages} blocks" in shown and "linear-attention states per sequence" in shown
+    as_json = orjson.loads(orjson.dumps(report.as_dict()))
+    assert as_json["state_pages"] == {"row_pages": pages.row_pages, "seq_rows": 7, "fixed_rows": 6, "shared": False}
 
 
 def _torch_varlen(q, k, v, g, beta, initial, cu_seqlens, chunk_indices=None):
@@ -268,7 +273,6 @@ def test_tp2_hits_from_snapshots(hybrid, hf_oracle):
 def test_bench_shared_system_prompt_on_a_hybrid(hybrid):
     """`llmcli bench`'s shared-prefix workload (the GPU preset's shape) on Qwen3.5: the prompt tokens it
     computes stay within 1.1x the unique ones, and its report counts the snapshots."""
-    import orjson
     from typer.testing import CliRunner
 
     from llmcli.cli.app import app
@@ -312,7 +316,6 @@ def test_snapshot_hits_on_cuda_with_fla(hf_oracle, hybrid):
 def test_generate_summary_reports_the_snapshots(hybrid, tmp_path):
     """`llmcli generate`'s summary says how many snapshot slots a hybrid model has, their memory, and how
     often prompts started from one."""
-    import orjson
     from typer.testing import CliRunner
 
     from llmcli.cli.app import app
@@ -511,3 +514,14 @@ def test_an_engine_whose_states_do_not_all_fit_runs_with_fewer_sequences(hybrid,
     assert engine.model_runner.state_pool[0].shape[0] == 3 + 1 + 4 + 1  # rows, snapshots, scratch
     assert engine.model_runner.memory_report.notes[0].startswith("max_num_seqs lowered from 16 to 3: ")
     check_against_hf(run, hf_oracle, random_prompts([20, 40, 33, 27, 45, 38], seed=5), max_new=6)
+
+
+def test_a_pool_too_small_for_one_sequences_states_is_refused_saying_so(hybrid, run_factory):
+    from llmcli.engine.kv_cache import KVCacheTooSmall
+
+    path = hybrid("qwen3.5")
+    first = run_factory(path, max_num_seqs=4).llm.engine.model_runner.memory_report
+    pages = (1 + 1 + 4 + 1) * first.state_pages.row_pages  # one sequence's rows and the fixed ones, no KV beside
+    with pytest.raises(KVCacheTooSmall, match="not one sequence's linear-attention states"):
+        run_factory(path, max_num_seqs=4, num_kvcache_blocks=None,
+                    kv_cache_memory_gib=pages * first.kv_bytes_per_block / 2**30)
