@@ -24,6 +24,10 @@
 #   blocks  speed_gpu.py --preset blocks (0.6B, 8B at 64 vs 256), the shared-system-prompt preset (~5 min)
 #   hybrid-prefix  the shared-system-prompt preset (5,000 records) on Qwen3.5-9B dummy, prefix cache (state
 #           snapshots) on, then off: prompt tokens computed vs unique, wall time (JSON in $OUT) (~6 min)
+#   state-rows  a hybrid's states in rows of the KV pool's pages (engine/state_pages.py) on the real path: the
+#           Gated DeltaNet kernel and snapshot tests on the GPU, the cut-down Qwen3.5-9B against transformers,
+#           probe-memory on Qwen3.6-27B (its rows and max_num_seqs) (~4 min, estimated); then `speed` with
+#           SPEED_ARGS for the shares
 #   e2e-all tests/test_gpu_e2e.py's first three: Qwen3-0.6B, Llama-3.2-1B, the 4-layer Qwen3-30B-A3B (#31: xfail until it passes) (~6 min)
 #   e2e-new its cut-down Qwen3.5-9B, gemma-3-12b-it, gpt-oss-20b, gemma-4-31B (~7 min, estimated); E2E_NEW=mxfp4: gpt-oss's MXFP4 experts (~2 min)
 # Retired stages and scripts: benchmarks/RESULTS.md ("Scripts retired ..." sections) says what each answered.
@@ -90,6 +94,12 @@ for stage in "$@"; do
         --output "$OUT/shared_system_prompt.json" 2>&1 | tee "$OUT/shared_system_prompt.log" ;;
     hybrid-prefix) for c in enable no-enable; do timeout 280 python3 -m llmcli bench --config configs/bench-shared-system-prompt.toml \
       --model configs/Qwen3.5-9B --num-prompts 5000 --$c-prefix-caching --output "$OUT/hybrid_prefix_$c.json" 2>&1 | tee -a "$OUT/hybrid_prefix.log"; done ;;
+    state-rows) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_gated_delta.py \
+      tests/test_hybrid_prefix_cache.py -k "not tile and not timed" 2>&1 | tee "$OUT/state_rows_tests.log" | tail -8
+      timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "Qwen3.5" 2>&1 \
+        | tee "$OUT/state_rows_e2e.log" | tail -8
+      timeout 120 python3 -m llmcli probe-memory --model configs/Qwen3.6-27B --load-format dummy 2>&1 \
+        | tee "$OUT/state_rows_probe.log" ;;
     e2e-all) timeout 540 python3 -m pytest -q -s -rxX -p no:cacheprovider tests/test_gpu_e2e.py -k "0.6B or Llama or A3B" 2>&1 | tee "$OUT/e2e_all.log" ;;
     e2e-new) timeout 500 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "${E2E_NEW:-(Qwen3.5 or gemma or gpt-oss) and not mxfp4}" 2>&1 | tee "$OUT/e2e_new.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
