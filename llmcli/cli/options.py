@@ -53,10 +53,12 @@ ENGINE_KNOBS = (
     Knob("kvcache_block_size", int, "Tokens per KV-cache block; the prefix cache shares whole blocks, so a "
                                     "shared prompt prefix shorter than a block is never shared.",
          "64; 256 with --attention-backend flash-attn", aliases=("--block-size",)),
-    Knob("num_kvcache_blocks", int, "Use exactly this many KV blocks instead of sizing the pool from free memory.",
+    Knob("num_kvcache_blocks", int, "Use exactly this many KV blocks instead of sizing the pool from free memory "
+                                    "(a hybrid model's linear-attention states then get pages of their own beside "
+                                    "them).",
          "sized from free memory", aliases=("--num-gpu-blocks-override",)),
     Knob("kv_cache_memory_gib", float, "Give the KV cache exactly this many GiB instead of sizing it from "
-                                       "free memory.", "sized from free memory; on CPU 4 GiB or less"),
+                                       "free memory (a hybrid model's linear-attention states share it).", "sized from free memory; on CPU 4 GiB or less"),
     Knob("enable_prefix_caching", bool, "Share KV blocks between requests that start with the same tokens.", "on"),
     Knob("num_state_snapshots", int, "Hybrid models (Qwen3.5, Qwen3-Next): slots of linear-attention state "
                                      "snapshots at shared prompt prefixes, which give those models prefix-cache "
