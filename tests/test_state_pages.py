@@ -187,3 +187,52 @@ def test_states_are_views_of_the_kv_buffer(tiny_checkpoint, run_factory):
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two states of a row overlap"
     assert spans[-1][1] - base <= pages.row_pages * page, "a row spills into the next row's pages"
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_random_admissions_growth_and_frees_keep_rows_and_kv_apart(shared):
+    """Many random runs of what the scheduler does (admit when it can, grow a block at a time, preempt the newest
+    when short, finish at random, with prefix hits): no page is ever both a held row's and a KV block in use, the
+    fixed rows' pages are never KV, the counts agree with the pages, and everything comes back."""
+    import random
+
+    rng = random.Random(7)
+    m = manager(num_pages=70, seq_rows=6, fixed_rows=2, shared=shared)
+    prefixes = [list(range(100 * k, 100 * k + 12)) for k in range(3)]
+    running: list[Sequence] = []
+    for step in range(3000):
+        if rng.random() < 0.3:
+            seq = Sequence(rng.choice(prefixes) + [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 20))],
+                           SamplingParams(max_tokens=64), BS)
+            if m.can_allocate(seq):
+                m.allocate(seq, max_cached_blocks=None)
+                seq.num_computed_tokens = seq.num_tokens
+                m.register_computed(seq)
+                running.append(seq)
+        for seq in list(running):
+            if seq not in running:
+                continue
+            seq.token_ids.append(rng.randrange(1000, 2000))
+            while seq.num_blocks > len(seq.block_table) and not m.can_append(seq):
+                victim = running.pop()
+                m.free(victim)
+                if victim is seq:
+                    break
+            if seq in running:
+                m.append_slot(seq)
+                seq.num_computed_tokens = seq.num_tokens - 1
+        if running and rng.random() < 0.2:
+            m.free(running.pop(rng.randrange(len(running))))
+        held_rows = {s.table_row for s in running}
+        assert len(held_rows) == len(running)
+        kv = [b for s in running for b in s.block_table]
+        row_pages = {p for r in held_rows for p in pages_of(r)} if shared else set(range(8 * ROW))
+        assert not set(kv) & row_pages, f"step {step}: a KV block on a held row's pages"
+        assert not set(kv) & set(range(6 * ROW, 8 * ROW)), "a fixed row's page as KV"
+        in_use = {b for b in kv}
+        assert m.num_free_blocks == m.num_blocks - len(in_use) - (len(held_rows) * ROW if shared else 0)
+        if shared:
+            assert m.state_rows.busy == [len(in_use & pages_of(r)) for r in range(6)]
+    for seq in running:
+        m.free(seq)
+    assert m.num_free_blocks == m.num_blocks
