@@ -522,6 +522,8 @@ def test_a_pool_too_small_for_one_sequences_states_is_refused_saying_so(hybrid, 
     path = hybrid("qwen3.5")
     first = run_factory(path, max_num_seqs=4).llm.engine.model_runner.memory_report
     pages = (1 + 1 + 4 + 1) * first.state_pages.row_pages  # one sequence's rows and the fixed ones, no KV beside
-    with pytest.raises(KVCacheTooSmall, match="not one sequence's linear-attention states"):
+    with pytest.raises(KVCacheTooSmall, match="not one sequence's linear-attention states") as refused:
         run_factory(path, max_num_seqs=4, num_kvcache_blocks=None,
                     kv_cache_memory_gib=pages * first.kv_bytes_per_block / 2**30)
+    report = refused.value.report
+    assert report.num_blocks == 0 and report.cache_tokens == 0 and report.max_concurrent_full_seqs == 0

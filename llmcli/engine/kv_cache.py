@@ -146,7 +146,7 @@ def describe_states(report: MemoryReport, config: Config, pages: StatePages, row
     report.state_pool_bytes = pages.reserved * per_block
     report.num_state_snapshots = snapshots
     report.state_snapshot_bytes = snapshots * pages.row_pages * per_block
-    usable = report.num_blocks - pages.reserved
+    usable = max(0, report.num_blocks - pages.reserved)
     report.cache_tokens = usable * report.block_size
     per_seq = sum(g["blocks_per_seq"] for g in report.kv_groups) + (pages.row_pages if pages.shared else 0)
     report.max_concurrent_full_seqs = usable / per_seq if per_seq else 0.0
