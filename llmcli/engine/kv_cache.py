@@ -138,9 +138,9 @@ def plan_kv_cache(config: Config, device: torch.device, per_token: int, weights_
     )
 
 
-def describe_states(report: MemoryReport, config: Config, pages: StatePages, row_bytes: int) -> None:
+def describe_states(report: MemoryReport, pages: StatePages, row_bytes: int) -> None:
     """A hybrid model's state rows in ``report`` (the pool's pages, ``report.num_blocks``, being decided)."""
-    per_block, snapshots = report.kv_bytes_per_block, fixed_rows(config) - 1
+    per_block, snapshots = report.kv_bytes_per_block, pages.fixed_rows - 1  # and the scratch row
     report.state_pages = pages
     report.state_row_bytes = row_bytes
     report.state_pool_bytes = pages.reserved * per_block

@@ -240,7 +240,7 @@ class ModelRunner:
             report.notes.append(f"not one sequence's linear-attention states ({row_pages} blocks) fit beside the "
                                 f"snapshot rows and {beside}: raise gpu_memory_utilization or kv_cache_memory_gib, "
                                 "or lower max_model_len or num_kvcache_blocks")
-        describe_states(report, config, pages, row_bytes)
+        describe_states(report, pages, row_bytes)
         return pages
 
     def _agree_on_blocks(self, num_blocks: int) -> int:
