@@ -35,6 +35,7 @@ from llmcli.layers.sampler import Sampler, greedy_tokens
 from llmcli.layers.state_segments import LinearStep, linear_step
 from llmcli.layers.token_mask import apply_token_bitmask
 from llmcli.models import build_model, head_dim_of
+from llmcli.layers.moe_mxfp4 import finish_mxfp4
 from llmcli.layers.quantization.loading import finish_fp8
 from llmcli.models.loader import load_dummy, load_safetensors
 
@@ -270,6 +271,8 @@ class ModelRunner:
         self.fp8_layers = finish_fp8(model, cfg.quant_config, loaded, self.device)
         if self.fp8_layers:
             log.info("%d linear layers run FP8 GEMMs", self.fp8_layers)
+        if finish_mxfp4(model, cfg.torch_dtype):
+            log.info("MXFP4 experts in the tensor cores' fragment order (the frag kernel)")
         return model.eval()
 
     @torch.inference_mode()

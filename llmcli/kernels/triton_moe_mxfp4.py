@@ -4,7 +4,8 @@ An expert tensor of ``N`` output rows over ``K`` inputs is held as ``q`` uint8 [
 byte, the low nibble first along K) and ``s`` uint8 [E, N, K / 32] (an e8m0 exponent per 32 values, bias 127):
 4.25 bits a weight. No 16-bit copy of the experts exists anywhere: decode steps, which read every touched expert
 once, move a quarter of the bytes. Each program turns its weight tile's codes into values in registers, one of
-two ways (``mxfp4_kernel``; ``LLMCLI_MXFP4_KERNEL=scaled|dequant`` picks for an A/B):
+two ways (``mxfp4_kernel``; ``LLMCLI_MXFP4_KERNEL=scaled|dequant|frag`` picks for an A/B; ``frag`` is the
+third, Hopper's form over experts stored in another layout: ``triton_moe_mxfp4_frag.py``):
 
 * ``scaled`` (the default for bf16/fp16 activations; on an H200 1.1x to 1.7x the bf16 kernel at gpt-oss-20b's
   decode batches, ``benchmarks/RESULTS.md`` N1): ``tl.dot_scaled`` with the codes as its packed-along-K
@@ -33,15 +34,27 @@ import triton.language as tl
 
 from llmcli.kernels.triton_moe import MoeTuning, _tile, grouped_launch
 
-KERNELS = ("scaled", "dequant")
+KERNELS = ("scaled", "dequant", "frag")
 
 
-def mxfp4_kernel(dtype: torch.dtype, kernel: str | None = None) -> str:
-    """The tile product for activations of ``dtype``: ``kernel``, else ``LLMCLI_MXFP4_KERNEL``, else ``scaled``;
-    always ``dequant`` for float32, which ``tl.dot_scaled`` does not take."""
+def frag_runs_on(device: torch.device) -> bool:
+    """Whether ``frag`` runs natively on ``device``: Hopper (its register-fed MMA, ``mul.bf16x2``); Triton's
+    interpreter (a CPU device) runs its emulation."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
+
+
+def mxfp4_kernel(dtype: torch.dtype, kernel: str | None = None, device: torch.device | None = None) -> str:
+    """The tile product for activations of ``dtype`` on ``device`` (default: CUDA's): ``kernel``, else
+    ``LLMCLI_MXFP4_KERNEL``, else ``scaled``. Always ``dequant`` for float32 on a GPU (``tl.dot_scaled`` does not
+    take it); ``frag`` on a GPU only on Hopper with bfloat16 activations, ``scaled`` (or ``dequant``) elsewhere."""
     kernel = kernel or os.environ.get("LLMCLI_MXFP4_KERNEL") or "scaled"
     if kernel not in KERNELS:
         raise ValueError(f"MXFP4 kernel {kernel!r}: one of {', '.join(KERNELS)}")
+    device = device or torch.device("cuda")
+    if kernel == "frag" and device.type == "cuda" and (dtype != torch.bfloat16 or not frag_runs_on(device)):
+        kernel = "scaled"
+    if kernel == "frag":
+        return kernel
     return "dequant" if dtype == torch.float32 else kernel
 
 
@@ -237,7 +250,13 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w
     inter = two_inter // 2
     if w13_q.shape[2] * 2 != hidden or w2_q.shape[1:] != (hidden, inter // 2):
         raise ValueError(f"MXFP4 experts {tuple(w13_q.shape)} / {tuple(w2_q.shape)} do not fit hidden size {hidden}")
-    kernel = mxfp4_kernel(x.dtype, kernel)
+    kernel = mxfp4_kernel(x.dtype, kernel, x.device)
+    if kernel == "frag":  # converted on each call: tests and A/Bs; a model converts its experts once at load
+        from llmcli.kernels.mxfp4_fragments import to_fragments
+        from llmcli.kernels.triton_moe_mxfp4_frag import fused_moe_mxfp4_frag
+
+        return fused_moe_mxfp4_frag(x, to_fragments(w13_q, w13_s, parts=2), to_fragments(w2_q, w2_s), topk_weights,
+                                    topk_ids, tuning, b13=b13, b2=b2, clamp=clamp)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     tuning = tuning or mxfp4_tuning(num_pairs, num_experts, kernel)

@@ -205,9 +205,15 @@ class GptOssMoeBlock(nn.Module):
         b2 = e.down_proj_bias if self.tp_rank == 0 else None  # once over the ranks' sum
         if use_fused_moe(x):
             from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4
+            from llmcli.kernels.triton_moe_mxfp4_frag import fused_moe_mxfp4_frag
 
-            out = fused_moe_mxfp4(x, e.gate_up_proj_blocks, e.gate_up_proj_scales, e.down_proj_blocks,
-                                  e.down_proj_scales, weights, ids, b13=e.gate_up_proj_bias, b2=b2, clamp=self.clamp)
+            if e.fragments is not None:
+                out = fused_moe_mxfp4_frag(x, *e.fragments, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
+                                           clamp=self.clamp)
+            else:
+                out = fused_moe_mxfp4(x, e.gate_up_proj_blocks, e.gate_up_proj_scales, e.down_proj_blocks,
+                                      e.down_proj_scales, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
+                                      clamp=self.clamp)
         else:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("LLMCLI_MOE=reference reads expert counts back to the host, which a CUDA graph "

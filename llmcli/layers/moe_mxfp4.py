@@ -5,13 +5,16 @@ rows) and ``_scales`` [E, 2I, H/32] load as ``gate_up_proj_blocks`` [E, 2 I_loca
 the layout of ``moe.StackedExperts``) and ``gate_up_proj_scales`` [E, 2 I_local, H/32]; ``down_proj_blocks``
 [E, H, I/32, 16] and its scales as [E, H, I_local/2] and [E, H, I_local/32]: tensor parallelism cuts whole
 32-value groups along the intermediate dimension, so each rank's share must be a multiple of 32.
-``kernels/triton_moe_mxfp4.py`` reads these tensors as they are.
+``kernels/triton_moe_mxfp4.py`` reads these tensors as they are. Where ``mxfp4_kernel`` picks ``frag`` (Hopper,
+bfloat16), ``finish_mxfp4`` turns them into that kernel's layout once after loading (``kernels/mxfp4_fragments.py``)
+and drops the checkpoint-order tensors: the same bytes, in the order the tensor cores read them.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from llmcli.kernels.mxfp4_fragments import Mxfp4Fragments, fragment_values, to_fragments
 from llmcli.layers.quantization.mxfp4 import DUMMY_SCALES, GROUP, mxfp4_values
 from llmcli.layers.weight_shape import expect_shape
 
@@ -59,8 +62,39 @@ class Mxfp4Experts(nn.Module):
             mine = loaded.narrow(2, start // GROUP, n // GROUP)
         param.data.copy_(mine.reshape(param.shape))
 
+    fragments: tuple[Mxfp4Fragments, Mxfp4Fragments] | None = None  # (gate/up, down) once in the frag layout
+
+    def to_fragments(self) -> None:
+        """Keep the experts in ``frag``'s layout only (``kernels/mxfp4_fragments.py``), after loading."""
+        names = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+        q13, s13, q2, s2 = (getattr(self, n) for n in names)
+        self.fragments = (to_fragments(q13, s13, parts=2), to_fragments(q2, s2))
+        for name in names:
+            delattr(self, name)
+        for tag, f in zip(("gate_up_proj", "down_proj"), self.fragments):  # parameters: the probe counts them
+            setattr(self, f"{tag}_frag_codes", nn.Parameter(f.codes, requires_grad=False))
+            setattr(self, f"{tag}_frag_scales", nn.Parameter(f.scales, requires_grad=False))
+
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``: the reference loop's operands (a 16-bit copy: tests and
         ``LLMCLI_MOE=reference`` only)."""
+        if self.fragments is not None:
+            return tuple(fragment_values(f).to(dtype) for f in self.fragments)
         return (mxfp4_values(self.gate_up_proj_blocks, self.gate_up_proj_scales).to(dtype),
                 mxfp4_values(self.down_proj_blocks, self.down_proj_scales).to(dtype))
+
+
+def finish_mxfp4(model: nn.Module, dtype: torch.dtype) -> int:
+    """After loading: the MXFP4 experts into ``frag``'s layout where ``mxfp4_kernel`` picks it for ``dtype`` on
+    their device; how many layers were converted."""
+    from llmcli.kernels.triton_moe_mxfp4 import mxfp4_kernel
+
+    converted = 0
+    for module in model.modules():
+        if isinstance(module, Mxfp4Experts) and module.fragments is None \
+                and mxfp4_kernel(dtype, None, module.down_proj_blocks.device) == "frag":
+            module.to_fragments()
+            converted += 1
+    if converted and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the conversion's temporaries: not the memory probe's to count
+    return converted
