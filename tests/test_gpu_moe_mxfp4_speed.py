@@ -1,6 +1,7 @@
 """On CUDA: the MXFP4 fused MoE's speed at gpt-oss-20b's decode batches (32 experts top-4, hidden and
-intermediate 2880) against the bf16 fused kernel over the same values, through both of its tile products
-(kernels/triton_moe_mxfp4.py), and candidate tile sizes for ``scaled``. ``-s`` prints the tables.
+intermediate 2880) against the bf16 fused kernel over the same values, through each of its tile products
+(kernels/triton_moe_mxfp4.py; ``frag`` over experts converted once beforehand, as a model holds them:
+kernels/triton_moe_mxfp4_frag.py), and candidate tile sizes for ``scaled`` and ``frag``. ``-s`` prints the tables.
 
 Run on the GPU machine: ``python -m pytest -q -s tests/test_gpu_moe_mxfp4_speed.py``.
 """
@@ -11,7 +12,9 @@ import torch
 
 from llmcli.kernels.moe_reference import route
 from llmcli.kernels.triton_moe import MoeTuning
+from llmcli.kernels.mxfp4_fragments import to_fragments
 from llmcli.kernels.triton_moe_mxfp4 import KERNELS, fused_moe_mxfp4, mxfp4_tuning
+from llmcli.kernels.triton_moe_mxfp4_frag import frag_tuning, fused_moe_mxfp4_frag
 from test_triton_moe_mxfp4 import make_case, rel_err, values_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -54,7 +57,10 @@ def test_mxfp4_is_faster_than_bf16_at_gpt_oss_20b_decode_batches():
     for tokens in DECODE_BATCHES:
         x, w13, w2, weights, ids = decode_case(tokens)
         w13_16, w2_16 = values_of(*w13).to(torch.bfloat16), values_of(*w2).to(torch.bfloat16)
-        t = {k: timed(lambda k=k: fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel=k)) for k in KERNELS}
+        f13, f2 = to_fragments(*w13, parts=2), to_fragments(*w2)
+        runs = {k: (lambda k=k: fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel=k)) for k in KERNELS}
+        runs["frag"] = lambda: fused_moe_mxfp4_frag(x, f13, f2, weights, ids)
+        t = {k: timed(run) for k, run in runs.items()}
         t16 = timed(lambda: fused_moe(x, w13_16, w2_16, weights, ids))
         touched = len(ids.unique())
         gbs = {k: touched * 3 * 2880 * 2880 * 4.25 / 8 / t[k] / 1e9 for k in KERNELS}
@@ -88,3 +94,32 @@ def test_scaled_tile_candidates_agree_and_are_timed():
             print(f"tokens {tokens:4d}: {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
                   f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us"
                   + ("  (picked)" if tuning == picked else ""))
+
+
+FRAG_CANDIDATES = [MoeTuning(16, 64, 256), MoeTuning(16, 64, 128), MoeTuning(16, 128, 128, num_warps=8),
+                   MoeTuning(16, 64, 256, num_stages=4), MoeTuning(32, 64, 256), MoeTuning(32, 64, 128),
+                   MoeTuning(32, 128, 128, num_warps=8), MoeTuning(32, 64, 256, num_stages=4),
+                   MoeTuning(64, 64, 128), MoeTuning(64, 64, 64), MoeTuning(64, 128, 64, num_warps=8),
+                   MoeTuning(128, 64, 64), MoeTuning(128, 128, 64, num_warps=8), MoeTuning(64, 64, 128, num_stages=4)]
+
+
+def test_frag_tile_candidates_agree_and_are_timed():
+    """``frag`` at decode batches and two prefill sizes: every candidate tile (those whose token tile is within
+    2x of the rows an expert holds) checked against ``scaled``'s output and timed beside it (-s prints the table:
+    the data to pick ``frag_tuning``'s tiles from and to decide its default)."""
+    print()
+    for tokens in DECODE_BATCHES + (1024, 4096):
+        x, w13, w2, weights, ids = decode_case(tokens)
+        f13, f2 = to_fragments(*w13, parts=2), to_fragments(*w2)
+        want = fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled")
+        scaled = timed(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled"))
+        picked = frag_tuning(tokens * 4, 32)
+        per_expert = tokens * 4 / 32
+        for tuning in FRAG_CANDIDATES:
+            if tuning != picked and not per_expert / 2 <= tuning.block_m <= max(16, 2 * per_expert):
+                continue
+            run = lambda: fused_moe_mxfp4_frag(x, f13, f2, weights, ids, tuning)  # noqa: E731
+            assert rel_err(run(), want) < 1e-2, tuning
+            print(f"tokens {tokens:4d}: {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
+                  f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us "
+                  f"(scaled {scaled * 1e6:7.1f})" + ("  (picked)" if tuning == picked else ""))

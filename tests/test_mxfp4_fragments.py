@@ -126,6 +126,30 @@ def test_gpt_oss_block_converted_after_loading_gives_the_same(monkeypatch):
     assert rel_err(packed(x), want) < TOL[torch.float32]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_frag_captured_in_a_cuda_graph():
+    """Experts converted once, then both frag GEMMs and the routing replayed from a graph with new routing each
+    time (bf16 at the decode tile, against a float32 loop over the dequantized weights)."""
+    from llmcli.kernels.triton_moe_mxfp4_frag import fused_moe_mxfp4_frag
+
+    x, w13, w2, logits = make_case(48, 32, 4, 256, 128, torch.bfloat16)
+    f13, f2 = to_fragments(*w13, parts=2), to_fragments(*w2)
+    weights, ids = route(logits, 4, normalize=True)
+    fused_moe_mxfp4_frag(x, f13, f2, weights, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_mxfp4_frag(x, f13, f2, weights, ids)
+    for seed in range(3):
+        fresh = make_case(48, 32, 4, 256, 128, torch.bfloat16, seed=100 + seed)[3]
+        new_w, new_ids = route(fresh, 4, normalize=True)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        assert rel_err(out, reference(x, w13, w2, new_w, new_ids)) < TOL[torch.bfloat16]
+
+
 # -- sm_90 -------------------------------------------------------------------------------------------------------------
 _COMPILE = r"""
 import triton

@@ -369,9 +369,10 @@ def test_mxfp4_kernels_compile_for_sm90():
 
 
 # -- a whole model -----------------------------------------------------------------------------------------------------
-def tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory, **engine) -> None:
+def tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory, frag: bool = False, **engine) -> None:
     """The tiny gpt-oss as an MXFP4 checkpoint with its experts kept as codes and scales (loaded as stored, run in
-    the MXFP4 kernel): transformers' float32 greedy tokens on the 16-bit checkpoint of the values its blocks encode."""
+    the MXFP4 kernel; ``frag``: converted to that kernel's layout after loading): transformers' float32 greedy tokens
+    on the 16-bit checkpoint of the values its blocks encode."""
     from test_new_families import MAX_NEW, write_mxfp4_twins
 
     from llmcli.layers.moe_mxfp4 import Mxfp4Experts
@@ -381,7 +382,11 @@ def tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory, **e
     want = hf_oracle.greedy(plain, prompts, MAX_NEW)
     run = run_factory(packed, kvcache_block_size=16, max_model_len=256, **engine)
     experts = [m for m in run.llm.engine.model_runner.model.modules() if isinstance(m, Mxfp4Experts)]
-    assert len(experts) == 2 and experts[0].gate_up_proj_blocks.dtype == torch.uint8
+    assert len(experts) == 2
+    if frag:
+        assert experts[0].fragments is not None and not hasattr(experts[0], "gate_up_proj_blocks")
+    else:
+        assert experts[0].gate_up_proj_blocks.dtype == torch.uint8
     assert [o["token_ids"] for o in run.llm.generate(prompts, greedy(MAX_NEW))] == want
 
 
@@ -392,6 +397,18 @@ def test_tiny_mxfp4_gpt_oss_under_the_interpreter_equals_transformers_on_its_twi
     """On the CPU, built as on CUDA (LLMCLI_MOE=triton packs the experts where the kernel runs)."""
     monkeypatch.setenv("LLMCLI_MOE", "triton")
     tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="on CUDA frag takes bfloat16 only: tests/test_gpu_e2e.py -k mxfp4 with "
+                                   "LLMCLI_MXFP4_KERNEL=frag (benchmarks/gpu_session.sh mxfp4-frag)")
+def test_tiny_mxfp4_gpt_oss_through_frag_equals_transformers_on_its_twin(tiny_checkpoint, tmp_path, hf_oracle,
+                                                                        run_factory, monkeypatch):
+    """``LLMCLI_MXFP4_KERNEL=frag``: the engine converts the experts after loading and every step runs the frag
+    kernel (emulated by the interpreter): still exactly transformers' tokens."""
+    monkeypatch.setenv("LLMCLI_MOE", "triton")
+    monkeypatch.setenv("LLMCLI_MXFP4_KERNEL", "frag")
+    tiny_gpt_oss_in_mxfp4(tiny_checkpoint, tmp_path, hf_oracle, run_factory, frag=True)
 
 
 @gpu

@@ -80,26 +80,31 @@ def _code_of(half: torch.Tensor, p: int) -> torch.Tensor:
     return (((half >> 13) & 3) << 1) | ((half >> 11) & 1) | (((half >> 10) & 1) << 3)
 
 
-def _expert_codes(codes: torch.Tensor, rows: int, tiles_n: int, tiles_k: int) -> torch.Tensor:
-    """One expert's codes [rows, K / 2] -> [tiles_n, tiles_k, 2048] uint8."""
-    nib = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).long()  # [rows, K], K order
-    nib = torch.nn.functional.pad(nib, (0, tiles_k * SUB - nib.shape[1], 0, tiles_n * SUB - rows))
+def _codes(codes: torch.Tensor, rows: int, tiles_n: int, tiles_k: int) -> torch.Tensor:
+    """Experts' codes [e, rows, K / 2] -> [e, tiles_n, tiles_k, 2048] uint8."""
+    e = codes.shape[0]
+    nib = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).long()  # [e, rows, K], K order
+    nib = torch.nn.functional.pad(nib, (0, tiles_k * SUB - nib.shape[2], 0, tiles_n * SUB - rows))
     # row = 16 w + 8 r8 + g, k = 16 j + 8 J + 2 c + h  ->  [tile, sub-tile, thread (w, g, c), word j, (J, r8), h]
-    n = nib.view(tiles_n, 4, 2, 8, tiles_k, 4, 2, 4, 2).permute(0, 4, 1, 3, 7, 5, 6, 2, 8)
-    n = n.reshape(tiles_n, tiles_k, THREADS, 4, 4, 2)
-    word = torch.zeros(n.shape[:4], dtype=torch.int64, device=codes.device)
+    n = nib.view(e, tiles_n, 4, 2, 8, tiles_k, 4, 2, 4, 2).permute(0, 1, 5, 2, 4, 8, 6, 7, 3, 9)
+    n = n.reshape(e, tiles_n, tiles_k, THREADS, 4, 4, 2)
+    word = torch.zeros(n.shape[:5], dtype=torch.int64, device=codes.device)
     for p in range(4):
         for h in range(2):
             word |= _code_bits(n[..., p, h], p) << (16 * h)
     word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
-    return word.view(torch.uint8).reshape(tiles_n, tiles_k, CODE_BYTES)  # little-endian: byte 0 = bits 0-7
+    return word.view(torch.uint8).reshape(e, tiles_n, tiles_k, CODE_BYTES)  # little-endian: byte 0 = bits 0-7
 
 
-def _expert_scales(scales: torch.Tensor, rows: int, tiles_n: int, tiles_k: int) -> torch.Tensor:
-    """One expert's scales [rows, K / 32] -> [tiles_n, tiles_k, 512] uint8 (padding: 2^0)."""
-    s = torch.nn.functional.pad(scales, (0, tiles_k * 2 - scales.shape[1], 0, tiles_n * SUB - rows), value=127)
-    s = s.view(tiles_n, 4, 2, 8, tiles_k, 2).permute(0, 4, 1, 3, 5, 2)  # [tile, sub-tile, w, g, group, r8]
-    return s.unsqueeze(4).expand(-1, -1, -1, -1, 4, -1, -1).reshape(tiles_n, tiles_k, SCALE_BYTES)
+def _scales(scales: torch.Tensor, rows: int, tiles_n: int, tiles_k: int) -> torch.Tensor:
+    """Experts' scales [e, rows, K / 32] -> [e, tiles_n, tiles_k, 512] uint8 (padding: 2^0)."""
+    e = scales.shape[0]
+    s = torch.nn.functional.pad(scales, (0, tiles_k * 2 - scales.shape[2], 0, tiles_n * SUB - rows), value=127)
+    s = s.view(e, tiles_n, 4, 2, 8, tiles_k, 2).permute(0, 1, 5, 2, 4, 6, 3)  # [tile, sub-tile, w, g, group, r8]
+    return s.unsqueeze(5).expand(-1, -1, -1, -1, -1, 4, -1, -1).reshape(e, tiles_n, tiles_k, SCALE_BYTES)
+
+
+EXPERTS_AT_ONCE = 8  # the conversion's temporaries: ~0.5 GB at gpt-oss's 2880 x 2880
 
 
 def to_fragments(codes: torch.Tensor, scales: torch.Tensor, parts: int = 1) -> Mxfp4Fragments:
@@ -111,12 +116,13 @@ def to_fragments(codes: torch.Tensor, scales: torch.Tensor, parts: int = 1) -> M
     out_codes = torch.empty(num_experts, parts * tiles_n, tiles_k, CODE_BYTES, dtype=torch.uint8, device=codes.device)
     out_scales = torch.empty(num_experts, parts * tiles_n, tiles_k, SCALE_BYTES, dtype=torch.uint8,
                              device=codes.device)
-    for e in range(num_experts):
+    for first in range(0, num_experts, EXPERTS_AT_ONCE):
+        some = slice(first, first + EXPERTS_AT_ONCE)
         for part in range(parts):
             block = slice(part * rows, (part + 1) * rows)
             tiles = slice(part * tiles_n, (part + 1) * tiles_n)
-            out_codes[e, tiles] = _expert_codes(codes[e, block], rows, tiles_n, tiles_k)
-            out_scales[e, tiles] = _expert_scales(scales[e, block], rows, tiles_n, tiles_k)
+            out_codes[some, tiles] = _codes(codes[some, block], rows, tiles_n, tiles_k)
+            out_scales[some, tiles] = _scales(scales[some, block], rows, tiles_n, tiles_k)
     wide = bool(scales.numel()) and int(scales.max()) > NARROW_MAX_SCALE
     return Mxfp4Fragments(out_codes, out_scales, rows, cols, parts, wide)
 
