@@ -150,6 +150,24 @@ def test_frag_captured_in_a_cuda_graph():
         assert rel_err(out, reference(x, w13, w2, new_w, new_ids)) < TOL[torch.bfloat16]
 
 
+def test_two_ranks_of_fragments_sum_to_the_whole(monkeypatch):
+    """Tensor parallelism over 2 ranks with an intermediate share of 96 (a padded row tile of gate and of up, a
+    padded last sub-tile of down's inputs): converted after loading, the ranks' partial outputs sum to the whole
+    16-bit block's."""
+    from llmcli.layers.moe_mxfp4 import finish_mxfp4
+
+    state = checkpoint_experts(8, 64, 192, seed=12)
+    monkeypatch.setenv("LLMCLI_MOE", "triton")
+    monkeypatch.setenv("LLMCLI_MXFP4_KERNEL", "frag")
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    whole = gpt_oss_blocks(state, 64, 192, 8, 2)[1](x)
+    parts = [gpt_oss_blocks(state, 64, 192, 8, 2, rank=r, world=2)[0] for r in (0, 1)]
+    assert [finish_mxfp4(p, torch.float32) for p in parts] == [1, 1]
+    f13, f2 = parts[0].experts.fragments
+    assert (f13.rows, f13.tiles_n, f2.cols, f2.tiles_k) == (96, 2, 96, 2)
+    assert rel_err(parts[0](x) + parts[1](x), whole) < TOL[torch.float32]
+
+
 # -- sm_90 -------------------------------------------------------------------------------------------------------------
 _COMPILE = r"""
 import triton
