@@ -1,6 +1,8 @@
 """MXFP4 experts in the ``frag`` layout (kernels/mxfp4_fragments.py) and its kernel
 (kernels/triton_moe_mxfp4_frag.py): where each code and scale lands, checked against the layout as documented (not
-against the converter's own arithmetic); the way back; the kernel's cases the shared tests do not reach (two
+against the converter's own arithmetic); the way back; the kernel's unpacking PTX, run here instruction by
+instruction, giving each weight's bf16 in its register (the one part of the kernel the interpreter cannot run:
+it runs an integer emulation instead); the kernel's cases the shared tests do not reach (two
 warpgroups, scales above 2^1) against dequantize-then-matmul under the interpreter; gpt-oss's block converted
 after loading; and the sm_90 build, whose K loop must feed the tensor cores from registers with no value moving
 between threads. The shared kernel tests (every path, biases, the clamp, idle experts) run ``frag`` too:
@@ -92,6 +94,67 @@ def test_frag_with_scales_above_two_and_other_tiles(tuning):
     assert to_fragments(*w13, parts=2).wide and not to_fragments(*w2).wide
     got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, tuning, kernel="frag")
     assert rel_err(got, reference(x, w13, w2, weights, ids)) < TOL[torch.float32]
+
+
+def run_ptx(asm: str, args: dict[int, int]) -> dict[int, int]:
+    """The unpacking PTX run line by line on 32-bit integers (the few instructions it uses; ``mul.bf16x2`` as
+    two float32 products rounded to bf16, exact here): operand ``$n`` -> value, the outputs included."""
+    import numpy as np
+
+    def bf16_mul(a: int, b: int) -> int:
+        out = 0
+        for shift in (0, 16):
+            x, y = (np.array([(v >> shift) & 0xFFFF], dtype=np.uint32) << 16 for v in (a, b))
+            prod = (x.view(np.float32) * y.view(np.float32)).view(np.uint32)[0]
+            rounded = (int(prod) + 0x7FFF + ((int(prod) >> 16) & 1)) >> 16  # round to nearest even
+            out |= (rounded & 0xFFFF) << shift
+        return out
+
+    regs: dict[str, int] = {f"${n}": v for n, v in args.items()}
+
+    def val(token: str) -> int:
+        return int(token, 0) if token[0].isdigit() else regs[token]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in src]
+        result = {"mov.b32": lambda: a[0], "and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1],
+                  "shl.b32": lambda: a[0] << a[1], "shr.b32": lambda: a[0] >> a[1],
+                  "mul.bf16x2": lambda: bf16_mul(a[0], a[1])}[op]()
+        regs[dst] = result & 0xFFFFFFFF
+    return {n: regs[f"${n}"] for n in range(4)}
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_unpacking_ptx_gives_each_weight_in_its_register(wide):
+    """The kernel's PTX, run instruction by instruction here (no GPU runs it in CI), on every word of a random
+    64 x 64 sub-tile: register p, half h of thread 32w + 4g + c's word j is the bf16 of the weight at row
+    16w + g + 8 (p % 2), k = 16j + 8 (p // 2) + 2c + h, with the multipliers the kernel makes of the thread's scale
+    bytes (2 * group + row-is-g+8; ``wide``: scales up to 2^7 and 2^(scale - 127))."""
+    from llmcli.kernels.triton_moe_mxfp4_frag import _unpack_asm
+
+    g = torch.Generator().manual_seed(9)
+    codes = torch.randint(0, 256, (1, 64, 32), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 135 if wide else 129, (1, 64, 2), generator=g, dtype=torch.uint8)
+    frag = to_fragments(codes, scales)
+    assert frag.wide == wide
+    values = mxfp4_values(codes, scales)[0].to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+    words = frag.codes[0, 0, 0].view(torch.int32).long() & 0xFFFFFFFF
+    asm = _unpack_asm(wide)
+    for t in range(0, 128, 3):
+        w, g_, c = t // 32, t % 32 // 4, t % 4
+        sc = frag.scales[0, 0, 0, 4 * t:4 * t + 4].long()
+        for j in range(4):
+            mult = [((int(sc[2 * (j // 2) + r8]) + (0 if wide else 126)) << 7) * 0x10001 for r8 in (0, 1)]
+            out = run_ptx(asm, {4: int(words[4 * t + j]), 5: mult[0], 6: mult[0], 7: mult[1], 8: mult[1]})
+            for p in range(4):
+                for h in range(2):
+                    row, k = 16 * w + g_ + 8 * (p % 2), 16 * j + 8 * (p // 2) + 2 * c + h
+                    assert (out[p] >> (16 * h)) & 0xFFFF == int(values[row, k]), (t, j, p, h)
 
 
 def test_frag_refuses_tiles_it_cannot_run():
