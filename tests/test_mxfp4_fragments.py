@@ -21,7 +21,7 @@ from test_triton_moe_mxfp4 import (DEVICE, ON_GPU, TOL, gpt_oss_blocks, checkpoi
                                    reference, rel_err)
 
 from llmcli.kernels.moe_reference import route
-from llmcli.kernels.mxfp4_fragments import fragment_codes, fragment_values, to_fragments
+from llmcli.kernels.mxfp4_fragments import fragment_codes, to_fragments
 from llmcli.kernels.triton_moe import MoeTuning
 from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4
 from llmcli.layers.quantization.mxfp4 import mxfp4_values
@@ -81,7 +81,7 @@ def test_fragments_give_back_the_checkpoint_layout(experts, rows, cols, parts):
     assert frag.tiles_n == -(-rows // parts // 64) and frag.tiles_k == -(-cols // 64)
     back_codes, back_scales = fragment_codes(frag)
     assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
-    assert torch.equal(fragment_values(frag), mxfp4_values(codes, scales))
+    
 
 
 @pytest.mark.parametrize("tuning", [MoeTuning(16, 128, 128, num_warps=8), MoeTuning(32, 64, 256)],

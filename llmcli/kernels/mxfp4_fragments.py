@@ -17,8 +17,8 @@ the sign). Such a pair is the e2m1 value times ``2^-126`` (zero and 0.5 become b
 multiply by ``2^(scale - 1)`` gives the weight exactly: possible while the scale's e8m0 byte is at most 128
 (``2^1``). Checkpoints whose scales go higher are marked ``wide`` and take two multiplies.
 
-``to_fragments`` converts the checkpoint's layout (codes [E, N, K / 2], scales [E, N, K / 32]) expert by expert
-(no copy of a whole layer at once); ``fragment_values`` decodes it back, for the dequantized reference path.
+``to_fragments`` converts the checkpoint's layout (codes [E, N, K / 2], scales [E, N, K / 32]) a few experts at a
+time (no copy of a whole layer at once); ``fragment_codes`` gives it back, for the dequantized reference path.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from llmcli.layers.quantization.mxfp4 import mxfp4_values
 
 SUB = 64  # rows and inputs of a sub-tile
 THREADS = 128  # a warpgroup
@@ -142,8 +141,3 @@ def fragment_codes(f: Mxfp4Fragments) -> tuple[torch.Tensor, torch.Tensor]:
     s = s.permute(0, 1, 2, 4, 7, 5, 3, 6).reshape(e, f.parts, tn * SUB, tk * 2)  # w, r8, g; sub-tile, group
     scales = s[:, :, :f.rows, :f.cols // 32].reshape(e, f.parts * f.rows, f.cols // 32)
     return codes, scales.contiguous()
-
-
-def fragment_values(f: Mxfp4Fragments) -> torch.Tensor:
-    """float32 weights [E, parts * rows, cols] of fragments."""
-    return mxfp4_values(*fragment_codes(f))

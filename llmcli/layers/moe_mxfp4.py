@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmcli.kernels.mxfp4_fragments import Mxfp4Fragments, fragment_values, to_fragments
+from llmcli.kernels.mxfp4_fragments import Mxfp4Fragments, fragment_codes, to_fragments
 from llmcli.layers.quantization.mxfp4 import DUMMY_SCALES, GROUP, mxfp4_values
 from llmcli.layers.weight_shape import expect_shape
 
@@ -79,7 +79,7 @@ class Mxfp4Experts(nn.Module):
         """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``: the reference loop's operands (a 16-bit copy: tests and
         ``LLMCLI_MOE=reference`` only)."""
         if self.fragments is not None:
-            return tuple(fragment_values(f).to(dtype) for f in self.fragments)
+            return tuple(mxfp4_values(*fragment_codes(f)).to(dtype) for f in self.fragments)
         return (mxfp4_values(self.gate_up_proj_blocks, self.gate_up_proj_scales).to(dtype),
                 mxfp4_values(self.down_proj_blocks, self.down_proj_scales).to(dtype))
 
