@@ -73,7 +73,7 @@ def test_a_scale_lands_in_each_of_its_four_lanes():
 @pytest.mark.parametrize("experts,rows,cols,parts", [(2, 128, 128, 1), (3, 192, 160, 2), (1, 70, 2880, 1),
                                                      (2, 2880, 1440, 2)])
 def test_fragments_give_back_the_checkpoint_layout(experts, rows, cols, parts):
-    """Padded rows (70, 96 a part, 1,440 a part) and inputs (160, 1,440) come back exactly, values too."""
+    """Padded rows (70, 96 a part, 1,440 a part) and inputs (160, 1,440) come back exactly."""
     g = torch.Generator().manual_seed(rows + cols)
     codes = torch.randint(0, 256, (experts, rows, cols // 2), generator=g, dtype=torch.uint8)
     scales = torch.randint(100, 140, (experts, rows, cols // 32), generator=g, dtype=torch.uint8)
@@ -81,7 +81,6 @@ def test_fragments_give_back_the_checkpoint_layout(experts, rows, cols, parts):
     assert frag.tiles_n == -(-rows // parts // 64) and frag.tiles_k == -(-cols // 64)
     back_codes, back_scales = fragment_codes(frag)
     assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
-    
 
 
 @pytest.mark.parametrize("tuning", [MoeTuning(16, 128, 128, num_warps=8), MoeTuning(32, 64, 256)],
