@@ -104,7 +104,8 @@ for stage in "$@"; do
         | tee "$OUT/state_rows_probe.log" ;;
     e2e-all) timeout 540 python3 -m pytest -q -s -rxX -p no:cacheprovider tests/test_gpu_e2e.py -k "0.6B or Llama or A3B" 2>&1 | tee "$OUT/e2e_all.log" ;;
     mxfp4-frag) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mxfp4_fragments.py \
-            "tests/test_triton_moe_mxfp4.py::test_bf16_at_gpt_oss_20b_shapes" 2>&1 | tee "$OUT/frag_tests.log" | tail -5
+            "tests/test_triton_moe_mxfp4.py::test_bf16_at_gpt_oss_20b_shapes" \
+            "tests/test_triton_moe_mxfp4.py::test_mxfp4_captured_in_a_cuda_graph" 2>&1 | tee "$OUT/frag_tests.log" | tail -5
         timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \
             | tee "$OUT/frag_speed.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 200 python3 benchmarks/speed_gpu.py --models configs/gpt-oss-20b \

@@ -302,15 +302,25 @@ def test_bf16_at_gpt_oss_20b_shapes(tokens, kernel):
 
 @gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_mxfp4_captured_in_a_cuda_graph():
-    """Routing, grouping and both MXFP4 GEMMs replay from a graph with new routing each time."""
+@pytest.mark.parametrize("frag", [False, True], ids=["as-stored", "frag"])
+def test_mxfp4_captured_in_a_cuda_graph(frag):
+    """Routing, grouping and both MXFP4 GEMMs replay from a graph with new routing each time (``frag``: the experts
+    converted once beforehand, as a model holds them)."""
+    from llmcli.kernels.mxfp4_fragments import to_fragments
+    from llmcli.kernels.triton_moe_mxfp4_frag import fused_moe_mxfp4_frag
+
     x, w13, w2, logits = make_case(48, 32, 4, 256, 128, torch.bfloat16)
     weights, ids = route(logits, 4, normalize=True)
-    fused_moe_mxfp4(x, *w13, *w2, weights, ids)
+    if frag:
+        f13, f2 = to_fragments(*w13, parts=2), to_fragments(*w2)
+        run = lambda: fused_moe_mxfp4_frag(x, f13, f2, weights, ids)  # noqa: E731
+    else:
+        run = lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids)  # noqa: E731
+    run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_mxfp4(x, *w13, *w2, weights, ids)
+        out = run()
     for seed in range(3):
         fresh = make_case(48, 32, 4, 256, 128, torch.bfloat16, seed=100 + seed)[3]
         new_w, new_ids = route(fresh, 4, normalize=True)
@@ -357,15 +367,10 @@ def test_mxfp4_kernels_compile_for_sm90():
     """Both kernels, through both tile products, at every tile size gpt-oss-20b picks build for an H100/H200 with
     Triton's own ptxas, no GPU: the interpreter accepts code the compiler rejects (layouts of the in-register
     unpacking, the join, ``dot_scaled``'s operand shapes)."""
-    import subprocess
+    from sm90_build import build_for_sm90
 
-    if "nvidia" not in __import__("triton.backends").backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 6 * 2, done.stdout
+    out = build_for_sm90(_COMPILE)
+    assert out.count("compiled") == 6 * 2, out
 
 
 # -- a whole model -----------------------------------------------------------------------------------------------------

@@ -137,6 +137,27 @@ def _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, num_cols, BLOCK_M: tl.co
     return live, expert, pairs, pairs < num_pairs, cols, cols < num_cols
 
 
+@triton.jit
+def gated_activation(gate, up, dtype, GELU: tl.constexpr, CLAMPED: tl.constexpr, alpha, limit):
+    """The experts' activation of float32 gate/up accumulators (every fused MoE kernel's gate/up epilogue),
+    rounded where the eager activation over a stored projection rounds: gate, up, then SiLU (GELU: its tanh form,
+    Gemma 4's experts: 0.5 g (1 + tanh(y)) = g sigmoid(2y)); ``CLAMPED``: gpt-oss's clamped SwiGLU."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        if GELU:
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            gated = gate * tl.sigmoid(2.0 * inner)
+        else:
+            gated = gate * tl.sigmoid(gate)
+        act = gated.to(dtype).to(tl.float32) * up
+    return act
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, inter, hidden,
                         stride_xm, stride_we, stride_wn, stride_om,
@@ -169,22 +190,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, experts_ptr, total_ptr
         b_row = b_ptr + expert.to(tl.int64) * 2 * inter
         gate += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b_row + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    # rounded where the eager activation over a stored projection rounds: gate, up, then SiLU (GELU: its tanh form,
-    # Gemma 4's experts: 0.5 g (1 + tanh(y)) = g sigmoid(2y))
-    dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    if CLAMPED:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    else:
-        if GELU:
-            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            gated = gate * tl.sigmoid(2.0 * inner)
-        else:
-            gated = gate * tl.sigmoid(gate)
-        act = gated.to(dtype).to(tl.float32) * up
+    act = gated_activation(gate, up, out_ptr.dtype.element_ty, GELU, CLAMPED, alpha, limit)
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

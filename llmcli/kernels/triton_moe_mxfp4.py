@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmcli.kernels.triton_moe import MoeTuning, _tile, grouped_launch
+from llmcli.kernels.triton_moe import MoeTuning, _tile, gated_activation, grouped_launch
 
 KERNELS = ("scaled", "dequant", "frag")
 
@@ -180,14 +180,7 @@ def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, 
         b_row = b_ptr + e * 2 * inter
         gate += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b_row + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    # rounded as triton_moe's gate/up epilogue rounds (as the eager activation over a stored projection)
-    gate = gate.to(dtype).to(tl.float32)
-    if CLAMPED:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
-        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    else:
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    act = gated_activation(gate, up, dtype, False, CLAMPED, alpha, limit)
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, act.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from llmcli.kernels.mxfp4_fragments import CODE_BYTES, SCALE_BYTES, SUB, Mxfp4Fragments
-from llmcli.kernels.triton_moe import MoeTuning, _tile_ids, grouped_launch
+from llmcli.kernels.triton_moe import MoeTuning, _tile, gated_activation, grouped_launch
 
 _CODE, _SCALE, _SUB = tl.constexpr(CODE_BYTES), tl.constexpr(SCALE_BYTES), tl.constexpr(SUB)
 
@@ -175,26 +175,21 @@ def _frag_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, t
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, WG: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr, b_ptr=None,
                          BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0):
-    BLOCK_N: tl.constexpr = 64 * WG
-    num_tiles_n = tl.cdiv(inter, BLOCK_N)
-    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.num_programs(0) // num_tiles_n, num_tiles_n, GROUP_M)
-    expert = tl.load(experts_ptr + pid_m)
-    if (pid_m * BLOCK_M >= tl.load(total_ptr)) | (expert < 0):
+    live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
+                                                      BLOCK_M, 64 * WG, GROUP_M)
+    if not live:
         return
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     dtype = x_ptr.dtype.element_ty
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + (pairs // TOP_K)[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    gate_q, gate_s, row_tile = _operand_ptrs(q_ptr, s_ptr, expert, pid_n * WG, tiles_k, stride_qe, stride_se, WG,
+    first_tile = tl.min(cols, 0) // 64  # this program's first 64-row tile
+    gate_q, gate_s, row_tile = _operand_ptrs(q_ptr, s_ptr, expert, first_tile, tiles_k, stride_qe, stride_se, WG,
                                              BLOCK_K)
     up_q = gate_q + tiles_n * tiles_k * _CODE
     up_s = gate_s + tiles_n * tiles_k * _SCALE
     tile_ok = row_tile < tiles_n
-    gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    gate = tl.zeros((64 * WG, BLOCK_M), dtype=tl.float32)
+    up = tl.zeros((64 * WG, BLOCK_M), dtype=tl.float32)
     whole = hidden - hidden % BLOCK_K  # steps inside K, then one reaching past it
     for k0 in range(0, whole, BLOCK_K):
         gate, up = _gate_up_step(x_tile, k0, hidden, row_ok, gate_q, gate_s, up_q, up_s, tiles_k, tile_ok, gate, up,
@@ -206,14 +201,7 @@ def _frag_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, t
     if BIAS:
         gate += tl.load(b_ptr + e * 2 * inter + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
         up += tl.load(b_ptr + e * 2 * inter + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    # rounded as triton_moe's gate/up epilogue rounds (as the eager activation over a stored projection)
-    gate = gate.to(dtype).to(tl.float32)
-    if CLAMPED:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
-        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    else:
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    act = gated_activation(gate, up, dtype, False, CLAMPED, alpha, limit)
     out = out_ptr + pairs[None, :].to(tl.int64) * stride_om + cols[:, None]
     tl.store(out, act.to(dtype), mask=col_ok[:, None] & row_ok[None, :])
 
@@ -223,22 +211,17 @@ def _frag_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, expe
                       hidden, inter, tiles_n, tiles_k, stride_am, stride_qe, stride_se, stride_om,
                       BLOCK_M: tl.constexpr, WG: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                       WIDE: tl.constexpr, EMULATE: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False):
-    BLOCK_N: tl.constexpr = 64 * WG
-    num_tiles_n = tl.cdiv(hidden, BLOCK_N)
-    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.num_programs(0) // num_tiles_n, num_tiles_n, GROUP_M)
-    expert = tl.load(experts_ptr + pid_m)
-    if (pid_m * BLOCK_M >= tl.load(total_ptr)) | (expert < 0):
+    live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
+                                                      BLOCK_M, 64 * WG, GROUP_M)
+    if not live:
         return
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
     dtype = a_ptr.dtype.element_ty
     ks = tl.arange(0, BLOCK_K)
     a_tile = a_ptr + pairs[:, None].to(tl.int64) * stride_am + ks[None, :]
-    w_q, w_s, row_tile = _operand_ptrs(q_ptr, s_ptr, expert, pid_n * WG, tiles_k, stride_qe, stride_se, WG, BLOCK_K)
+    w_q, w_s, row_tile = _operand_ptrs(q_ptr, s_ptr, expert, tl.min(cols, 0) // 64, tiles_k, stride_qe,
+                                       stride_se, WG, BLOCK_K)
     tile_ok = row_tile < tiles_n
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((64 * WG, BLOCK_M), dtype=tl.float32)
     whole = inter - inter % BLOCK_K
     for k0 in range(0, whole, BLOCK_K):
         acc = _down_step(a_tile, k0, inter, row_ok, w_q, w_s, tiles_k, tile_ok, acc, dtype, WG, BLOCK_K, WIDE,
