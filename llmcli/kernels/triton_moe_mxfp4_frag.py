@@ -30,7 +30,7 @@ def _unpack_asm(wide: bool) -> str:
     """PTX: word $4 -> bf16x2 registers $0..$3 (p = 2 * (k >= 8) + row g + 8), times the bf16x2 multipliers
     $5 (rows g) and $7 (rows g + 8); $6 and $8 repeat them (the pack of four)."""
     scale = ["mul.bf16x2 v{i}, v{i}, bias;"] if wide else []
-    lines = [".reg .b32 v<4>, u, w, bias;", "mov.b32 bias, 0x7E807E80;",  # 2^126 in both halves
+    lines = [".reg .b32 v<4>, u, bias;", "mov.b32 bias, 0x7E807E80;",  # 2^126 in both halves
              "and.b32 v0, $4, 0x81C081C0;",
              "shl.b32 u, $4, 3;", "and.b32 v1, u, 0x81C081C0;",
              "shl.b32 u, $4, 6;", "and.b32 v2, u, 0x81C081C0;",
