@@ -112,14 +112,10 @@ def own_children() -> list[str]:
 
 
 def event_semaphores(runner) -> list[str]:
-    """/dev/shm names of the named POSIX semaphores behind the control channel's events ("spawn" makes them)."""
+    """/dev/shm names of the control channel's named POSIX semaphores ("spawn" makes them)."""
     spec = runner._group.channel.spec
-    names = []
-    for event in spec.commands + spec.acks:
-        cond = event._cond
-        for lock in (event._flag, cond._lock, cond._sleeping_count, cond._woken_count, cond._wait_semaphore):
-            if lock._semlock.name:
-                names.append("sem." + lock._semlock.name.lstrip("/"))
+    names = ["sem." + sem._semlock.name.lstrip("/") for sem in spec.commands + spec.acks]
+    assert all(name != "sem." for name in names)
     return names
 
 
@@ -226,6 +222,39 @@ def test_a_worker_phase_change_reaches_rank_0_at_once_and_silence_is_judged_on_r
         heartbeat.say("running a prefill step (control call 8)")
         assert monitor.silent(channel, [1]) is None  # a beat resets the clock
     finally:
+        channel.close()
+        channel.unlink()
+
+
+def _wait_for_a_call(spec) -> None:
+    """Runs in a spawned process: a worker idle between calls (killed there by the test)."""
+    channel = ControlChannel.attach(spec)
+    channel.beat(1, "waiting")
+    channel.wait_command(1, 600.0)
+
+
+def test_posting_to_a_worker_killed_while_it_waited_returns_at_once():
+    """A worker killed while it waited for a call must not block rank 0's next post (the watchdog could then only
+    end the process: a rare CI failure). multiprocessing.Event.set waited for the dead sleeper to wake."""
+    ctx = multiprocessing.get_context("spawn")
+    channel = ControlChannel.create(ctx, 2, payload_bytes=4096)
+    worker = ctx.Process(target=_wait_for_a_call, args=(channel.spec,))
+    try:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while channel.read_beat(1)[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # from its beat into the wait
+        worker.kill()
+        worker.join(10)
+        posted = []
+        poster = threading.Thread(target=lambda: posted.append(channel.post("run", (1,), lambda: None)), daemon=True)
+        poster.start()
+        poster.join(10)
+        assert posted == [1], "rank 0's post blocked on a worker killed while it waited for a call"
+    finally:
+        if worker.is_alive():
+            worker.kill()
         channel.close()
         channel.unlink()
 
@@ -339,7 +368,7 @@ def test_tp2_matches_tp1_and_hf(which, tp_model, tp_model_tied, tiny_checkpoint,
                 runner = llm.engine.model_runner
                 assert len(runner.worker_pids) == 1 and runner.shm_name.startswith(f"{SHM_PREFIX}{os.getpid()}_")
                 sems = event_semaphores(runner)
-                assert existing(sems) == sems and len(sems) == 10
+                assert existing(sems) == sems and len(sems) == 2
             stats = llm.engine.stats
             a = [o["token_ids"] for o in llm.generate(first, greedy())]
             hits = stats.prefix_cache_hit_tokens

@@ -1,11 +1,16 @@
-"""The tensor-parallel control plane: one shared-memory segment plus two events per worker.
+"""The tensor-parallel control plane: one shared-memory segment plus two semaphores per worker.
 
 Rank 0 writes each call (a command number, a method name and its arguments,
-pickled) into the payload area of the segment and sets every worker's
-``command`` event. A worker waits on its ``command`` event, copies the payload
-out, and sets its ``ack`` event; rank 0 writes the next payload only when
-every worker has acknowledged the previous one, so a payload is never
-overwritten while someone still reads it.
+pickled) into the payload area of the segment and releases every worker's
+``command`` semaphore. A worker acquires its ``command`` semaphore, copies the
+payload out, and releases its ``ack`` semaphore; rank 0 writes the next payload
+only when it has acquired every worker's ack for the previous one, so a payload
+is never overwritten while someone still reads it.
+
+Semaphores, not ``multiprocessing.Event``: an event's ``set`` waits until each
+process sleeping in ``wait`` has woken, so a worker killed while it waited for
+a call made rank 0's next ``set`` block forever, and the watchdog could only
+end the process. Releasing a semaphore never waits for anyone.
 
 Layout of the segment::
 
@@ -60,8 +65,8 @@ class ChannelSpec:
     name: str
     world_size: int
     payload_bytes: int
-    commands: list[Any]  # multiprocessing.Event per worker, index rank - 1
-    acks: list[Any]
+    commands: list[Any]  # multiprocessing.Semaphore per worker, index rank - 1: one token = one call to take
+    acks: list[Any]  # one token = that worker has copied the last payload out
 
 
 def unlink_own_segments() -> None:
@@ -95,10 +100,9 @@ class ControlChannel:
         try:
             shm.buf[:meta] = bytes(meta)
             workers = range(world_size - 1)
-            spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Event() for _ in workers],
-                               [ctx.Event() for _ in workers])
-            for ack in spec.acks:
-                ack.set()  # nothing outstanding yet
+            # each ack starts with its token: nothing is outstanding yet
+            spec = ChannelSpec(name, world_size, payload_bytes, [ctx.Semaphore(0) for _ in workers],
+                               [ctx.Semaphore(1) for _ in workers])
             return cls(shm, spec, owner=True)
         except BaseException:
             # Not yet anyone's channel, so no clean-up path knows it: the segment must not outlive this call
@@ -132,9 +136,9 @@ class ControlChannel:
 
     # -- rank 0 -------------------------------------------------------------------
     def wait_acks(self, check: Callable[[], None], poll_s: float = 0.05) -> None:
-        """Block until every worker has copied out the previous payload; ``check`` raises if one died."""
+        """Take every worker's ack of the previous payload; ``check`` raises if one died (the group is then over)."""
         for ack in self.spec.acks:
-            while not ack.wait(poll_s):
+            while not ack.acquire(timeout=poll_s):
                 check()
 
     def post(self, method: str, args: tuple, check: Callable[[], None]) -> int:
@@ -147,13 +151,11 @@ class ControlChannel:
                 "or lower max_num_seqs / max_num_batched_tokens")
         self.wait_acks(check)
         self.command_number += 1
-        for ack in self.spec.acks:
-            ack.clear()
         off = self.payload_offset
         self.shm.buf[off:off + len(data)] = data
         _HEADER.pack_into(self.shm.buf, 0, self.command_number, len(data))
         for command in self.spec.commands:
-            command.set()
+            command.release()
         return self.command_number
 
     def read_error(self, rank: int) -> str:
@@ -164,15 +166,15 @@ class ControlChannel:
 
     # -- workers ------------------------------------------------------------------
     def wait_command(self, rank: int, timeout: float) -> bool:
-        return self.spec.commands[rank - 1].wait(timeout)
+        """Whether a call arrived within ``timeout`` (it must then be taken with ``take_command``)."""
+        return self.spec.commands[rank - 1].acquire(timeout=timeout)
 
     def take_command(self, rank: int) -> tuple[int, str, tuple]:
         """Copy the current payload out, acknowledge it, and return ``(number, method, args)``."""
-        self.spec.commands[rank - 1].clear()
         number, n = _HEADER.unpack_from(self.shm.buf, 0)
         off = self.payload_offset
         data = bytes(self.shm.buf[off:off + n])
-        self.spec.acks[rank - 1].set()
+        self.spec.acks[rank - 1].release()
         got_number, method, args = pickle.loads(data)
         if got_number != number:
             raise RuntimeError(f"control-plane payload is torn (header says command {number}, payload {got_number})")

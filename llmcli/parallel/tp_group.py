@@ -290,8 +290,8 @@ class Group:
         if self.channel is not None:
             self.channel.close()
             self.channel.unlink()
-            # With "spawn", each event is made of named POSIX semaphores (/dev/shm/sem.mp-*) that are unlinked
-            # when the objects are collected: drop the only references (the worker args share these lists).
+            # With "spawn", each semaphore is a named POSIX semaphore (/dev/shm/sem.mp-*), unlinked when the object
+            # is collected: drop the only references (the worker args share these lists).
             self.channel.spec.commands.clear()
             self.channel.spec.acks.clear()
         self.store = None
