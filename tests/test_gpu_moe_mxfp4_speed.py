@@ -96,10 +96,10 @@ def test_scaled_tile_candidates_agree_and_are_timed():
                   + ("  (picked)" if tuning == picked else ""))
 
 
-FRAG_CANDIDATES = [MoeTuning(16, 64, 256), MoeTuning(16, 64, 128), MoeTuning(16, 128, 128, num_warps=8),
-                   MoeTuning(32, 64, 256), MoeTuning(32, 128, 128, num_warps=8), MoeTuning(64, 64, 128),
-                   MoeTuning(64, 64, 128, num_stages=4), MoeTuning(64, 128, 64, num_warps=8), MoeTuning(128, 64, 64),
-                   MoeTuning(128, 128, 64, num_warps=8)]
+FRAG_CANDIDATES = [MoeTuning(16, 64, 256), MoeTuning(16, 64, 128), MoeTuning(16, 128, 64, num_warps=8),
+                   MoeTuning(32, 64, 256), MoeTuning(32, 128, 64, num_warps=8), MoeTuning(64, 64, 128),
+                   MoeTuning(64, 128, 64, num_warps=8), MoeTuning(64, 128, 64, num_warps=8, num_stages=4),
+                   MoeTuning(64, 128, 128, num_warps=8), MoeTuning(128, 64, 64)]
 
 
 def test_frag_tile_candidates_agree_and_are_timed():
@@ -107,6 +107,7 @@ def test_frag_tile_candidates_agree_and_are_timed():
     2x of the rows an expert holds) checked against ``scaled``'s output and timed beside it (-s prints the table:
     the data to pick ``frag_tuning``'s tiles from and to decide its default)."""
     print()
+    wrong = []
     for tokens in DECODE_BATCHES + (1024, 4096):
         x, w13, w2, weights, ids = decode_case(tokens)
         f13, f2 = to_fragments(*w13, parts=2), to_fragments(*w2)
@@ -118,7 +119,10 @@ def test_frag_tile_candidates_agree_and_are_timed():
             if tuning != picked and not per_expert / 2 <= tuning.block_m <= max(16, 2 * per_expert):
                 continue
             run = lambda: fused_moe_mxfp4_frag(x, f13, f2, weights, ids, tuning)  # noqa: E731
-            assert rel_err(run(), want) < 1e-2, tuning
+            err = rel_err(run(), want)
+            if err >= 1e-2:
+                wrong.append((tokens, tuning, err))
             print(f"tokens {tokens:4d}: {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
                   f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us "
-                  f"(scaled {scaled * 1e6:7.1f})" + ("  (picked)" if tuning == picked else ""))
+                  f"(scaled {scaled * 1e6:7.1f}), error {err:.4f}" + ("  (picked)" if tuning == picked else ""))
+    assert not wrong, wrong

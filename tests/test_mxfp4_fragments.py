@@ -22,6 +22,7 @@ from llmcli.kernels.moe_reference import route
 from llmcli.kernels.mxfp4_fragments import fragment_codes, to_fragments
 from llmcli.kernels.triton_moe import MoeTuning
 from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4
+from llmcli.kernels.triton_moe_mxfp4_frag import check_frag_tuning, frag_tuning
 from llmcli.layers.quantization.mxfp4 import mxfp4_values
 
 
@@ -161,6 +162,17 @@ def test_frag_refuses_tiles_it_cannot_run():
         fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(16, 32, 64), kernel="frag")
     with pytest.raises(ValueError, match="block_k 64, 128 or 256"):
         fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(16, 64, 192), kernel="frag")
+    with pytest.raises(ValueError, match="two warpgroups take at most 64 tokens"):  # wrong on an H200
+        fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(128, 128, 64, num_warps=8), kernel="frag")
+
+
+def test_frag_tuning_picks_the_measured_tiles_and_each_is_runnable():
+    """gpt-oss-20b's 32 experts, top-4: the tiles the H200 table picked (benchmarks/RESULTS.md, 2026-12-05)."""
+    picks = {tokens: frag_tuning(4 * tokens, 32) for tokens in (1, 16, 64, 256, 1024, 4096)}
+    assert [(t.block_m, t.block_n, t.block_k, t.num_warps) for t in picks.values()] == \
+        [(16, 64, 256, 4), (16, 64, 128, 4), (16, 64, 128, 4), (64, 128, 64, 8), (64, 128, 64, 8), (64, 128, 64, 8)]
+    for tuning in picks.values():
+        check_frag_tuning(tuning)
 
 
 def test_gpt_oss_block_converted_after_loading_gives_the_same(monkeypatch):

@@ -239,15 +239,16 @@ def _frag_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, expe
 
 def frag_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
     """``block_m`` tokens (the MMA's narrow side: an expert's rows padded to it), ``block_n`` weight rows (64 a
-    warpgroup), ``block_k`` inputs a step (whole 64-value sub-tiles). Each row tile an expert spills into unpacks
-    its weights again, and routing spreads: at 32 rows an expert on average (gpt-oss-20b at 256 tokens) about half
-    the experts hold more than 32, so the tile is chosen about 1.5x the mean. Unmeasured: the candidates of
-    ``tests/test_gpu_moe_mxfp4_speed.py`` pick them on the GPU."""
+    warpgroup), ``block_k`` inputs a step (whole 64-value sub-tiles). Measured on an H200 at gpt-oss-20b's shapes
+    (benchmarks/RESULTS.md, 2026-12-05): below one row an expert the fewest, deepest steps (1 token: 135 us against
+    219 at 128 deep); up to ~16 rows 16 x 64 x 128; past that two warpgroups on 64 tokens (256 tokens: 262 us
+    against 352 for 64 x 64 x 128 and 393 for ``scaled``; 1,024 tokens: 602 against 617 for 128 x 64 x 64)."""
     per_expert = num_pairs / num_experts
-    for block_m in (16, 32, 64):
-        if 1.5 * per_expert <= block_m:
-            return MoeTuning(block_m=block_m, block_n=64, block_k=256 if block_m <= 32 else 128, num_warps=4)
-    return MoeTuning(block_m=128, block_n=64, block_k=64, num_warps=4)
+    if per_expert < 1:
+        return MoeTuning(block_m=16, block_n=64, block_k=256, num_warps=4)
+    if per_expert <= 16:
+        return MoeTuning(block_m=16, block_n=64, block_k=128, num_warps=4)
+    return MoeTuning(block_m=64, block_n=128, block_k=64, num_warps=8)
 
 
 def check_frag_tuning(tuning: MoeTuning) -> None:
@@ -259,6 +260,10 @@ def check_frag_tuning(tuning: MoeTuning) -> None:
             or tuning.block_m < 16:
         raise ValueError(f"frag tiles {tuning}: block_n 64 or 128 (4 warps each 64), block_k 64, 128 or 256, "
                          "block_m a power of two from 16")
+    if tuning.block_n > 64 and tuning.block_m > 64:
+        # measured wrong on an H200 (128 x 128 x 64: relative error 0.014 against scaled's 1e-2 bound at 1,024
+        # tokens, where 64 x 128 x 64 and 128 x 64 x 64 agree), with the weights' layout the same in all three
+        raise ValueError(f"frag tiles {tuning}: two warpgroups take at most 64 tokens (block_m)")
 
 
 def fused_moe_mxfp4_frag(x: torch.Tensor, w13: Mxfp4Fragments, w2: Mxfp4Fragments, topk_weights: torch.Tensor,
