@@ -29,8 +29,11 @@
 #           probe-memory on Qwen3.6-27B (its rows and max_num_seqs) (~4 min, estimated); then `speed` with
 #           SPEED_ARGS for the shares
 #   e2e-all tests/test_gpu_e2e.py's first three: Qwen3-0.6B, Llama-3.2-1B, the 4-layer Qwen3-30B-A3B (#31: xfail until it passes) (~6 min)
-#   mxfp4-frag the frag MXFP4 kernel on the GPU: its tests, the A/B and tile table, gpt-oss-20b's default workload
-#           and e2e through it (LLMCLI_MXFP4_KERNEL=frag; at most 570 s by its timeouts)
+#   mxfp4-frag the frag MXFP4 kernel on the GPU: its tests, whether an engine gives its memory back
+#           (benchmarks/release_gpu.py), gpt-oss-20b's default workload and e2e through it (LLMCLI_MXFP4_KERNEL=frag;
+#           at most 550 s by its timeouts)
+#   mxfp4-tiles tests/test_gpu_moe_mxfp4_speed.py: the A/B table (scaled, dequant, frag, bf16) and the tile candidates
+#           of scaled and frag up to 4,096 tokens (~1 min)
 #   e2e-new its cut-down Qwen3.5-9B, gemma-3-12b-it, gpt-oss-20b, gemma-4-31B (~7 min, estimated); E2E_NEW=mxfp4: gpt-oss's MXFP4 experts (~2 min)
 # Retired stages and scripts: benchmarks/RESULTS.md ("Scripts retired ..." sections) says what each answered.
 set -uo pipefail
@@ -106,12 +109,13 @@ for stage in "$@"; do
     mxfp4-frag) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
             "tests/test_triton_moe_mxfp4.py::test_bf16_at_gpt_oss_20b_shapes" \
             "tests/test_triton_moe_mxfp4.py::test_mxfp4_captured_in_a_cuda_graph" 2>&1 | tee "$OUT/frag_tests.log" | tail -5
-        timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \
-            | tee "$OUT/frag_speed.log"
+        timeout 150 python3 benchmarks/release_gpu.py --model configs/gpt-oss-20b 2>&1 | tee "$OUT/frag_release.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 180 python3 benchmarks/speed_gpu.py --models configs/gpt-oss-20b \
             --variants base --later-variants base --no-prefill-heavy --time-budget 120 2>&1 | tee "$OUT/frag_gpt_oss.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py \
             -k mxfp4 2>&1 | tee "$OUT/frag_e2e.log" | tail -5 ;;
+    mxfp4-tiles) timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \
+            | tee "$OUT/frag_speed.log" ;;
     e2e-new) timeout 500 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "${E2E_NEW:-(Qwen3.5 or gemma or gpt-oss) and not mxfp4}" 2>&1 | tee "$OUT/e2e_new.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
   esac
