@@ -82,11 +82,13 @@ def test_fragments_give_back_the_checkpoint_layout(experts, rows, cols, parts):
     assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
 
 
-@pytest.mark.parametrize("tuning", [MoeTuning(16, 128, 128, num_warps=8), MoeTuning(32, 64, 256)],
-                         ids=["two-warpgroups", "k-off-the-step"])
+@pytest.mark.parametrize("tuning", [MoeTuning(16, 128, 128, num_warps=8), MoeTuning(32, 64, 256),
+                                    MoeTuning(16, 256, 64, num_warps=16)],
+                         ids=["two-warpgroups", "k-off-the-step", "four-warpgroups"])
 def test_frag_with_scales_above_two_and_other_tiles(tuning):
-    """Scales up to 2^7 (``wide``: two multiplies); 128 rows on two warpgroups with a partial last row tile; a K
-    step of four sub-tiles over a K of 192 and 160 (one step, part of it past K)."""
+    """Scales up to 2^7 (``wide``: two multiplies); 128 or 256 rows on two or four warpgroups with a partial last
+    row tile (gate/up's 160 rows: 3 tiles of 64; down's 192); a K step of four sub-tiles over a K of 192 and 160
+    (one step, part of it past K)."""
     x, w13, w2, logits = make_case(11, 6, 2, 192, 160, torch.float32, seed=5, gate_up_scales=(124, 134))
     weights, ids = route(logits, 2, normalize=True)
     assert to_fragments(*w13, parts=2).wide and not to_fragments(*w2).wide
