@@ -62,18 +62,29 @@ class Mxfp4Experts(nn.Module):
             mine = loaded.narrow(2, start // GROUP, n // GROUP)
         param.data.copy_(mine.reshape(param.shape))
 
-    fragments: tuple[Mxfp4Fragments, Mxfp4Fragments] | None = None  # (gate/up, down) once in the frag layout
+    # (rows, cols, parts, wide) of the gate/up and down fragments once converted; their tensors are parameters only
+    # (``ModelRunner.shutdown`` frees every parameter's memory, so a tensor held elsewhere would outlive it)
+    fragment_shapes: tuple[tuple[int, int, int, bool], ...] | None = None
 
     def to_fragments(self) -> None:
         """Keep the experts in ``frag``'s layout only (``kernels/mxfp4_fragments.py``), after loading."""
         names = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
         q13, s13, q2, s2 = (getattr(self, n) for n in names)
-        self.fragments = (to_fragments(q13, s13, parts=2), to_fragments(q2, s2))
+        made = (to_fragments(q13, s13, parts=2), to_fragments(q2, s2))
         for name in names:
             delattr(self, name)
-        for tag, f in zip(("gate_up_proj", "down_proj"), self.fragments):  # parameters: the probe counts them
+        for tag, f in zip(("gate_up_proj", "down_proj"), made):  # parameters: the probe counts them
             setattr(self, f"{tag}_frag_codes", nn.Parameter(f.codes, requires_grad=False))
             setattr(self, f"{tag}_frag_scales", nn.Parameter(f.scales, requires_grad=False))
+        self.fragment_shapes = tuple((f.rows, f.cols, f.parts, f.wide) for f in made)
+
+    @property
+    def fragments(self) -> tuple[Mxfp4Fragments, Mxfp4Fragments] | None:
+        """(gate/up, down) in the frag layout, over this module's parameters; None before ``to_fragments``."""
+        if self.fragment_shapes is None:
+            return None
+        return tuple(Mxfp4Fragments(getattr(self, f"{tag}_frag_codes"), getattr(self, f"{tag}_frag_scales"), *shape)
+                     for tag, shape in zip(("gate_up_proj", "down_proj"), self.fragment_shapes))
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``: the reference loop's operands (a 16-bit copy: tests and
