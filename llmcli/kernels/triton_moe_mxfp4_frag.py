@@ -258,12 +258,12 @@ def check_frag_tuning(tuning: MoeTuning) -> None:
     if tuning.block_n % 64 or tuning.num_warps != tuning.block_n // 16 or tuning.block_k < SUB \
             or not (power_of_two(tuning.block_k) and power_of_two(tuning.block_n) and power_of_two(tuning.block_m)) \
             or tuning.block_m < 16:
-        raise ValueError(f"frag tiles {tuning}: block_n 64 or 128 (4 warps each 64), block_k 64, 128 or 256, "
+        raise ValueError(f"frag tiles {tuning}: block_n 64, 128 or 256 (4 warps each 64), block_k 64, 128 or 256, "
                          "block_m a power of two from 16")
     if tuning.block_n > 64 and tuning.block_m > 64:
         # measured wrong on an H200 (128 x 128 x 64: relative error 0.014 against scaled's 1e-2 bound at 1,024
         # tokens, where 64 x 128 x 64 and 128 x 64 x 64 agree), with the weights' layout the same in all three
-        raise ValueError(f"frag tiles {tuning}: two warpgroups take at most 64 tokens (block_m)")
+        raise ValueError(f"frag tiles {tuning}: two warpgroups or more take at most 64 tokens (block_m)")
 
 
 def fused_moe_mxfp4_frag(x: torch.Tensor, w13: Mxfp4Fragments, w2: Mxfp4Fragments, topk_weights: torch.Tensor,
