@@ -1,8 +1,9 @@
 """Does an engine give its GPU memory back at shutdown? One model, one child process per MXFP4 kernel.
 
-Each child builds the engine (dummy weights, CUDA graphs), generates a little, shuts it down, collects garbage and
-prints what stays allocated; where more than ``--slack-gib`` stays, the largest CUDA tensors still alive and what
-holds each (a few levels of referrers). Run on the GPU machine:
+Each child builds the engine (dummy weights, CUDA graphs), generates a little, shuts it down and prints what stays
+allocated while the engine is still referenced (as when a script makes its next engine before dropping the last),
+then after dropping it and collecting garbage; where more than ``--slack-gib`` stays, the largest CUDA tensors still
+alive and what holds each (a few levels of referrers). Run on the GPU machine:
 
     python benchmarks/release_gpu.py --model configs/gpt-oss-20b --kernels scaled frag
 """
@@ -44,19 +45,30 @@ def child(model: str, slack_gib: float) -> None:
                                                                      ignore_eos=True))
     held = torch.cuda.memory_allocated() / 2**30
     llm.shutdown()
+    referenced = torch.cuda.memory_allocated() / 2**30
+    free, total = torch.cuda.mem_get_info()
+    print(f"kernel {os.environ.get('LLMCLI_MXFP4_KERNEL', 'default')}: {held:.2f} GiB allocated while running, "
+          f"{referenced:.2f} GiB after shutdown (engine still referenced; device in use {(total - free) / 2**30:.2f} "
+          f"GiB)", flush=True)
+    if referenced > slack_gib:
+        largest_alive()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated() / 2**30
-    print(f"kernel {os.environ.get('LLMCLI_MXFP4_KERNEL', 'default')}: {held:.2f} GiB allocated while running, "
-          f"{left:.2f} GiB after shutdown and gc")
-    if left <= slack_gib:
-        return
+    print(f"  {left:.2f} GiB after dropping it and gc")
+    if left > slack_gib:
+        largest_alive()
+
+
+def largest_alive() -> None:
+    import torch
+
     alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
-    alive.sort(key=lambda t: -t.numel() * t.element_size())
+    alive.sort(key=lambda t: -t.untyped_storage().nbytes())  # a view's storage may be far larger than the view
     print(f"{len(alive)} CUDA tensors alive; the largest:")
     for t in alive[:4]:
-        print(f"- {tuple(t.shape)} {t.dtype} {t.numel() * t.element_size() / 2**20:.0f} MiB {type(t).__name__}")
+        print(f"- {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB of storage {type(t).__name__}")
         print("\n".join(_holders(t, 3, {id(alive)})))
 
 

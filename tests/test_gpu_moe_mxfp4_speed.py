@@ -99,9 +99,9 @@ def test_scaled_tile_candidates_agree_and_are_timed():
 
 FRAG_CANDIDATES = [MoeTuning(16, 64, 256), MoeTuning(16, 64, 128), MoeTuning(16, 128, 64, num_warps=8),
                    MoeTuning(32, 64, 256), MoeTuning(32, 128, 64, num_warps=8), MoeTuning(64, 64, 128),
-                   MoeTuning(64, 128, 64, num_warps=8), MoeTuning(64, 128, 64, num_warps=8, num_stages=4),
-                   MoeTuning(64, 128, 128, num_warps=8), MoeTuning(128, 64, 64), MoeTuning(32, 256, 64, num_warps=16),
-                   MoeTuning(64, 256, 64, num_warps=16)]
+                   MoeTuning(64, 128, 128, num_warps=8), MoeTuning(16, 128, 64, num_warps=8, num_stages=4),
+                   MoeTuning(64, 256, 64, num_warps=16, num_stages=4), MoeTuning(128, 64, 64),
+                   MoeTuning(32, 256, 64, num_warps=16), MoeTuning(64, 256, 64, num_warps=16)]
 
 
 def test_frag_tile_candidates_agree_and_are_timed():

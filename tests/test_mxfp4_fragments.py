@@ -166,13 +166,15 @@ def test_frag_refuses_tiles_it_cannot_run():
         fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(16, 64, 192), kernel="frag")
     with pytest.raises(ValueError, match="two warpgroups or more take at most 64 tokens"):  # wrong on an H200
         fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(128, 128, 64, num_warps=8), kernel="frag")
+    with pytest.raises(ValueError, match="64 x 128 x 64 gives wrong sums"):  # wrong on an H200 too
+        fused_moe_mxfp4(x, *w13, *w2, weights, ids, MoeTuning(64, 128, 64, num_warps=8), kernel="frag")
 
 
 def test_frag_tuning_picks_the_measured_tiles_and_each_is_runnable():
     """gpt-oss-20b's 32 experts, top-4: the tiles the H200 table picked (benchmarks/RESULTS.md, 2026-12-05)."""
     picks = {tokens: frag_tuning(4 * tokens, 32) for tokens in (1, 16, 64, 256, 1024, 4096)}
     assert [(t.block_m, t.block_n, t.block_k, t.num_warps) for t in picks.values()] == \
-        [(16, 64, 256, 4), (16, 64, 128, 4), (16, 64, 128, 4), (64, 128, 64, 8), (64, 128, 64, 8), (64, 128, 64, 8)]
+        [(16, 64, 256, 4), (16, 128, 64, 8), (16, 128, 64, 8), (64, 256, 64, 16), (128, 64, 64, 4), (128, 64, 64, 4)]
     for tuning in picks.values():
         check_frag_tuning(tuning)
 

@@ -240,15 +240,19 @@ def _frag_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, expe
 def frag_tuning(num_pairs: int, num_experts: int) -> MoeTuning:
     """``block_m`` tokens (the MMA's narrow side: an expert's rows padded to it), ``block_n`` weight rows (64 a
     warpgroup), ``block_k`` inputs a step (whole 64-value sub-tiles). Measured on an H200 at gpt-oss-20b's shapes
-    (benchmarks/RESULTS.md, 2026-12-05): below one row an expert the fewest, deepest steps (1 token: 135 us against
-    219 at 128 deep); up to ~16 rows 16 x 64 x 128; past that two warpgroups on 64 tokens (256 tokens: 262 us
-    against 352 for 64 x 64 x 128 and 393 for ``scaled``; 1,024 tokens: 602 against 617 for 128 x 64 x 64)."""
+    (benchmarks/RESULTS.md, 2026-12-05 T2b): below one row an expert the fewest, deepest steps; up to 16 rows two
+    warpgroups on 16 tokens (16 and 64 tokens: 190 us against 239-257 for one warpgroup and 248-255 for
+    ``scaled``); up to 64 rows four warpgroups on 64 tokens (256 tokens: 275 us against 394 for ``scaled``), each
+    program reading its tokens' activations once for 256 weight rows; past that one warpgroup on 128 tokens (1,024
+    tokens: 616 us against 693 for four warpgroups and 1,000 for ``scaled``)."""
     per_expert = num_pairs / num_experts
     if per_expert < 1:
         return MoeTuning(block_m=16, block_n=64, block_k=256, num_warps=4)
     if per_expert <= 16:
-        return MoeTuning(block_m=16, block_n=64, block_k=128, num_warps=4)
-    return MoeTuning(block_m=64, block_n=128, block_k=64, num_warps=8)
+        return MoeTuning(block_m=16, block_n=128, block_k=64, num_warps=8)
+    if per_expert <= 64:
+        return MoeTuning(block_m=64, block_n=256, block_k=64, num_warps=16)
+    return MoeTuning(block_m=128, block_n=64, block_k=64, num_warps=4)
 
 
 def check_frag_tuning(tuning: MoeTuning) -> None:
@@ -264,6 +268,11 @@ def check_frag_tuning(tuning: MoeTuning) -> None:
         # measured wrong on an H200 (128 x 128 x 64: relative error 0.014 against scaled's 1e-2 bound at 1,024
         # tokens, where 64 x 128 x 64 and 128 x 64 x 64 agree), with the weights' layout the same in all three
         raise ValueError(f"frag tiles {tuning}: two warpgroups or more take at most 64 tokens (block_m)")
+    if (tuning.block_m, tuning.block_n, tuning.block_k) == (64, 128, 64):
+        # measured wrong on an H200 too (errors 0.0016-0.0023 at 256 and 1,024 tokens where every other tile gives
+        # under 0.0001, inf at 4,096; on 3 and 4 stages), while 64 x 128 x 128 and 64 x 256 x 64 are right: not
+        # understood, so not run
+        raise ValueError(f"frag tiles {tuning}: 64 x 128 x 64 gives wrong sums on Hopper (take 64 x 256 x 64)")
 
 
 def fused_moe_mxfp4_frag(x: torch.Tensor, w13: Mxfp4Fragments, w2: Mxfp4Fragments, topk_weights: torch.Tensor,
