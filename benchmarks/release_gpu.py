@@ -2,7 +2,8 @@
 
 Each child builds the engine (dummy weights, CUDA graphs), generates a little, shuts it down and prints what stays
 allocated while the engine is still referenced (as when a script makes its next engine before dropping the last),
-then after dropping it and collecting garbage; where more than ``--slack-gib`` stays, the largest CUDA tensors still
+starts a second engine then as tests/test_gpu_e2e.py does (torch attention, eager) and prints its memory probe's
+figures, then what stays after dropping the first and collecting garbage; where more than ``--slack-gib`` stays, the largest CUDA tensors still
 alive and what holds each (a few levels of referrers). Run on the GPU machine:
 
     python benchmarks/release_gpu.py --model configs/gpt-oss-20b --kernels scaled frag
@@ -52,6 +53,7 @@ def child(model: str, slack_gib: float) -> None:
           f"GiB)", flush=True)
     if referenced > slack_gib:
         largest_alive()
+    second_engine(model)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -59,6 +61,26 @@ def child(model: str, slack_gib: float) -> None:
     print(f"  {left:.2f} GiB after dropping it and gc")
     if left > slack_gib:
         largest_alive()
+
+
+def second_engine(model: str) -> None:
+    """Start an engine as tests/test_gpu_e2e.py's second one (torch attention, eager) while the first is still
+    referenced, and print what its memory probe measured (or why it found no room)."""
+    from llmcli import LLM
+    from llmcli.engine.kv_cache import KVCacheTooSmall
+
+    try:
+        llm = LLM(model, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=2048,
+                  attention_backend="torch", enforce_eager=True)
+        report, failed = llm.engine.model_runner.memory_report, ""
+    except KVCacheTooSmall as e:
+        report, failed, llm = e.report, f" (no KV block: {e})", None
+    gib = 2**30
+    print(f"  second engine (torch, eager): budget {report.budget_bytes / gib:.2f} GiB, weights "
+          f"{report.weights_bytes / gib:.2f}, activation peak {report.activation_peak_bytes / gib:.2f}, other "
+          f"{report.other_bytes / gib:.2f}, KV blocks {report.num_blocks}{failed}", flush=True)
+    if llm is not None:
+        llm.shutdown()
 
 
 def largest_alive() -> None:
