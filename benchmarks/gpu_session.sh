@@ -31,7 +31,7 @@
 #   e2e-all tests/test_gpu_e2e.py's first three: Qwen3-0.6B, Llama-3.2-1B, the 4-layer Qwen3-30B-A3B (#31: xfail until it passes) (~6 min)
 #   mxfp4-frag the frag MXFP4 kernel on the GPU: its tests, whether an engine gives its memory back
 #           (benchmarks/release_gpu.py), gpt-oss-20b's default workload and e2e through it (LLMCLI_MXFP4_KERNEL=frag;
-#           at most 550 s by its timeouts)
+#           at most 680 s by its timeouts; 215 s warm in T2a)
 #   mxfp4-tiles tests/test_gpu_moe_mxfp4_speed.py: the A/B table (scaled, dequant, frag, bf16) and the tile candidates
 #           of scaled and frag up to 4,096 tokens (~1 min)
 #   e2e-new its cut-down Qwen3.5-9B, gemma-3-12b-it, gpt-oss-20b, gemma-4-31B (~7 min, estimated); E2E_NEW=mxfp4: gpt-oss's MXFP4 experts (~2 min)
@@ -106,8 +106,9 @@ for stage in "$@"; do
       timeout 120 python3 -m llmcli probe-memory --model configs/Qwen3.6-27B --load-format dummy 2>&1 \
         | tee "$OUT/state_rows_probe.log" ;;
     e2e-all) timeout 540 python3 -m pytest -q -s -rxX -p no:cacheprovider tests/test_gpu_e2e.py -k "0.6B or Llama or A3B" 2>&1 | tee "$OUT/e2e_all.log" ;;
-    mxfp4-frag) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    mxfp4-frag) timeout 250 python3 -m pytest -q -m gpu -p no:cacheprovider \
             "tests/test_triton_moe_mxfp4.py::test_bf16_at_gpt_oss_20b_shapes" \
+            "tests/test_triton_moe_mxfp4.py::test_frag_equals_scaled_at_gpt_oss_20b_shapes" \
             "tests/test_triton_moe_mxfp4.py::test_mxfp4_captured_in_a_cuda_graph" 2>&1 | tee "$OUT/frag_tests.log" | tail -5
         timeout 150 python3 benchmarks/release_gpu.py --model configs/gpt-oss-20b 2>&1 | tee "$OUT/frag_release.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 180 python3 benchmarks/speed_gpu.py --models configs/gpt-oss-20b \

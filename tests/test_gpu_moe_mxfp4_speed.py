@@ -122,7 +122,7 @@ def test_frag_tile_candidates_agree_and_are_timed():
                 continue
             run = lambda: fused_moe_mxfp4_frag(x, f13, f2, weights, ids, tuning)  # noqa: E731
             err = rel_err(run(), want)
-            if err >= 1e-2:
+            if err >= 1e-3:  # right tiles agree with scaled within 2e-4; the one refused gave 0.0016 and more
                 wrong.append((tokens, tuning, err))
             print(f"tokens {tokens:4d}: {tuning.block_m:3d} x {tuning.block_n:3d} x {tuning.block_k:3d}, "
                   f"{tuning.num_warps} warps, {tuning.num_stages} stages: {timed(run) * 1e6:7.1f} us "

@@ -1,6 +1,7 @@
 """ModelRunner: builds the model on its device, sizes the KV pool, and runs one step at a time."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any, Callable
@@ -414,6 +415,9 @@ class ModelRunner:
         for param in self.model.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if self.device.type == "cuda":
+            # device tensors held only by garbage not yet collected (cycles, a caught exception's frames) would
+            # keep their memory from the driver until the next collection
+            gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
