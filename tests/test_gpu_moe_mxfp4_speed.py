@@ -97,11 +97,16 @@ def test_scaled_tile_candidates_agree_and_are_timed():
                   + ("  (picked)" if tuning == picked else ""))
 
 
+# deeper pipelines too: at decode batches frag streams ~2 TB/s of weights against a ~4.2 TB/s copy rate, so more
+# bytes in flight a program may pay (16 x 128 x 64 holds ~10.5 KB a stage, 64 x 256 x 64 ~33 KB)
 FRAG_CANDIDATES = [MoeTuning(16, 64, 256), MoeTuning(16, 64, 128), MoeTuning(16, 128, 64, num_warps=8),
-                   MoeTuning(32, 64, 256), MoeTuning(32, 128, 64, num_warps=8), MoeTuning(64, 64, 128),
-                   MoeTuning(64, 128, 128, num_warps=8), MoeTuning(16, 128, 64, num_warps=8, num_stages=4),
-                   MoeTuning(64, 256, 64, num_warps=16, num_stages=4), MoeTuning(128, 64, 64),
-                   MoeTuning(32, 256, 64, num_warps=16), MoeTuning(64, 256, 64, num_warps=16)]
+                   MoeTuning(16, 128, 64, num_warps=8, num_stages=4), MoeTuning(16, 128, 64, num_warps=8, num_stages=6),
+                   MoeTuning(16, 128, 128, num_warps=8, num_stages=4), MoeTuning(32, 64, 256),
+                   MoeTuning(32, 128, 64, num_warps=8), MoeTuning(32, 128, 64, num_warps=8, num_stages=5),
+                   MoeTuning(64, 64, 128), MoeTuning(64, 128, 128, num_warps=8), MoeTuning(128, 64, 64),
+                   MoeTuning(128, 64, 64, num_stages=5), MoeTuning(32, 256, 64, num_warps=16),
+                   MoeTuning(64, 256, 64, num_warps=16), MoeTuning(64, 256, 64, num_warps=16, num_stages=4),
+                   MoeTuning(64, 256, 64, num_warps=16, num_stages=5)]
 
 
 def test_frag_tile_candidates_agree_and_are_timed():
@@ -110,7 +115,7 @@ def test_frag_tile_candidates_agree_and_are_timed():
     the data to pick ``frag_tuning``'s tiles from and to decide its default)."""
     print()
     wrong = []
-    for tokens in DECODE_BATCHES + (1024, 4096):
+    for tokens in (1, 16, 64, 128, 256, 1024, 4096):  # 128: about the default workload's mean decode batch
         x, w13, w2, weights, ids = decode_case(tokens)
         f13, f2 = to_fragments(*w13, parts=2), to_fragments(*w2)
         want = fused_moe_mxfp4(x, *w13, *w2, weights, ids, kernel="scaled")
