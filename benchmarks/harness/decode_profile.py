@@ -20,6 +20,7 @@ from benchmarks.harness.workload import NEUTRAL
 KERNEL_GROUPS = (  # (group, substrings of the CUDA kernel name), first match wins
     ("attention, KV store", ("_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel", "flash", "_kv_")),
     ("linear attention (conv, delta rule)", ("_delta_step_kernel", "_conv_step_kernel", "_conv_varlen", "chunk_")),
+    ("MoE experts (fused Triton)", ("_moe_gate_up", "_moe_down", "_mxfp4_", "_frag_", "_align_kernel")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm100_", "cublas", "splitK")),
     ("elementwise (Triton kernels)", ("rms_norm_kernel", "_silu_and_mul_kernel", "_qk_norm_rotary_kernel")),
     ("fused elementwise (torch.compile)", ("triton_",)),
