@@ -34,6 +34,10 @@
 #           at most 680 s by its timeouts; 215 s warm in T2a)
 #   mxfp4-tiles tests/test_gpu_moe_mxfp4_speed.py: the A/B table (scaled, dequant, frag, bf16) and the tile candidates
 #           of scaled and frag up to 4,096 tokens (~1 min)
+#   mxfp4-check one frag MoE layer (benchmarks/moe_layer.py) under compute-sanitizer (initcheck with torch's caching
+#           allocator off, so a read of memory no kernel wrote shows; memcheck; racecheck) at the refused 64 x 128 x 64
+#           tile, then ncu's speed-of-light, occupancy, memory and warp-stall sections on the picks at 128 and 256
+#           tokens (Firecracker machines read the counters; ~5 min, estimated)
 #   e2e-new its cut-down Qwen3.5-9B, gemma-3-12b-it, gpt-oss-20b, gemma-4-31B (~7 min, estimated); E2E_NEW=mxfp4: gpt-oss's MXFP4 experts (~2 min)
 # Retired stages and scripts: benchmarks/RESULTS.md ("Scripts retired ..." sections) says what each answered.
 set -uo pipefail
@@ -115,6 +119,12 @@ for stage in "$@"; do
             --variants base --later-variants base --no-prefill-heavy --time-budget 120 2>&1 | tee "$OUT/frag_gpt_oss.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py \
             -k mxfp4 2>&1 | tee "$OUT/frag_e2e.log" | tail -5 ;;
+    mxfp4-check) for tool in initcheck memcheck racecheck; do PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 \
+            compute-sanitizer --tool $tool --kernel-name kns=_frag python3 benchmarks/moe_layer.py --tokens 256 \
+            --tile 64x128x64x8x3 --unchecked --reps 1 2>&1 | tail -25 | tee "$OUT/frag_$tool.log"; done
+        for tokens in 128 256; do timeout 200 ncu --clock-control none -k regex:_frag --section SpeedOfLight \
+            --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats python3 benchmarks/moe_layer.py \
+            --tokens $tokens --reps 1 2>&1 | tee "$OUT/frag_ncu_$tokens.log" | grep -v "^==PROF==" | tail -120; done ;;
     mxfp4-tiles) timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \
             | tee "$OUT/frag_speed.log" ;;
     e2e-new) timeout 500 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "${E2E_NEW:-(Qwen3.5 or gemma or gpt-oss) and not mxfp4}" 2>&1 | tee "$OUT/e2e_new.log" ;;
