@@ -3,8 +3,8 @@
 Each child builds the engine (dummy weights, CUDA graphs), generates a little, shuts it down and prints what stays
 allocated while the engine is still referenced (as when a script makes its next engine before dropping the last),
 starts a second engine then as tests/test_gpu_e2e.py does (torch attention, eager) and prints its memory probe's
-figures, then what stays after dropping the first and collecting garbage; where more than ``--slack-gib`` stays, the largest CUDA tensors still
-alive and what holds each (a few levels of referrers). Run on the GPU machine:
+figures, then what stays after dropping the first and collecting garbage; where more than ``--slack-gib`` stays,
+the largest CUDA tensors still alive and what holds each (a few levels of referrers). Run on the GPU machine:
 
     python benchmarks/release_gpu.py --model configs/gpt-oss-20b --kernels scaled frag
 """
@@ -90,7 +90,8 @@ def largest_alive() -> None:
     alive.sort(key=lambda t: -t.untyped_storage().nbytes())  # a view's storage may be far larger than the view
     print(f"{len(alive)} CUDA tensors alive; the largest:")
     for t in alive[:4]:
-        print(f"- {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB of storage {type(t).__name__}")
+        print(f"- {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB of storage "
+              f"{type(t).__name__}")
         print("\n".join(_holders(t, 3, {id(alive)})))
 
 

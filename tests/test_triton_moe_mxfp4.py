@@ -301,7 +301,7 @@ def test_bf16_at_gpt_oss_20b_shapes(tokens, kernel):
 
 
 @gpu
-@pytest.mark.skipif(not ON_GPU or not torch.cuda.get_device_capability()[0] == 9, reason="needs a Hopper GPU (frag)")
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU (frag)")
 @pytest.mark.parametrize("tokens", [1, 7, 16, 64, 130, 256, 600, 1000, 4096])
 def test_frag_equals_scaled_at_gpt_oss_20b_shapes(tokens):
     """``frag`` at the tiles it picks against ``scaled``, both bf16 with the same rounding points: right tiles
