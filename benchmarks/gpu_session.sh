@@ -114,7 +114,7 @@ for stage in "$@"; do
             "tests/test_triton_moe_mxfp4.py::test_bf16_at_gpt_oss_20b_shapes" \
             "tests/test_triton_moe_mxfp4.py::test_frag_equals_scaled_at_gpt_oss_20b_shapes" \
             "tests/test_triton_moe_mxfp4.py::test_mxfp4_captured_in_a_cuda_graph" 2>&1 | tee "$OUT/frag_tests.log" | tail -5
-        timeout 150 python3 benchmarks/release_gpu.py --model configs/gpt-oss-20b 2>&1 | tee "$OUT/frag_release.log"
+        timeout 240 python3 benchmarks/release_gpu.py --model configs/gpt-oss-20b 2>&1 | tee "$OUT/frag_release.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 180 python3 benchmarks/speed_gpu.py --models configs/gpt-oss-20b \
             --variants base --later-variants base --no-prefill-heavy --time-budget 120 2>&1 | tee "$OUT/frag_gpt_oss.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py \
