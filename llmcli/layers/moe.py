@@ -207,8 +207,9 @@ class GptOssMoeBlock(nn.Module):
             from llmcli.kernels.triton_moe_mxfp4 import fused_moe_mxfp4
             from llmcli.kernels.triton_moe_mxfp4_frag import fused_moe_mxfp4_frag
 
-            if e.fragments is not None:
-                out = fused_moe_mxfp4_frag(x, *e.fragments, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
+            fragments = e.fragments  # built over the parameters on each access: once a step
+            if fragments is not None:
+                out = fused_moe_mxfp4_frag(x, *fragments, weights, ids, b13=e.gate_up_proj_bias, b2=b2,
                                            clamp=self.clamp)
             else:
                 out = fused_moe_mxfp4(x, e.gate_up_proj_blocks, e.gate_up_proj_scales, e.down_proj_blocks,

@@ -89,8 +89,9 @@ class Mxfp4Experts(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``: the reference loop's operands (a 16-bit copy: tests and
         ``LLMCLI_MOE=reference`` only)."""
-        if self.fragments is not None:
-            return tuple(mxfp4_values(*fragment_codes(f)).to(dtype) for f in self.fragments)
+        fragments = self.fragments
+        if fragments is not None:
+            return tuple(mxfp4_values(*fragment_codes(f)).to(dtype) for f in fragments)
         return (mxfp4_values(self.gate_up_proj_blocks, self.gate_up_proj_scales).to(dtype),
                 mxfp4_values(self.down_proj_blocks, self.down_proj_scales).to(dtype))
 
