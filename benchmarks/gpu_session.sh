@@ -38,6 +38,11 @@
 #           allocator off, so a read of memory no kernel wrote shows; memcheck; racecheck) at the refused 64 x 128 x 64
 #           tile, then ncu's speed-of-light, occupancy, memory and warp-stall sections on the picks at 128 and 256
 #           tokens (Firecracker machines read the counters; ~5 min, estimated)
+#   cache-out  last in a call: Triton's compiled kernels (cubins, PTX, launchers; the intermediate IRs left out)
+#           into $OUT/triton-cache.tar.xz, and every *.log of $OUT into $OUT/logs.tar.gz (a call brings back at
+#           most 8 files). Put the tarball in .triton-cache/ here and carry that folder with the next calls: a fresh
+#           machine then loads those kernels instead of compiling them for minutes (keys unchanged: same source,
+#           Triton, ptxas and options). Its size is printed; the tree a call carries is at most 64 MiB.
 #   e2e-new its cut-down Qwen3.5-9B, gemma-3-12b-it, gpt-oss-20b, gemma-4-31B (~7 min, estimated); E2E_NEW=mxfp4: gpt-oss's MXFP4 experts (~2 min)
 # Retired stages and scripts: benchmarks/RESULTS.md ("Scripts retired ..." sections) says what each answered.
 set -uo pipefail
@@ -73,6 +78,14 @@ export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
   "$(python3 -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('triton').origin))")" \
   /tmp/site "$PWD/llmcli" >/dev/null 2>&1; mkdir -p /tmp/pycache; touch /tmp/pycache/.done; \
   echo "pyc: compiled in $(( $(date +%s) - T )) s"; }
+# One cache path on every machine: a kernel's cache entry names its files by absolute path.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+if [ ! -e "$TRITON_CACHE_DIR/.restored" ] && ls .triton-cache/triton-cache.tar.xz >/dev/null 2>&1; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xJf .triton-cache/triton-cache.tar.xz -C "$TRITON_CACHE_DIR" \
+    && touch "$TRITON_CACHE_DIR/.restored" \
+    && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries restored from .triton-cache/" \
+    || echo "triton cache: the carried tarball did not unpack; kernels compile as usual"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for stage in "$@"; do
@@ -127,6 +140,11 @@ for stage in "$@"; do
             --tokens $tokens --reps 1 2>&1 | tee "$OUT/frag_ncu_$tokens.log" | grep -v "^==PROF==" | tail -120; done ;;
     mxfp4-tiles) timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \
             | tee "$OUT/frag_speed.log" ;;
+    cache-out) (cd "$TRITON_CACHE_DIR" && XZ_OPT="-T0 -6" tar --exclude='*.llir' --exclude='*.ttir' --exclude='*.ttgir' \
+            --exclude='*.source' --exclude=.restored -cJf "$OUT/triton-cache.tar.xz" .) \
+        && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -h "$OUT/triton-cache.tar.xz" | cut -f1) \
+packed into \$OUT/triton-cache.tar.xz"
+        (cd "$OUT" && ls *.log >/dev/null 2>&1 && tar -czf logs.tar.gz *.log && rm -f *.log) ;;
     e2e-new) timeout 500 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py -k "${E2E_NEW:-(Qwen3.5 or gemma or gpt-oss) and not mxfp4}" 2>&1 | tee "$OUT/e2e_new.log" ;;
     *) echo "unknown stage $stage (see the list at the top of benchmarks/gpu_session.sh)"; exit 2 ;;
   esac
