@@ -30,8 +30,9 @@
 #           SPEED_ARGS for the shares
 #   e2e-all tests/test_gpu_e2e.py's first three: Qwen3-0.6B, Llama-3.2-1B, the 4-layer Qwen3-30B-A3B (#31: xfail until it passes) (~6 min)
 #   mxfp4-frag the frag MXFP4 kernel on the GPU: its tests, whether an engine gives its memory back
-#           (benchmarks/release_gpu.py), gpt-oss-20b's default workload and e2e through it (LLMCLI_MXFP4_KERNEL=frag;
-#           at most 680 s by its timeouts; 215 s warm in T2a)
+#           (tests/test_shutdown_release.py on CUDA: tiny engines of each KV layout; benchmarks/release_gpu.py),
+#           gpt-oss-20b's default workload and e2e through it (LLMCLI_MXFP4_KERNEL=frag; at most 830 s by its
+#           timeouts, so a fresh machine's call ends it early; 215 s warm in T2a without the release tests)
 #   mxfp4-tiles tests/test_gpu_moe_mxfp4_speed.py: the A/B table (scaled, dequant, frag, bf16) and the tile candidates
 #           of scaled and frag up to 4,096 tokens (~1 min)
 #   mxfp4-check one frag MoE layer (benchmarks/moe_layer.py) under compute-sanitizer (initcheck with torch's caching
@@ -127,6 +128,8 @@ for stage in "$@"; do
             "tests/test_triton_moe_mxfp4.py::test_bf16_at_gpt_oss_20b_shapes" \
             "tests/test_triton_moe_mxfp4.py::test_frag_equals_scaled_at_gpt_oss_20b_shapes" \
             "tests/test_triton_moe_mxfp4.py::test_mxfp4_captured_in_a_cuda_graph" 2>&1 | tee "$OUT/frag_tests.log" | tail -5
+        timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_shutdown_release.py 2>&1 \
+            | tee "$OUT/frag_release_tests.log" | tail -8
         timeout 240 python3 benchmarks/release_gpu.py --model configs/gpt-oss-20b 2>&1 | tee "$OUT/frag_release.log"
         LLMCLI_MXFP4_KERNEL=frag timeout 180 python3 benchmarks/speed_gpu.py --models configs/gpt-oss-20b \
             --variants base --later-variants base --no-prefill-heavy --time-budget 120 2>&1 | tee "$OUT/frag_gpt_oss.log"
