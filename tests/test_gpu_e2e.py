@@ -39,6 +39,7 @@ Skipped without CUDA.
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import random
@@ -201,7 +202,11 @@ class Llmcli:
         return regroup([t[0] for t in flat], len(continuations[0]))
 
     def close(self) -> None:
+        # dropped as well as shut down: this test measures agreement, and the next engine starts while this
+        # wrapper is still bound (test_shutdown_release.py holds shutdown to freeing memory on its own)
         self.llm.shutdown()
+        self.llm = None
+        gc.collect()
         torch.cuda.empty_cache()
 
 
