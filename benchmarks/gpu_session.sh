@@ -30,9 +30,10 @@
 #           SPEED_ARGS for the shares
 #   e2e-all tests/test_gpu_e2e.py's first three: Qwen3-0.6B, Llama-3.2-1B, the 4-layer Qwen3-30B-A3B (#31: xfail until it passes) (~6 min)
 #   mxfp4-frag the frag MXFP4 kernel on the GPU: its tests, whether an engine gives its memory back
-#           (tests/test_shutdown_release.py on CUDA: tiny engines of each KV layout; benchmarks/release_gpu.py),
-#           gpt-oss-20b's default workload and e2e through it (LLMCLI_MXFP4_KERNEL=frag; at most 830 s by its
-#           timeouts, so a fresh machine's call ends it early; 215 s warm in T2a without the release tests)
+#           (tests/test_shutdown_release.py on CUDA: tiny engines of each KV layout; benchmarks/release_gpu.py)
+#           (at most 600 s by its timeouts: a fresh machine's first compilations take minutes)
+#   mxfp4-model gpt-oss-20b's default workload and the cut-down gpt-oss e2e through frag (LLMCLI_MXFP4_KERNEL=frag;
+#           at most 380 s)
 #   mxfp4-tiles tests/test_gpu_moe_mxfp4_speed.py: the A/B table (scaled, dequant, frag, bf16) and the tile candidates
 #           of scaled and frag up to 4,096 tokens (~1 min)
 #   mxfp4-check one frag MoE layer (benchmarks/moe_layer.py) under compute-sanitizer (initcheck with torch's caching
@@ -130,10 +131,10 @@ for stage in "$@"; do
             "tests/test_triton_moe_mxfp4.py::test_mxfp4_captured_in_a_cuda_graph" 2>&1 | tee "$OUT/frag_tests.log" | tail -5
         timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_shutdown_release.py 2>&1 \
             | tee "$OUT/frag_release_tests.log" | tail -8
-        timeout 240 python3 benchmarks/release_gpu.py --model configs/gpt-oss-20b 2>&1 | tee "$OUT/frag_release.log"
-        LLMCLI_MXFP4_KERNEL=frag timeout 180 python3 benchmarks/speed_gpu.py --models configs/gpt-oss-20b \
+        timeout 200 python3 benchmarks/release_gpu.py --model configs/gpt-oss-20b 2>&1 | tee "$OUT/frag_release.log" ;;
+    mxfp4-model) LLMCLI_MXFP4_KERNEL=frag timeout 180 python3 benchmarks/speed_gpu.py --models configs/gpt-oss-20b \
             --variants base --later-variants base --no-prefill-heavy --time-budget 120 2>&1 | tee "$OUT/frag_gpt_oss.log"
-        LLMCLI_MXFP4_KERNEL=frag timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py \
+        LLMCLI_MXFP4_KERNEL=frag timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_e2e.py \
             -k mxfp4 2>&1 | tee "$OUT/frag_e2e.log" | tail -5 ;;
     mxfp4-check) for tool in initcheck memcheck racecheck; do PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 \
             compute-sanitizer --tool $tool --kernel-name kns=_frag python3 benchmarks/moe_layer.py --tokens 256 \

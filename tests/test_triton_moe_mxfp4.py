@@ -423,7 +423,7 @@ def test_tiny_mxfp4_gpt_oss_under_the_interpreter_equals_transformers_on_its_twi
 
 @pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="on CUDA frag takes bfloat16 only: tests/test_gpu_e2e.py -k mxfp4 with "
-                                   "LLMCLI_MXFP4_KERNEL=frag (benchmarks/gpu_session.sh mxfp4-frag)")
+                                   "LLMCLI_MXFP4_KERNEL=frag (benchmarks/gpu_session.sh mxfp4-model)")
 def test_tiny_mxfp4_gpt_oss_through_frag_equals_transformers_on_its_twin(tiny_checkpoint, tmp_path, hf_oracle,
                                                                         run_factory, monkeypatch):
     """``LLMCLI_MXFP4_KERNEL=frag``: the engine converts the experts after loading and every step runs the frag
