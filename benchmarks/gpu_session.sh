@@ -34,8 +34,10 @@
 #           (at most 600 s by its timeouts: a fresh machine's first compilations take minutes)
 #   mxfp4-model gpt-oss-20b's default workload and the cut-down gpt-oss e2e through frag (LLMCLI_MXFP4_KERNEL=frag;
 #           at most 380 s)
-#   mxfp4-tiles tests/test_gpu_moe_mxfp4_speed.py: the A/B table (scaled, dequant, frag, bf16) and the tile candidates
-#           of scaled and frag up to 4,096 tokens (~1 min)
+#   mxfp4-tiles the MXFP4 kernels' sm_90 builds with this machine's Triton (3.6) read for register writes under MMAs
+#           still in flight (tests/sass_loops.py), then tests/test_gpu_moe_mxfp4_speed.py: the A/B table (scaled,
+#           dequant, frag, bf16) and the tile candidates of scaled and frag up to 4,096 tokens, frag's pick also
+#           unsettled and its once-refused tiles unchecked (at most 290 s)
 #   mxfp4-check one frag MoE layer (benchmarks/moe_layer.py) under compute-sanitizer (initcheck with torch's caching
 #           allocator off, so a read of memory no kernel wrote shows; memcheck; racecheck) at the refused 64 x 128 x 64
 #           tile, then ncu's speed-of-light, occupancy, memory and warp-stall sections on the picks at 128 and 256
@@ -142,7 +144,9 @@ for stage in "$@"; do
         for tokens in 128 256; do timeout 200 ncu --clock-control none -k regex:_frag --section SpeedOfLight \
             --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats python3 benchmarks/moe_layer.py \
             --tokens $tokens --reps 1 2>&1 | tee "$OUT/frag_ncu_$tokens.log" | grep -v "^==PROF==" | tail -120; done ;;
-    mxfp4-tiles) timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \
+    mxfp4-tiles) timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_fragments.py \
+            tests/test_triton_moe_mxfp4.py -k "k_loop or compile_for_sm90" 2>&1 | tee "$OUT/frag_sass.log" | tail -5
+        timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \
             | tee "$OUT/frag_speed.log" ;;
     cache-out) (cd "$TRITON_CACHE_DIR" && XZ_OPT="-T0 -6" tar --exclude='*.llir' --exclude='*.ttir' --exclude='*.ttgir' \
             --exclude='*.source' --exclude=.restored -cJf "$OUT/triton-cache.tar.xz" .) \

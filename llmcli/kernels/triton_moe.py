@@ -138,6 +138,21 @@ def _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, num_cols, BLOCK_M: tl.co
 
 
 @triton.jit
+def settled(acc, SETTLE: tl.constexpr):
+    """``acc`` read back through a register move, so that this K step's tensor-core MMAs finish before the next
+    step begins (SETTLE; a no-op otherwise, and on Triton's interpreter, which runs no PTX).
+
+    Where a dot's left operand sits in registers (the MXFP4 kernels' unpacked weights or loaded activations),
+    Triton 3.6 lets a step's warpgroup MMAs run on into the next step, waiting only for the oldest, and the next
+    step's instructions may then reuse registers those MMAs have not read yet: undefined behaviour by the PTX
+    manual (triton-lang/triton#9433), visible in the built SASS (tests/test_mxfp4_fragments.py checks it). Reading
+    the accumulator in the loop makes Triton wait for all of them first."""
+    if SETTLE:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+    return acc
+
+
+@triton.jit
 def gated_activation(gate, up, dtype, GELU: tl.constexpr, CLAMPED: tl.constexpr, alpha, limit):
     """The experts' activation of float32 gate/up accumulators (every fused MoE kernel's gate/up epilogue),
     rounded where the eager activation over a stored projection rounds: gate, up, then SiLU (GELU: its tanh form,

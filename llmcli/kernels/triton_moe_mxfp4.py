@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmcli.kernels.triton_moe import MoeTuning, _tile, gated_activation, grouped_launch
+from llmcli.kernels.triton_moe import MoeTuning, _tile, gated_activation, grouped_launch, settled
 
 KERNELS = ("scaled", "dequant", "frag")
 
@@ -142,7 +142,7 @@ def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, 
                           TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
                           FORMAT: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False,
-                          CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0):
+                          CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0, SETTLE: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
@@ -171,8 +171,8 @@ def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, 
         up_next = _load_scales(up_s, left - BLOCK_K, col_ok, BLOCK_K)
         gate = _product(a, _load_codes(gate_q, left, col_ok, SCALED, BLOCK_K), gate_sc, gate, SCALED, FORMAT,
                         PRECISION, BLOCK_N, BLOCK_K)
-        up = _product(a, _load_codes(up_q, left, col_ok, SCALED, BLOCK_K), up_sc, up, SCALED, FORMAT, PRECISION,
-                      BLOCK_N, BLOCK_K)
+        up = settled(_product(a, _load_codes(up_q, left, col_ok, SCALED, BLOCK_K), up_sc, up, SCALED, FORMAT,
+                              PRECISION, BLOCK_N, BLOCK_K), SETTLE)
         x_tile += BLOCK_K
         gate_q += BLOCK_K // 2
         up_q += BLOCK_K // 2
@@ -190,7 +190,7 @@ def _mxfp4_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, exp
                        hidden, inter, stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        PRECISION: tl.constexpr, SCALED: tl.constexpr, FORMAT: tl.constexpr, b_ptr=None,
-                       BIAS: tl.constexpr = False):
+                       BIAS: tl.constexpr = False, SETTLE: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
@@ -210,8 +210,8 @@ def _mxfp4_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, exp
         w_sc = w_next
         w_s += BLOCK_K // 32
         w_next = _load_scales(w_s, left - BLOCK_K, col_ok, BLOCK_K)
-        acc = _product(a, _load_codes(w_q, left, col_ok, SCALED, BLOCK_K), w_sc, acc, SCALED, FORMAT, PRECISION,
-                       BLOCK_N, BLOCK_K)
+        acc = settled(_product(a, _load_codes(w_q, left, col_ok, SCALED, BLOCK_K), w_sc, acc, SCALED, FORMAT,
+                               PRECISION, BLOCK_N, BLOCK_K), SETTLE)
         a_tile += BLOCK_K
         w_q += BLOCK_K // 2
     if BIAS:
@@ -255,7 +255,8 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w
     tuning = tuning or mxfp4_tuning(num_pairs, num_experts, kernel)
     x, w13_q, w13_s, w2_q, w2_s = (t.contiguous() for t in (x, w13_q, w13_s, w2_q, w2_s))
     pairs, experts, total, tiles_m, act, launch = grouped_launch(x, topk_ids, num_experts, inter, tuning)
-    launch.update(SCALED=kernel == "scaled", FORMAT="fp16" if x.dtype == torch.float16 else "bf16")
+    launch.update(SCALED=kernel == "scaled", FORMAT="fp16" if x.dtype == torch.float16 else "bf16",
+                  SETTLE=x.is_cuda and kernel == "scaled")  # dequant feeds its MMAs from shared memory
     _mxfp4_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13_q, w13_s, act, pairs, experts, total, num_pairs, inter, hidden,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_s.stride(0), w13_s.stride(1), act.stride(0), TOP_K=top_k,

@@ -12,7 +12,9 @@ The conversion is inline PTX (``mul.bf16x2``: sm_90); Triton's interpreter, whic
 run it, so ``EMULATE`` computes the same bits with integer operations into float32 (activations of float32 or
 float16 there: the interpreter's bfloat16 dot is wrong). On a GPU the kernel takes bfloat16 activations only.
 
-The routing and the tile walk are ``triton_moe.py``'s; the epilogues round where its kernels round.
+The routing and the tile walk are ``triton_moe.py``'s; the epilogues round where its kernels round. Each K step
+ends with its MMAs settled (``triton_moe.settled``): Triton 3.6 would otherwise let the next step's unpacking
+overwrite the registers of MMAs still in flight.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from llmcli.kernels.mxfp4_fragments import CODE_BYTES, SCALE_BYTES, SUB, Mxfp4Fragments
-from llmcli.kernels.triton_moe import MoeTuning, _tile, gated_activation, grouped_launch
+from llmcli.kernels.triton_moe import MoeTuning, _tile, gated_activation, grouped_launch, settled
 
 _CODE, _SCALE, _SUB = tl.constexpr(CODE_BYTES), tl.constexpr(SCALE_BYTES), tl.constexpr(SUB)
 
@@ -152,21 +154,22 @@ def _activations(tile, k0, k, row_ok, BLOCK_K: tl.constexpr, MASK_K: tl.constexp
 @triton.jit
 def _gate_up_step(x_tile, k0, hidden, row_ok, gate_q, gate_s, up_q, up_s, tiles_k, tile_ok, gate, up,
                   DTYPE: tl.constexpr, WG: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr,
-                  EMULATE: tl.constexpr, MASK_K: tl.constexpr):
+                  EMULATE: tl.constexpr, MASK_K: tl.constexpr, SETTLE: tl.constexpr):
     xt = _activations(x_tile, k0, hidden, row_ok, BLOCK_K, MASK_K)
     kb = k0 // _SUB
     gate = tl.dot(_weights(gate_q, gate_s, kb, tiles_k, tile_ok, DTYPE, WG, BLOCK_K, WIDE, EMULATE, MASK_K), xt,
                   gate)
     up = tl.dot(_weights(up_q, up_s, kb, tiles_k, tile_ok, DTYPE, WG, BLOCK_K, WIDE, EMULATE, MASK_K), xt, up)
-    return gate, up
+    return gate, settled(up, SETTLE)
 
 
 @triton.jit
 def _down_step(a_tile, k0, inter, row_ok, w_q, w_s, tiles_k, tile_ok, acc, DTYPE: tl.constexpr, WG: tl.constexpr,
-               BLOCK_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr, MASK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr, MASK_K: tl.constexpr,
+               SETTLE: tl.constexpr):
     at = _activations(a_tile, k0, inter, row_ok, BLOCK_K, MASK_K)
-    return tl.dot(_weights(w_q, w_s, k0 // _SUB, tiles_k, tile_ok, DTYPE, WG, BLOCK_K, WIDE, EMULATE, MASK_K), at,
-                  acc)
+    return settled(tl.dot(_weights(w_q, w_s, k0 // _SUB, tiles_k, tile_ok, DTYPE, WG, BLOCK_K, WIDE, EMULATE,
+                                    MASK_K), at, acc), SETTLE)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -174,7 +177,8 @@ def _frag_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, t
                          tiles_n, tiles_k, stride_xm, stride_qe, stride_se, stride_om,
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, WG: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr, b_ptr=None,
-                         BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0):
+                         BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False, alpha=1.0, limit=0.0,
+                         SETTLE: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, inter,
                                                       BLOCK_M, 64 * WG, GROUP_M)
     if not live:
@@ -193,10 +197,10 @@ def _frag_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, t
     whole = hidden - hidden % BLOCK_K  # steps inside K, then one reaching past it
     for k0 in range(0, whole, BLOCK_K):
         gate, up = _gate_up_step(x_tile, k0, hidden, row_ok, gate_q, gate_s, up_q, up_s, tiles_k, tile_ok, gate, up,
-                                 dtype, WG, BLOCK_K, WIDE, EMULATE, False)
+                                 dtype, WG, BLOCK_K, WIDE, EMULATE, False, SETTLE)
     if whole < hidden:
         gate, up = _gate_up_step(x_tile, whole, hidden, row_ok, gate_q, gate_s, up_q, up_s, tiles_k, tile_ok, gate,
-                                 up, dtype, WG, BLOCK_K, WIDE, EMULATE, True)
+                                 up, dtype, WG, BLOCK_K, WIDE, EMULATE, True, SETTLE)
     e = expert.to(tl.int64)
     if BIAS:
         gate += tl.load(b_ptr + e * 2 * inter + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -210,7 +214,8 @@ def _frag_gate_up_kernel(x_ptr, q_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, t
 def _frag_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs,
                       hidden, inter, tiles_n, tiles_k, stride_am, stride_qe, stride_se, stride_om,
                       BLOCK_M: tl.constexpr, WG: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      WIDE: tl.constexpr, EMULATE: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False):
+                      WIDE: tl.constexpr, EMULATE: tl.constexpr, b_ptr=None, BIAS: tl.constexpr = False,
+                      SETTLE: tl.constexpr = False):
     live, expert, pairs, row_ok, cols, col_ok = _tile(pairs_ptr, experts_ptr, total_ptr, num_pairs, hidden,
                                                       BLOCK_M, 64 * WG, GROUP_M)
     if not live:
@@ -225,10 +230,10 @@ def _frag_down_kernel(a_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, pairs_ptr, expe
     whole = inter - inter % BLOCK_K
     for k0 in range(0, whole, BLOCK_K):
         acc = _down_step(a_tile, k0, inter, row_ok, w_q, w_s, tiles_k, tile_ok, acc, dtype, WG, BLOCK_K, WIDE,
-                         EMULATE, False)
+                         EMULATE, False, SETTLE)
     if whole < inter:
         acc = _down_step(a_tile, whole, inter, row_ok, w_q, w_s, tiles_k, tile_ok, acc, dtype, WG, BLOCK_K, WIDE,
-                         EMULATE, True)
+                         EMULATE, True, SETTLE)
     if BIAS:
         acc += tl.load(b_ptr + expert.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
@@ -264,22 +269,25 @@ def check_frag_tuning(tuning: MoeTuning) -> None:
             or tuning.block_m < 16:
         raise ValueError(f"frag tiles {tuning}: block_n 64, 128 or 256 (4 warps each 64), block_k 64, 128 or 256, "
                          "block_m a power of two from 16")
+    # The next two were measured wrong on an H200 before each K step's MMAs were settled (triton_moe.settled):
+    # 128 x 128 x 64 (relative error 0.014 at 1,024 tokens) and 64 x 128 x 64 (0.0016-0.0023 at 256 and 1,024
+    # tokens, inf at 4,096, where every other tile gave under 0.0002). Their builds had MMA operand registers
+    # overwritten in flight, like every tile's then; refused until the GPU shows them right settled
+    # (tests/test_gpu_moe_mxfp4_speed.py runs them unchecked).
     if tuning.block_n > 64 and tuning.block_m > 64:
-        # measured wrong on an H200 (128 x 128 x 64: relative error 0.014 against scaled's 1e-2 bound at 1,024
-        # tokens, where 64 x 128 x 64 and 128 x 64 x 64 agree), with the weights' layout the same in all three
         raise ValueError(f"frag tiles {tuning}: two warpgroups or more take at most 64 tokens (block_m)")
     if (tuning.block_m, tuning.block_n, tuning.block_k) == (64, 128, 64):
-        # measured wrong on an H200 too (errors 0.0016-0.0023 at 256 and 1,024 tokens where every other tile gives
-        # under 0.0001, inf at 4,096; on 3 and 4 stages), while 64 x 128 x 128 and 64 x 256 x 64 are right: not
-        # understood, so not run
-        raise ValueError(f"frag tiles {tuning}: 64 x 128 x 64 gives wrong sums on Hopper (take 64 x 256 x 64)")
+        raise ValueError(f"frag tiles {tuning}: 64 x 128 x 64 gave wrong sums on Hopper (take 64 x 256 x 64)")
 
 
 def fused_moe_mxfp4_frag(x: torch.Tensor, w13: Mxfp4Fragments, w2: Mxfp4Fragments, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, tuning: MoeTuning | None = None, b13: torch.Tensor | None = None,
-                         b2: torch.Tensor | None = None, clamp: tuple[float, float] | None = None) -> torch.Tensor:
+                         b2: torch.Tensor | None = None, clamp: tuple[float, float] | None = None,
+                         settle: bool = True) -> torch.Tensor:
     """[T, H] -> [T, H], as ``triton_moe_mxfp4.fused_moe_mxfp4`` with its experts in the ``frag`` layout:
-    ``w13`` gate rows then up rows (two parts), ``w2`` the down projection."""
+    ``w13`` gate rows then up rows (two parts), ``w2`` the down projection. ``settle=False`` lets a step's MMAs
+    run on into the next step as Triton pipelines them (``triton_moe.settled`` says why that is wrong): for
+    measuring what settling costs only."""
     num_tokens, hidden = x.shape
     inter = w13.rows
     if w13.parts != 2 or w13.cols != hidden or w2.parts != 1 or (w2.rows, w2.cols) != (hidden, inter):
@@ -296,7 +304,8 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, w13: Mxfp4Fragments, w2: Mxfp4Fragment
     pairs, experts, total, tiles_m, act, launch = grouped_launch(x, topk_ids, w13.num_experts, inter, tuning)
     wg = tuning.block_n // 64
     common = dict(BLOCK_M=tuning.block_m, WG=wg, BLOCK_K=tuning.block_k, GROUP_M=tuning.group_m,
-                  num_warps=tuning.num_warps, num_stages=tuning.num_stages, EMULATE=emulate)
+                  num_warps=tuning.num_warps, num_stages=tuning.num_stages, EMULATE=emulate,
+                  SETTLE=settle and not emulate)
     _frag_gate_up_kernel[(tiles_m * triton.cdiv(inter, tuning.block_n),)](
         x, w13.codes, w13.scales, act, pairs, experts, total, num_pairs, inter, hidden, w13.tiles_n, w13.tiles_k,
         x.stride(0), w13.codes.stride(0), w13.scales.stride(0), act.stride(0), TOP_K=top_k, WIDE=w13.wide,
