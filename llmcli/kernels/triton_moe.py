@@ -145,7 +145,7 @@ def settled(acc, SETTLE: tl.constexpr):
     Where a dot's left operand sits in registers (the MXFP4 kernels' unpacked weights or loaded activations),
     Triton 3.6 lets a step's warpgroup MMAs run on into the next step, waiting only for the oldest, and the next
     step's instructions may then reuse registers those MMAs have not read yet: undefined behaviour by the PTX
-    manual (triton-lang/triton#9433), visible in the built SASS (tests/test_mxfp4_fragments.py checks it). Reading
+    manual (triton-lang/triton#9433), visible in the built SASS (tests/sass_loops.py finds it). Reading
     the accumulator in the loop makes Triton wait for all of them first."""
     if SETTLE:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
