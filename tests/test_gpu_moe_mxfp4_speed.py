@@ -98,10 +98,13 @@ def test_scaled_tile_candidates_agree_and_are_timed():
 
 
 # deeper pipelines too: at decode batches frag streams ~2 TB/s of weights against a ~4.2 TB/s copy rate, so more
-# bytes in flight a program may pay (16 x 128 x 64 holds ~10.5 KB a stage, 64 x 256 x 64 ~33 KB)
+# bytes in flight a program may pay (16 x 128 x 64 holds ~10.5 KB a stage, 64 x 256 x 64 ~33 KB); and deeper K
+# steps, which issue fewer instructions a weight (settled, offline sm_90 SASS: gate/up 3.75 at 16 x 128 x 64, 3.16
+# at 16 x 128 x 128, 2.88 at 16 x 64 x 256; down 4.6, 3.75, 3.1): issue, not bytes, may bound frag at decode
 FRAG_CANDIDATES = [MoeTuning(16, 64, 256), MoeTuning(16, 64, 128), MoeTuning(16, 128, 64, num_warps=8),
                    MoeTuning(16, 128, 64, num_warps=8, num_stages=4), MoeTuning(16, 128, 64, num_warps=8, num_stages=6),
-                   MoeTuning(16, 128, 128, num_warps=8, num_stages=4), MoeTuning(32, 64, 256),
+                   MoeTuning(16, 128, 128, num_warps=8, num_stages=4), MoeTuning(16, 128, 128, num_warps=8),
+                   MoeTuning(16, 256, 64, num_warps=16), MoeTuning(16, 256, 128, num_warps=16), MoeTuning(32, 64, 256),
                    MoeTuning(32, 128, 64, num_warps=8), MoeTuning(32, 128, 64, num_warps=8, num_stages=5),
                    MoeTuning(64, 64, 128), MoeTuning(64, 128, 128, num_warps=8), MoeTuning(128, 64, 64),
                    MoeTuning(128, 64, 64, num_stages=5), MoeTuning(32, 256, 64, num_warps=16),
