@@ -11,6 +11,7 @@ where it was before the engine (``benchmarks/release_gpu.py`` prints what holds 
 from __future__ import annotations
 
 import gc
+import types
 
 import pytest
 import torch
@@ -34,17 +35,32 @@ def storages(tensors) -> dict[int, int]:
     return out
 
 
+def holders(obj, found: list) -> list[str]:
+    """Who refers to ``obj``: ``Owner.attribute`` where an object's attribute dict holds it, else the type."""
+    out = []
+    for ref in gc.get_referrers(obj):
+        if ref is found or isinstance(ref, (types.CellType, types.FrameType)):  # this test's own
+            continue
+        if isinstance(ref, dict):
+            keys = [k for k, v in ref.items() if v is obj][:1]
+            owners = [type(o).__name__ for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+            out.append(f"{(owners or ['dict'])[0]}.{keys[0] if keys else '?'}")
+        else:
+            out.append(type(ref).__name__)
+    return out[:4]
+
+
 def survivors(watched: dict[int, int]) -> list[str]:
-    """Live tensors (after a collection) on one of the ``watched`` storages, described."""
+    """Live tensors (after a collection) on one of the ``watched`` storages, described with their holders."""
     gc.collect()
-    found = []
+    found: list[torch.Tensor] = []
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and not obj.is_meta:
             s = obj.untyped_storage()
             if watched.get(s.data_ptr()) == s.nbytes() and s.nbytes():
-                holders = [type(r).__name__ for r in gc.get_referrers(obj)][:4]
-                found.append(f"{tuple(obj.shape)} {obj.dtype} on {s.nbytes()} bytes, held by {holders}")
-    return found
+                found.append(obj)
+    return [f"{tuple(t.shape)} {t.dtype} on {t.untyped_storage().nbytes()} bytes, held by {holders(t, found)}"
+            for t in found]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -79,8 +95,8 @@ def test_shutdown_frees_the_kv_pool_and_weights_while_referenced(tmp_path_factor
     weights = storages(runner.model.parameters())
     assert pool and weights
     llm.shutdown()
-    assert survivors(pool) == [], "the KV pool outlives shutdown"
-    assert survivors(weights) == [], "weights outlive shutdown"
+    assert not (left := survivors(pool)), f"the KV pool outlives shutdown: {left}"
+    assert not (left := survivors(weights)), f"weights outlive shutdown: {left}"
     if device == "cuda":
         # the pool is tens of GiB here; a few dozen MiB may stay in library workspaces (cuBLAS's, per stream)
         left = torch.cuda.memory_allocated() - before
