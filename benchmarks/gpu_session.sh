@@ -40,8 +40,8 @@
 #           unsettled and its once-refused tiles unchecked (at most 290 s)
 #   mxfp4-check one frag MoE layer (benchmarks/moe_layer.py) under compute-sanitizer (initcheck with torch's caching
 #           allocator off, so a read of memory no kernel wrote shows; memcheck; racecheck) at the refused 64 x 128 x 64
-#           tile, then ncu's speed-of-light, occupancy, memory and warp-stall sections on the picks at 128 and 256
-#           tokens (Firecracker machines read the counters; ~5 min, estimated)
+#           tile, then ncu's speed-of-light, occupancy, memory, warp-stall and instruction sections on the picks at 128
+#           and 256 tokens and, unsettled, at 128 (Firecracker machines read the counters; ~5 min, estimated)
 #   cache-out  last in a call: Triton's compiled kernels (cubins, PTX, launchers; the intermediate IRs left out)
 #           into $OUT/triton-cache.tar.xz, and every *.log of $OUT into $OUT/logs.tar.gz (a call brings back at
 #           most 8 files). Put the tarball in .triton-cache/ here and carry that folder with the next calls: a fresh
@@ -141,9 +141,10 @@ for stage in "$@"; do
     mxfp4-check) for tool in initcheck memcheck racecheck; do PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 \
             compute-sanitizer --tool $tool --kernel-name kns=_frag python3 benchmarks/moe_layer.py --tokens 256 \
             --tile 64x128x64x8x3 --unchecked --reps 1 2>&1 | tail -25 | tee "$OUT/frag_$tool.log"; done
-        for tokens in 128 256; do timeout 200 ncu --clock-control none -k regex:_frag --section SpeedOfLight \
-            --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats python3 benchmarks/moe_layer.py \
-            --tokens $tokens --reps 1 2>&1 | tee "$OUT/frag_ncu_$tokens.log" | grep -v "^==PROF==" | tail -120; done ;;
+        for run in 128 256 128-unsettled; do timeout 150 ncu --clock-control none -k regex:_frag --section SpeedOfLight \
+            --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats \
+            python3 benchmarks/moe_layer.py --tokens ${run%%-*} $([ "${run#*-}" = unsettled ] && echo --unsettled) \
+            --reps 1 2>&1 | tee "$OUT/frag_ncu_$run.log" | grep -v "^==PROF==" | tail -120; done ;;
     mxfp4-tiles) timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_mxfp4_fragments.py \
             tests/test_triton_moe_mxfp4.py -k "k_loop or compile_for_sm90" 2>&1 | tee "$OUT/frag_sass.log" | tail -5
         timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_moe_mxfp4_speed.py 2>&1 \

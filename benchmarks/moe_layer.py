@@ -9,7 +9,8 @@ pytest run would put thousands of other kernels in the report. Prints the relati
     ncu --clock-control none -k regex:_frag --section SpeedOfLight python benchmarks/moe_layer.py --tokens 128
 
 ``--tile`` is block_m x block_n x block_k x warps x stages; ``--unchecked`` runs a frag tile that
-``check_frag_tuning`` refuses (to find out why it is wrong).
+``check_frag_tuning`` refuses (to find out why it is wrong); ``--unsettled`` lets frag's MMAs run on into the next
+K step as Triton 3.6 pipelines them (``triton_moe.settled``: wrong by the PTX manual; for A/Bs only).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", default="frag", choices=["scaled", "dequant", "frag"])
     p.add_argument("--tile", type=tile, default=None, help="block_m x block_n x block_k x warps x stages")
     p.add_argument("--unchecked", action="store_true", help="run a frag tile check_frag_tuning refuses")
+    p.add_argument("--unsettled", action="store_true", help="frag without settling each K step's MMAs (A/Bs)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         f13, f2 = to_fragments(*w13, parts=2), to_fragments(*w2)
         if args.unchecked:
             frag.check_frag_tuning = lambda tuning: None
-        run = lambda: frag.fused_moe_mxfp4_frag(x, f13, f2, weights, ids, args.tile)  # noqa: E731
+        run = lambda: frag.fused_moe_mxfp4_frag(x, f13, f2, weights, ids, args.tile,  # noqa: E731
+                                                settle=not args.unsettled)
     else:
         run = lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, args.tile, kernel=args.kernel)  # noqa: E731
     for _ in range(args.reps):
